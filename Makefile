@@ -1,0 +1,32 @@
+# One venv at the repo root holds everything: the package (editable), test tools, console scripts.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ucm-dev-stamp
+
+.PHONY: dev test lint fmt clean
+
+dev: $(STAMP)
+
+# Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
+$(STAMP): pyproject.toml Makefile
+	@./scripts/system-deps.sh
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+test: dev
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: dev
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,3 @@
+"""UCM: Unified Cache Management for LLM serving."""
+
+__version__ = "0.1.0"

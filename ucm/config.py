@@ -1,0 +1,42 @@
+"""Typed configuration with errors that name the field and what it accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range. The message names the field."""
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown fields are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_config(model: type[M], data: Mapping[str, Any] | None, where: str) -> M:
+    """Validate ``data`` as ``model``; on failure raise ConfigError with ``where.field: reason`` lines."""
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of options, got {type(data).__name__}")
+    try:
+        return model.model_validate(dict(data or {}))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, where)) from None
+
+
+def format_validation_error(exc: ValidationError, where: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in (where, *err["loc"]) if p != "")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{path}: {msg}")
+    return "; ".join(lines)

@@ -1,0 +1,71 @@
+"""Prometheus metrics of the library (``ucm_`` prefix, base units).
+
+Defined once here so every process exposes the same names; the connector and the CLI serve
+them through ``prometheus_client``'s default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+# Store I/O spans memory copies (microseconds) to network filesystems (seconds).
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+STORE_BLOCKS = Counter(
+    "ucm_store_blocks_total",
+    "Blocks loaded or dumped, by outcome",
+    ["backend", "op", "result"],
+)
+STORE_BYTES = Counter(
+    "ucm_store_bytes_total",
+    "Payload bytes successfully loaded or dumped",
+    ["backend", "op"],
+)
+STORE_LOOKUP_BLOCKS = Counter(
+    "ucm_store_lookup_blocks_total",
+    "Block ids looked up",
+    ["backend"],
+)
+STORE_LOOKUP_HITS = Counter(
+    "ucm_store_lookup_hits_total",
+    "Block ids found by lookups",
+    ["backend"],
+)
+STORE_CORRUPT_BLOCKS = Counter(
+    "ucm_store_corrupt_blocks_total",
+    "Stored blocks that failed their integrity check and were treated as misses",
+    ["backend"],
+)
+STORE_EVICTED_BLOCKS = Counter(
+    "ucm_store_evicted_blocks_total",
+    "Blocks removed to keep the store under its capacity",
+    ["backend"],
+)
+STORE_EVICTED_BYTES = Counter(
+    "ucm_store_evicted_bytes_total",
+    "Bytes removed to keep the store under its capacity",
+    ["backend"],
+)
+STORE_OP_SECONDS = Histogram(
+    "ucm_store_operation_seconds",
+    "Latency of one batched store operation, from submission to completion",
+    ["backend", "op"],
+    buckets=_LATENCY_BUCKETS,
+)

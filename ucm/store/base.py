@@ -1,0 +1,272 @@
+"""The store protocol every backend implements.
+
+A store maps block ids (bytes) to opaque payloads of fixed size. All operations are batched.
+``dump`` and ``load`` return a :class:`Task` right away; the I/O runs in the background and the
+task reports success per block. A failed block is never an exception on the serving path: the
+caller sees ``False`` for it and recomputes.
+
+Backends implement the underscored hooks (``_lookup``, ``_dump``, ``_load``); the public methods
+here validate arguments and record metrics once for all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ucm import metrics
+
+logger = logging.getLogger(__name__)
+
+# Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy arrays, ...
+Buffer = Any
+
+
+class Task:
+    """Completion handle for a batch of per-block operations.
+
+    Parts of a batch may finish on different threads (or in different tiers); each reports its
+    blocks with :meth:`_set`, and the task completes when every block has a result.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._ok = [False] * num_blocks
+        self._remaining = num_blocks
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._callbacks: list[Callable[[Task], None]] = []
+        if num_blocks == 0:
+            self._done.set()
+
+    @classmethod
+    def completed(cls, ok: Sequence[bool]) -> Task:
+        task = cls(len(ok))
+        task._set(range(len(ok)), ok)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._ok)
+
+    def _set(self, indices: Sequence[int], ok: Sequence[bool]) -> None:
+        with self._lock:
+            for i, good in zip(indices, ok, strict=True):
+                self._ok[i] = bool(good)
+            self._remaining -= len(indices)
+            finished = self._remaining == 0
+            callbacks = self._callbacks if finished else []
+        if finished:
+            self._done.set()
+            for cb in callbacks:
+                _run_callback(cb, self)
+
+    def add_done_callback(self, fn: Callable[[Task], None]) -> None:
+        """Call ``fn(task)`` once the task is complete (at once if it already is)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> list[bool]:
+        """Per-block success, in the order the ids were given. Raises TimeoutError on timeout."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"store task of {len(self._ok)} blocks not done after {timeout} s")
+        return list(self._ok)
+
+
+def _run_callback(fn: Callable[[Task], None], task: Task) -> None:
+    try:
+        fn(task)
+    except Exception:
+        logger.exception("store task callback failed")
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One stored block, as the admin tools see it."""
+
+    block_id: bytes
+    size: int
+    mtime: float
+
+
+class StoreError(RuntimeError):
+    """A store cannot be created or cannot do what was asked (never raised for per-block I/O)."""
+
+
+class Store(ABC):
+    """Batch KV block store. Block ids are bytes; payloads are opaque, fixed-size per layout."""
+
+    #: Registry name, also the ``backend`` label of this store's metrics.
+    backend: str = "store"
+
+    def lookup(self, ids: Sequence[bytes]) -> list[bool]:
+        if not ids:
+            return []
+        start = time.perf_counter()
+        found = self._lookup(ids)
+        metrics.STORE_LOOKUP_BLOCKS.labels(self.backend).inc(len(ids))
+        metrics.STORE_LOOKUP_HITS.labels(self.backend).inc(sum(found))
+        metrics.STORE_OP_SECONDS.labels(self.backend, "lookup").observe(time.perf_counter() - start)
+        return found
+
+    def lookup_prefix(self, ids: Sequence[bytes]) -> int:
+        """Number of leading ids that are all present."""
+        for n, present in enumerate(self.lookup(ids)):
+            if not present:
+                return n
+        return len(ids)
+
+    def dump(self, ids: Sequence[bytes], payloads: Sequence[Buffer]) -> Task:
+        """Store ``payloads`` (any C-contiguous buffers); they must stay unchanged until the task ends."""
+        views = _byte_views("payloads", ids, payloads, writable=False)
+        task = self._dump(ids, views)
+        self._instrument(task, "dump", views)
+        return task
+
+    def load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task:
+        """Fill the caller's writable ``buffers``; a block is loaded only if its size matches.
+
+        A block reported as failed may have left its buffer partly written."""
+        views = _byte_views("buffers", ids, buffers, writable=True)
+        task = self._load(ids, views)
+        self._instrument(task, "load", views)
+        return task
+
+    def wait(self, task: Task, timeout: float | None = None) -> list[bool]:
+        return task.wait(timeout)
+
+    def check(self, task: Task) -> bool:
+        """True when ``task`` has finished (successfully or not, see :meth:`wait`)."""
+        return task.done()
+
+    def register_buffer(self, buffer: Buffer) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Hint that ``buffer`` will be used for many loads/dumps (lets RDMA-style stores pin it)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release resources; pending tasks finish first."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Admin surface (the `ucm store` CLI). Backends that cannot list their blocks say so.
+    def scan(self) -> Iterator[BlockInfo]:
+        raise StoreError(f"{self.backend}: this store cannot list its blocks")
+
+    def verify(self, repair: bool = False) -> list[bytes]:
+        """Check every block; return ids of corrupt ones (deleted when ``repair``)."""
+        raise StoreError(f"{self.backend}: this store cannot verify its blocks")
+
+    def gc(self, target_bytes: int) -> tuple[int, int]:
+        """Evict least-recently-used blocks until at most ``target_bytes`` remain.
+
+        Returns (blocks evicted, bytes evicted)."""
+        raise StoreError(f"{self.backend}: this store does not support garbage collection")
+
+    @abstractmethod
+    def _lookup(self, ids: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Buffer]) -> Task: ...
+
+    @abstractmethod
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task: ...
+
+    def _instrument(self, task: Task, op: str, views: Sequence[memoryview]) -> None:
+        start = time.perf_counter()
+        sizes = [v.nbytes for v in views]
+        backend = self.backend
+
+        def record(t: Task) -> None:
+            ok = t.wait(0)
+            n_ok = sum(ok)
+            metrics.STORE_OP_SECONDS.labels(backend, op).observe(time.perf_counter() - start)
+            metrics.STORE_BLOCKS.labels(backend, op, "ok").inc(n_ok)
+            metrics.STORE_BLOCKS.labels(backend, op, "failed").inc(len(ok) - n_ok)
+            metrics.STORE_BYTES.labels(backend, op).inc(sum(s for s, good in zip(sizes, ok, strict=True) if good))
+
+        task.add_done_callback(record)
+
+
+def _byte_views(name: str, ids: Sequence[bytes], buffers: Sequence[Buffer], writable: bool) -> list[memoryview]:
+    """Flat unsigned-byte views of the caller's buffers (no copies), checked once at the API edge."""
+    if len(ids) != len(buffers):
+        raise ValueError(f"{name}: got {len(buffers)} for {len(ids)} block ids; they must pair up")
+    for block_id in ids:
+        if not isinstance(block_id, bytes) or not block_id:
+            raise TypeError(f"ids: block ids must be non-empty bytes, got {type(block_id).__name__}")
+    views = []
+    for i, buf in enumerate(buffers):
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            raise ValueError(f"{name}[{i}]: buffer must be C-contiguous")
+        if writable and view.readonly:
+            raise ValueError(f"{name}[{i}]: load buffers must be writable")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return views
+
+
+class PerBlockStore(Store):
+    """A store whose I/O is one blocking call per block, run on a thread pool.
+
+    A batch is cut into one contiguous chunk per thread (not one future per block), which keeps
+    Python's per-task overhead off small blocks.
+    """
+
+    def __init__(self, io_threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"ucm-{self.backend}")
+        self._io_threads = io_threads
+
+    @abstractmethod
+    def _dump_block(self, block_id: bytes, payload: Buffer) -> bool: ...
+
+    @abstractmethod
+    def _load_block(self, block_id: bytes, buffer: Buffer) -> bool: ...
+
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Buffer]) -> Task:
+        return self._run(self._dump_block, ids, payloads)
+
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task:
+        return self._run(self._load_block, ids, buffers)
+
+    def _run(self, fn: Callable[[bytes, Buffer], bool], ids: Sequence[bytes], bufs: Sequence[Buffer]) -> Task:
+        task = Task(len(ids))
+        n = len(ids)
+        chunks = min(n, self._io_threads)
+        for c in range(chunks):
+            lo, hi = n * c // chunks, n * (c + 1) // chunks
+            self._pool.submit(self._run_chunk, task, fn, range(lo, hi), ids, bufs)
+        return task
+
+    def _run_chunk(
+        self,
+        task: Task,
+        fn: Callable[[bytes, Buffer], bool],
+        indices: range,
+        ids: Sequence[bytes],
+        bufs: Sequence[Buffer],
+    ) -> None:
+        ok = []
+        for i in indices:
+            try:
+                ok.append(fn(ids[i], bufs[i]))
+            except Exception:
+                # A backend bug must not hang the caller or reach the serving path: fail the block.
+                logger.exception("%s: unexpected error on block %s", self.backend, ids[i].hex())
+                ok.append(False)
+        task._set(indices, ok)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,158 @@
+"""A DRAM tier (LRU, byte capacity) in front of another store.
+
+Loads are served from memory when they can and read through to the backend otherwise, filling the
+tier. Dumps go to both: ``through`` completes when the backend has the block; ``back`` completes
+once the block is in memory and writes to the backend in the background, with at most
+``write_back_max_pending`` bytes in flight (dumps wait beyond that, so memory stays bounded).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import ByteSize, Field
+
+from ucm.config import StrictModel
+from ucm.store.base import Store, Task
+
+logger = logging.getLogger(__name__)
+
+
+class CacheConfig(StrictModel):
+    capacity: ByteSize = Field(gt=0, description="Bytes of payload kept in memory")
+    write_mode: Literal["through", "back"] = Field("through", description="When a dump counts as done")
+    write_back_max_pending: ByteSize = Field(
+        ByteSize(256 << 20), gt=0, description="write_mode=back: most bytes not yet in the backend"
+    )
+
+
+class CacheStore(Store):
+    backend = "cache"
+
+    def __init__(self, config: CacheConfig, backend_store: Store) -> None:
+        self.config = config
+        self.next = backend_store
+        self._capacity = int(config.capacity)
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._pending_tasks: set[Task] = set()
+        self._pending_cv = threading.Condition()
+
+    # -- memory tier ---------------------------------------------------------------------------
+    def _get(self, block_id: bytes) -> bytes | None:
+        with self._lock:
+            data = self._blocks.get(block_id)
+            if data is not None:
+                self._blocks.move_to_end(block_id)
+            return data
+
+    def _put(self, block_id: bytes, data: bytes) -> None:
+        size = len(data)
+        if size > self._capacity:
+            return
+        with self._lock:
+            old = self._blocks.pop(block_id, None)
+            if old is not None:
+                self._used -= len(old)
+            while self._used + size > self._capacity:
+                _, evicted = self._blocks.popitem(last=False)
+                self._used -= len(evicted)
+            self._blocks[block_id] = data
+            self._used += size
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    # -- protocol ----------------------------------------------------------------------------
+    def _lookup(self, ids: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            found = [i in self._blocks for i in ids]
+        missing = [k for k, hit in enumerate(found) if not hit]
+        if missing:
+            for k, hit in zip(missing, self.next.lookup([ids[k] for k in missing]), strict=True):
+                found[k] = hit
+        return found
+
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[memoryview]) -> Task:
+        task = Task(len(ids))
+        hits, misses = [], []
+        for k, (block_id, buf) in enumerate(zip(ids, buffers, strict=True)):
+            data = self._get(block_id)
+            if data is not None and len(data) == buf.nbytes:
+                buf[:] = data
+                hits.append(k)
+            else:
+                misses.append(k)
+        if misses:
+            inner = self.next.load([ids[k] for k in misses], [buffers[k] for k in misses])
+
+            def fill(t: Task) -> None:
+                ok = t.wait(0)
+                for k, good in zip(misses, ok, strict=True):
+                    if good:
+                        self._put(ids[k], bytes(buffers[k]))
+                task._set(misses, ok)
+
+            inner.add_done_callback(fill)
+        task._set(hits, [True] * len(hits))
+        return task
+
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
+        for block_id, payload in zip(ids, payloads, strict=True):
+            self._put(block_id, bytes(payload))
+        if self.config.write_mode == "through":
+            return self.next.dump(ids, payloads)
+        return self._write_back(ids, payloads)
+
+    def _write_back(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
+        # The backend writes from private copies: the caller may reuse its buffers at once.
+        copies = [bytes(p) for p in payloads]
+        nbytes = sum(len(c) for c in copies)
+        with self._pending_cv:
+            self._pending_cv.wait_for(
+                lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.config.write_back_max_pending
+            )
+            self._pending_bytes += nbytes
+        inner = self.next.dump(list(ids), copies)
+        with self._pending_cv:
+            self._pending_tasks.add(inner)
+
+        def settle(t: Task) -> None:
+            failed = len(t) - sum(t.wait(0))
+            if failed:
+                logger.warning("cache: write-back of %d of %d blocks to %s failed", failed, len(t), self.next.backend)
+            with self._pending_cv:
+                self._pending_bytes -= nbytes
+                self._pending_tasks.discard(t)
+                self._pending_cv.notify_all()
+
+        inner.add_done_callback(settle)
+        return Task.completed([True] * len(ids))
+
+    def flush(self) -> None:
+        """Wait until every write-back has reached the backend."""
+        with self._pending_cv:
+            self._pending_cv.wait_for(lambda: not self._pending_tasks)
+
+    def scan(self):  # type: ignore[no-untyped-def]
+        return self.next.scan()
+
+    def verify(self, repair: bool = False) -> list[bytes]:
+        return self.next.verify(repair)
+
+    def gc(self, target_bytes: int) -> tuple[int, int]:
+        return self.next.gc(target_bytes)
+
+    def register_buffer(self, buffer: object) -> None:
+        self.next.register_buffer(buffer)
+
+    def close(self) -> None:
+        self.flush()
+        self.next.close()

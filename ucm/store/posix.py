@@ -1,0 +1,462 @@
+"""File-per-block store on a POSIX filesystem (local disk, NFS, a 3FS FUSE mount).
+
+On-disk format of one block: ``payload || trailer``. Putting the 32-byte trailer *after* the
+payload lets a buffered load be a single ``preadv`` straight into the caller's buffer (no copy),
+and keeps the payload at offset 0, aligned for O_DIRECT. The trailer holds a magic, a format
+version, the payload length, an xxh3-64 checksum of the payload and the first 8 bytes of the
+block id, so a torn, truncated, corrupted or misplaced file is detected and treated as a miss.
+
+Writers write to a unique temporary name and ``rename`` it into place: readers see a whole block
+or none, whoever crashes (SIGKILL, ENOSPC) mid-write. Readers hold an open descriptor while they
+read, so a block evicted by another process mid-read is still read whole (or, opened after the
+unlink, is a clean miss).
+
+Eviction is LRU by mtime: loads refresh a block's mtime at most every ``touch_interval_s``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import xxhash
+from pydantic import ByteSize, Field
+
+from ucm import metrics
+from ucm.config import ConfigError, StrictModel
+from ucm.store.base import BlockInfo, Buffer, PerBlockStore
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"UCMB"
+FORMAT_VERSION = 1
+# magic, format version, flags (reserved), payload length, xxh3-64 of payload, block id prefix
+TRAILER = struct.Struct("<4sHHQQ8s")
+TMP_SUFFIX = ".tmp"
+# A temporary file this old was left by a writer that died; the GC pass removes it.
+STALE_TMP_S = 3600.0
+_ALIGN = 4096
+_GC_LOCK = ".ucm-gc.lock"
+T = TypeVar("T")
+
+
+class PosixConfig(StrictModel):
+    roots: list[str] = Field(min_length=1, description="Directories holding blocks; ids are spread by hash")
+    io_threads: int = Field(8, ge=1, le=256, description="Parallel block reads/writes")
+    direct_io: bool = Field(False, description="Bypass the page cache with O_DIRECT (aligned bounce buffers)")
+    fsync: bool = Field(False, description="fsync each block and its directory: survives power loss")
+    capacity: ByteSize | None = Field(None, gt=0, description="Evict least-recently-used blocks above this")
+    evict_to: float = Field(0.9, gt=0, lt=1, description="Fraction of capacity left after an eviction pass")
+    eviction_interval_s: float = Field(10.0, gt=0, description="Longest wait between capacity checks")
+    touch_interval_s: float = Field(60.0, ge=0, description="Loads refresh a block's LRU time this often")
+    stale_handle_retries: int = Field(0, ge=0, le=10, description="Retries on ESTALE (NFS)")
+
+
+class NfsConfig(PosixConfig):
+    """NFS: no shared page cache between clients, so fsync before rename makes a block visible to
+    other hosts whole; renames and unlinks can leave other clients with stale handles (retried)."""
+
+    fsync: bool = True
+    stale_handle_retries: int = Field(3, ge=0, le=10)
+
+
+class Ds3fsConfig(PosixConfig):
+    """3FS through its FUSE mount: POSIX semantics, with atomic rename on the 3FS metadata service."""
+
+
+class PosixStore(PerBlockStore):
+    backend = "posix"
+
+    def __init__(self, config: PosixConfig, backend: str = "posix") -> None:
+        self.backend = backend
+        self.config = config
+        self._roots = [_checked_root(backend, i, r, config.direct_io) for i, r in enumerate(config.roots)]
+        super().__init__(config.io_threads)
+        self._tls = threading.local()
+        self._closed = threading.Event()
+        self._gc_wakeup = threading.Event()
+        self._written_lock = threading.Lock()
+        self._written_since_check = 0
+        self._evictor: threading.Thread | None = None
+        if config.capacity is not None:
+            gap = int(config.capacity) * (1 - config.evict_to)
+            # Check often enough that one writer cannot pass capacity between two checks.
+            self._check_every_bytes = max(1, int(gap / 4))
+            self._high_watermark = int(int(config.capacity) * (config.evict_to + (1 - config.evict_to) / 2))
+            self._evictor = threading.Thread(target=self._evict_loop, name=f"ucm-{backend}-evict", daemon=True)
+            self._evictor.start()
+
+    # -- paths -------------------------------------------------------------------------------
+    def _path(self, block_id: bytes) -> str:
+        root = self._roots[int.from_bytes(block_id[-4:], "little") % len(self._roots)]
+        name = block_id.hex()
+        return os.path.join(root, name[0:2], name[2:4], name)
+
+    # -- protocol ----------------------------------------------------------------------------
+    def _lookup(self, ids: list[bytes]) -> list[bool]:
+        return [self._exists(self._path(i)) for i in ids]
+
+    def _load_block(self, block_id: bytes, buffer: Buffer) -> bool:
+        path = self._path(block_id)
+        try:
+            return self._retry_stale(self._read_block, path, block_id, buffer)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            logger.warning("%s: load of %s failed: %s", self.backend, path, exc)
+            return False
+
+    def _dump_block(self, block_id: bytes, payload: Buffer) -> bool:
+        path = self._path(block_id)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("%s: stat of %s failed: %s", self.backend, path, exc)
+            return False
+        else:  # content-addressed: an existing block already holds these bytes
+            self._maybe_touch(path, st.st_mtime)
+            return True
+        trailer = TRAILER.pack(
+            MAGIC, FORMAT_VERSION, 0, payload.nbytes, xxhash.xxh3_64_intdigest(payload), block_id[:8]
+        )
+        try:
+            self._retry_stale(self._write_block, path, payload, trailer)
+        except OSError as exc:
+            level = logging.WARNING if exc.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
+            logger.log(level, "%s: dump of %s failed: %s", self.backend, path, exc)
+            return False
+        self._account_written(payload.nbytes + TRAILER.size)
+        return True
+
+    # -- reading -----------------------------------------------------------------------------
+    def _read_block(self, path: str, block_id: bytes, buffer: Buffer) -> bool:
+        expected = buffer.nbytes + TRAILER.size
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.config.direct_io else 0)
+        fd = os.open(path, flags)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != expected:
+                return self._reject_size(path, block_id, st.st_size, expected)
+            if self.config.direct_io:
+                bounce = self._bounce(_round_up(expected))
+                n = os.preadv(fd, [bounce], 0)
+                buffer[:] = bounce[: buffer.nbytes]
+                trailer = bounce[buffer.nbytes : expected]
+            else:
+                trailer = self._trailer_buffer()
+                n = os.preadv(fd, [buffer, trailer], 0)
+        finally:
+            os.close(fd)
+        if n < expected or not _trailer_matches(trailer, block_id, buffer):
+            self._quarantine(path, "checksum or trailer mismatch")
+            return False
+        self._maybe_touch(path, st.st_mtime)
+        return True
+
+    def _reject_size(self, path: str, block_id: bytes, size: int, expected: int) -> bool:
+        """A size mismatch is either a corrupt file or a caller whose buffer has the wrong size."""
+        if size >= TRAILER.size:
+            with open(path, "rb") as f:
+                f.seek(size - TRAILER.size)
+                magic, version, _flags, length, _sum, tag = TRAILER.unpack(f.read(TRAILER.size))
+            if magic == MAGIC and version == FORMAT_VERSION and length == size - TRAILER.size and tag == block_id[:8]:
+                logger.warning(
+                    "%s: block %s holds %d bytes but the load buffer has %d; not loaded",
+                    self.backend,
+                    path,
+                    length,
+                    expected - TRAILER.size,
+                )
+                return False
+        self._quarantine(path, f"size {size} does not match its trailer")
+        return False
+
+    def _quarantine(self, path: str, why: str) -> None:
+        # Removing it lets the next dump of this block write a good copy (dumps skip existing ids).
+        metrics.STORE_CORRUPT_BLOCKS.labels(self.backend).inc()
+        logger.warning("%s: corrupt block %s (%s); treated as a miss and removed", self.backend, path, why)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    # -- writing -----------------------------------------------------------------------------
+    def _write_block(self, path: str, payload: Buffer, trailer: bytes) -> None:
+        tmp = f"{path}.{os.urandom(6).hex()}{TMP_SUFFIX}"
+        size = payload.nbytes + TRAILER.size
+        try:
+            fd = self._create(tmp)
+            try:
+                if self.config.direct_io:
+                    bounce = self._bounce(_round_up(size))
+                    bounce[: payload.nbytes] = payload
+                    bounce[payload.nbytes : size] = trailer
+                    _write_all(fd, [bounce])
+                    os.ftruncate(fd, size)
+                else:
+                    _write_all(fd, [payload, memoryview(trailer)])
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        if self.config.fsync:
+            _fsync_dir(os.path.dirname(path))
+
+    def _create(self, tmp: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.config.direct_io else 0)
+        try:
+            return os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            return os.open(tmp, flags, 0o644)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _retry_stale(self, fn: Callable[..., T], *args: object) -> T:
+        """Call ``fn``; on NFS's ESTALE (a handle made stale by another client) try again."""
+        for attempt in range(self.config.stale_handle_retries):
+            try:
+                return fn(*args)
+            except OSError as exc:
+                if exc.errno != errno.ESTALE:
+                    raise
+                time.sleep(0.001 * 2**attempt)
+        return fn(*args)
+
+    def _exists(self, path: str) -> bool:
+        try:
+            return self._retry_stale(os.path.exists, path)
+        except OSError:
+            return False
+
+    def _maybe_touch(self, path: str, mtime: float) -> None:
+        now = time.time()
+        if now - mtime >= self.config.touch_interval_s:
+            try:
+                os.utime(path, (now, now))
+            except OSError:
+                pass  # evicted meanwhile: nothing to refresh
+
+    def _trailer_buffer(self) -> bytearray:
+        buf = getattr(self._tls, "trailer", None)
+        if buf is None:
+            buf = self._tls.trailer = bytearray(TRAILER.size)
+        return buf
+
+    def _bounce(self, size: int) -> memoryview:
+        """A page-aligned per-thread buffer for O_DIRECT, grown on demand."""
+        mm = getattr(self._tls, "bounce", None)
+        if mm is None or len(mm) < size:
+            mm = self._tls.bounce = mmap.mmap(-1, size)
+        return memoryview(mm)[:size]
+
+    # -- capacity and admin --------------------------------------------------------------------
+    def _account_written(self, nbytes: int) -> None:
+        if self._evictor is None:
+            return
+        with self._written_lock:
+            self._written_since_check += nbytes
+            due = self._written_since_check >= self._check_every_bytes
+        if due:
+            self._gc_wakeup.set()
+
+    def _evict_loop(self) -> None:
+        while not self._closed.is_set():
+            self._gc_wakeup.wait(self.config.eviction_interval_s)
+            self._gc_wakeup.clear()
+            if self._closed.is_set():
+                return
+            with self._written_lock:
+                wrote, self._written_since_check = self._written_since_check, 0
+            if wrote:  # a process that writes nothing leaves eviction to those that do
+                try:
+                    self.enforce_capacity(wait=False)
+                except Exception:
+                    logger.exception("%s: eviction pass failed", self.backend)
+
+    def enforce_capacity(self, wait: bool = True) -> tuple[int, int]:
+        """One capacity check: above the high watermark, evict down to ``evict_to`` x capacity.
+
+        One pass at a time runs over a store (an advisory lock on the first root). The background
+        evictor passes ``wait=False`` and skips when a pass is already running: that one serves it."""
+        assert self.config.capacity is not None
+        lock_path = os.path.join(self._roots[0], _GC_LOCK)
+        with open(lock_path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return 0, 0
+            entries = list(self._scan_entries())
+            if sum(e.size for e in entries) <= self._high_watermark:
+                return 0, 0
+            return self._evict(entries, int(int(self.config.capacity) * self.config.evict_to))
+
+    def gc(self, target_bytes: int) -> tuple[int, int]:
+        return self._evict(list(self._scan_entries()), target_bytes)
+
+    def _evict(self, entries: list[_Entry], target_bytes: int) -> tuple[int, int]:
+        total = sum(e.size for e in entries)
+        n = freed = 0
+        for e in sorted(entries, key=lambda e: e.mtime):
+            if total - freed <= target_bytes:
+                break
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                pass  # another process evicted it first
+            freed += e.size
+            n += 1
+        if n:
+            metrics.STORE_EVICTED_BLOCKS.labels(self.backend).inc(n)
+            metrics.STORE_EVICTED_BYTES.labels(self.backend).inc(freed)
+            logger.info("%s: evicted %d blocks (%d bytes)", self.backend, n, freed)
+        return n, freed
+
+    def scan(self) -> Iterator[BlockInfo]:
+        for e in self._scan_entries():
+            yield BlockInfo(bytes.fromhex(e.name), e.size, e.mtime)
+
+    def _scan_entries(self) -> Iterator[_Entry]:
+        """Every block file; stale temporary files met on the way are removed."""
+        now = time.time()
+        for root in self._roots:
+            for d1 in _subdirs(root):
+                for d2 in _subdirs(d1):
+                    try:
+                        it = os.scandir(d2)
+                    except FileNotFoundError:
+                        continue
+                    with it:
+                        for entry in it:
+                            try:
+                                st = entry.stat()
+                            except FileNotFoundError:
+                                continue
+                            if entry.name.endswith(TMP_SUFFIX):
+                                if now - st.st_mtime > STALE_TMP_S:
+                                    _unlink_quietly(entry.path)
+                                continue
+                            yield _Entry(entry.path, entry.name, st.st_size, st.st_mtime)
+
+    def verify(self, repair: bool = False) -> list[bytes]:
+        corrupt = []
+        for e in self._scan_entries():
+            block_id = bytes.fromhex(e.name)
+            try:
+                with open(e.path, "rb") as f:
+                    data = memoryview(f.read())
+            except FileNotFoundError:
+                continue
+            payload, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
+            if len(data) < TRAILER.size or not _trailer_matches(trailer, block_id, payload):
+                corrupt.append(block_id)
+                metrics.STORE_CORRUPT_BLOCKS.labels(self.backend).inc()
+                if repair:
+                    _unlink_quietly(e.path)
+        return corrupt
+
+    def close(self) -> None:
+        self._closed.set()
+        self._gc_wakeup.set()
+        if self._evictor is not None:
+            self._evictor.join()
+        super().close()
+
+
+class _Entry:
+    __slots__ = ("mtime", "name", "path", "size")
+
+    def __init__(self, path: str, name: str, size: int, mtime: float) -> None:
+        self.path, self.name, self.size, self.mtime = path, name, size, mtime
+
+
+def _trailer_matches(trailer: Buffer, block_id: bytes, payload: Buffer) -> bool:
+    magic, version, _flags, length, checksum, tag = TRAILER.unpack(trailer)
+    return (
+        magic == MAGIC
+        and version == FORMAT_VERSION
+        and length == payload.nbytes
+        and tag == block_id[:8]
+        and checksum == xxhash.xxh3_64_intdigest(payload)
+    )
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    offset = 0
+    parts = [memoryview(p).cast("B") for p in parts]
+    while parts:
+        n = os.pwritev(fd, parts, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        offset += n
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if n:
+            parts[0] = parts[0][n:]
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checked_root(backend: str, index: int, root: str, direct_io: bool) -> str:
+    """Fail at startup, naming the field, when a root cannot hold blocks."""
+    field = f"{backend}.roots[{index}]"
+    path = Path(root)
+    if not path.is_dir():
+        raise ConfigError(f"{field}: {root!r} does not exist or is not a directory")
+    probe = path / f".ucm-probe-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"{field}: {root!r} is not writable ({exc.strerror})") from None
+    try:
+        if direct_io:
+            try:
+                os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+            except OSError as exc:
+                raise ConfigError(
+                    f"{backend}.direct_io: {root!r} does not support O_DIRECT ({exc.strerror}); set direct_io: false"
+                ) from None
+    finally:
+        _unlink_quietly(probe)
+    return str(path.resolve())
