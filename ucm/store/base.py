@@ -169,6 +169,10 @@ class Store(ABC):
         """Check every block; return ids of corrupt ones (deleted when ``repair``)."""
         raise StoreError(f"{self.backend}: this store cannot verify its blocks")
 
+    def remove(self, ids: Sequence[bytes]) -> list[bool]:
+        """Delete blocks; True where a block was there and is now gone."""
+        raise StoreError(f"{self.backend}: this store cannot remove blocks")
+
     def gc(self, target_bytes: int) -> tuple[int, int]:
         """Evict least-recently-used blocks until at most ``target_bytes`` remain.
 

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import ByteSize, Field
 
+from ucm import metrics
 from ucm.config import StrictModel
 from ucm.store.base import Store, Task
 
@@ -37,34 +38,64 @@ class CacheStore(Store):
         self.config = config
         self.next = backend_store
         self._capacity = int(config.capacity)
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._blocks: OrderedDict[bytes, bytearray] = OrderedDict()
+        # Buffers of removed blocks, by size, reused before allocating: fresh memory costs a page
+        # fault per 4 KiB on first write, which would cap dumps well below memcpy speed.
+        self._free: dict[int, list[bytearray]] = {}
         self._used = 0
+        self._free_bytes = 0
+        # Copies in and out happen under the lock, so a buffer is never recycled mid-read.
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._pending_tasks: set[Task] = set()
         self._pending_cv = threading.Condition()
 
     # -- memory tier ---------------------------------------------------------------------------
-    def _get(self, block_id: bytes) -> bytes | None:
+    def _copy_out(self, block_id: bytes, dst: memoryview) -> bool:
         with self._lock:
-            data = self._blocks.get(block_id)
-            if data is not None:
-                self._blocks.move_to_end(block_id)
-            return data
+            buf = self._blocks.get(block_id)
+            if buf is None or len(buf) != dst.nbytes:
+                return False
+            self._blocks.move_to_end(block_id)
+            dst[:] = buf
+            return True
 
-    def _put(self, block_id: bytes, data: bytes) -> None:
-        size = len(data)
+    def _put(self, block_id: bytes, payload: memoryview) -> None:
+        size = payload.nbytes
         if size > self._capacity:
             return
         with self._lock:
-            old = self._blocks.pop(block_id, None)
-            if old is not None:
-                self._used -= len(old)
-            while self._used + size > self._capacity:
-                _, evicted = self._blocks.popitem(last=False)
-                self._used -= len(evicted)
-            self._blocks[block_id] = data
+            if block_id in self._blocks:  # content-addressed: it already holds these bytes
+                self._blocks.move_to_end(block_id)
+                return
+            buf = self._take_buffer(size)
+            buf[:] = payload
+            self._blocks[block_id] = buf
             self._used += size
+
+    def _take_buffer(self, size: int) -> bytearray:
+        """A buffer of ``size`` bytes within capacity: recycled, taken from the LRU block, or new."""
+        free = self._free.get(size)
+        if free:
+            self._free_bytes -= size
+            return free.pop()
+        evicted = 0
+        try:
+            while self._used + self._free_bytes + size > self._capacity:
+                if self._free_bytes:
+                    other = next(k for k, v in self._free.items() if v)
+                    self._free[other].pop()
+                    self._free_bytes -= other
+                    continue
+                _, victim = self._blocks.popitem(last=False)
+                self._used -= len(victim)
+                evicted += 1
+                if len(victim) == size:
+                    return victim
+            return bytearray(size)
+        finally:
+            if evicted:
+                metrics.STORE_EVICTED_BLOCKS.labels(self.backend).inc(evicted)
 
     @property
     def used_bytes(self) -> int:
@@ -84,12 +115,7 @@ class CacheStore(Store):
         task = Task(len(ids))
         hits, misses = [], []
         for k, (block_id, buf) in enumerate(zip(ids, buffers, strict=True)):
-            data = self._get(block_id)
-            if data is not None and len(data) == buf.nbytes:
-                buf[:] = data
-                hits.append(k)
-            else:
-                misses.append(k)
+            (hits if self._copy_out(block_id, buf) else misses).append(k)
         if misses:
             inner = self.next.load([ids[k] for k in misses], [buffers[k] for k in misses])
 
@@ -97,7 +123,7 @@ class CacheStore(Store):
                 ok = t.wait(0)
                 for k, good in zip(misses, ok, strict=True):
                     if good:
-                        self._put(ids[k], bytes(buffers[k]))
+                        self._put(ids[k], buffers[k])
                 task._set(misses, ok)
 
             inner.add_done_callback(fill)
@@ -106,7 +132,7 @@ class CacheStore(Store):
 
     def _dump(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
         for block_id, payload in zip(ids, payloads, strict=True):
-            self._put(block_id, bytes(payload))
+            self._put(block_id, payload)
         if self.config.write_mode == "through":
             return self.next.dump(ids, payloads)
         return self._write_back(ids, payloads)
@@ -146,6 +172,16 @@ class CacheStore(Store):
 
     def verify(self, repair: bool = False) -> list[bytes]:
         return self.next.verify(repair)
+
+    def remove(self, ids: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            for block_id in ids:
+                buf = self._blocks.pop(block_id, None)
+                if buf is not None:
+                    self._used -= len(buf)
+                    self._free.setdefault(len(buf), []).append(buf)
+                    self._free_bytes += len(buf)
+        return self.next.remove(ids)
 
     def gc(self, target_bytes: int) -> tuple[int, int]:
         return self.next.gc(target_bytes)

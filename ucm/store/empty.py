@@ -23,3 +23,6 @@ class EmptyStore(Store):
 
     def _load(self, ids: Sequence[bytes], buffers: Sequence[memoryview]) -> Task:
         return Task.completed([False] * len(ids))
+
+    def remove(self, ids: Sequence[bytes]) -> list[bool]:
+        return [False] * len(ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import socket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ class MooncakeConfig(StrictModel):
     local_buffer_size: ByteSize = Field(ByteSize(128 << 20), gt=0, description="Client-side transfer buffer")
     staging_size: ByteSize = Field(ByteSize(64 << 20), gt=0, description="Registered bounce area")
     key_prefix: str = Field("ucm/", description="Prefix of every key this store writes")
+    connect_timeout_s: float = Field(5.0, gt=0, description="How long to wait for the master to answer")
 
     @field_validator("master_address")
     @classmethod
@@ -57,6 +59,15 @@ class MooncakeStore(Store):
         except ImportError as exc:
             raise ConfigError("mooncake: the Mooncake client is not installed (pip install 'ucm[mooncake]')") from exc
         self.config = config
+        # The client's own setup retries an unreachable master for about 90 s; fail fast instead.
+        host, _, port = config.master_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=config.connect_timeout_s).close()
+        except OSError as exc:
+            raise StoreError(
+                f"mooncake: cannot join the store (master_address={config.master_address!r} "
+                f"unreachable: {exc.strerror or exc})"
+            ) from None
         self._client = MooncakeDistributedStore()
         rc = self._client.setup(
             config.local_hostname,
@@ -175,6 +186,10 @@ class MooncakeStore(Store):
         if current:
             groups.append(current)
         return groups
+
+    def remove(self, ids: Sequence[bytes]) -> list[bool]:
+        # force: skip Mooncake's read leases; a reader mid-transfer then fails that block (a miss).
+        return [r == 0 for r in self._client.batch_remove([self._key(i) for i in ids], True)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,0 +1,135 @@
+"""The DRAM tier: LRU within its capacity, read-through fill, write-through and bounded write-back."""
+
+import threading
+
+from ucm.store.base import Store, Task
+from ucm.store.cache import CacheConfig, CacheStore
+from ucm.store.empty import EmptyStore
+
+from .helpers import blocks
+
+
+class Recording(Store):
+    """A backend that stores in a dict and records calls; a real store (not a mock of one)."""
+
+    backend = "recording"
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.loads: list[bytes] = []
+        self.gate = gate
+
+    def _lookup(self, ids):
+        return [i in self.data for i in ids]
+
+    def _dump(self, ids, payloads):
+        task = Task(len(ids))
+
+        def run():
+            if self.gate is not None:
+                self.gate.wait()
+            for i, p in zip(ids, payloads, strict=True):
+                self.data[i] = bytes(p)
+            task._set(range(len(ids)), [True] * len(ids))
+
+        threading.Thread(target=run).start()
+        return task
+
+    def _load(self, ids, buffers):
+        ok = []
+        for i, b in zip(ids, buffers, strict=True):
+            self.loads.append(i)
+            if i in self.data and len(self.data[i]) == b.nbytes:
+                b[:] = self.data[i]
+                ok.append(True)
+            else:
+                ok.append(False)
+        return Task.completed(ok)
+
+
+def test_capacity_is_respected_and_least_recently_used_goes_first():
+    back = Recording()
+    cache = CacheStore(CacheConfig(capacity=4 * 1000), back)
+    ids, data = blocks(6, 1000)
+    cache.wait(cache.dump(ids[:4], data[:4]))
+    cache.wait(cache.load(ids[:1], [bytearray(1000)]))  # ids[0] becomes most recent
+    cache.wait(cache.dump(ids[4:], data[4:]))
+    assert cache.used_bytes <= 4000
+    back.loads.clear()
+    bufs = [bytearray(1000) for _ in ids]
+    assert cache.wait(cache.load(ids, bufs)) == [True] * 6
+    assert set(back.loads) == {ids[1], ids[2]}  # evicted: the two least recently used
+    assert [bytes(b) for b in bufs] == data
+
+
+def test_read_through_fills_the_tier():
+    back = Recording()
+    ids, data = blocks(3, 500)
+    back.wait(back.dump(ids, data))
+    cache = CacheStore(CacheConfig(capacity=10_000), back)
+    cache.wait(cache.load(ids, [bytearray(500) for _ in ids]))
+    back.loads.clear()
+    bufs = [bytearray(500) for _ in ids]
+    assert cache.wait(cache.load(ids, bufs)) == [True] * 3
+    assert back.loads == []
+    assert [bytes(b) for b in bufs] == data
+
+
+def test_write_through_completes_only_when_the_backend_has_it():
+    gate = threading.Event()
+    back = Recording(gate)
+    cache = CacheStore(CacheConfig(capacity=10_000), back)
+    ids, data = blocks(2, 100)
+    task = cache.dump(ids, data)
+    assert not task.done()
+    gate.set()
+    assert cache.wait(task, 5) == [True, True]
+    assert set(back.data) == set(ids)
+
+
+def test_write_back_completes_at_once_and_bounds_pending_bytes():
+    gate = threading.Event()
+    back = Recording(gate)
+    cache = CacheStore(CacheConfig(capacity=10_000, write_mode="back", write_back_max_pending=300), back)
+    ids, data = blocks(4, 100)
+    task = cache.dump(ids[:3], data[:3])
+    assert cache.wait(task, 1) == [True] * 3  # in memory; backend still blocked
+    assert back.data == {}
+    blocked = threading.Thread(target=lambda: cache.dump(ids[3:], data[3:]))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive()  # 300 bytes pending: the next dump waits
+    gate.set()
+    blocked.join(5)
+    cache.flush()
+    assert set(back.data) == set(ids)
+
+
+def test_write_back_copies_so_callers_may_reuse_their_buffers():
+    gate = threading.Event()
+    back = Recording(gate)
+    cache = CacheStore(CacheConfig(capacity=10_000, write_mode="back"), back)
+    buf = bytearray(b"a" * 100)
+    ids = [b"k" * 32]
+    cache.wait(cache.dump(ids, [buf]))
+    buf[:] = b"b" * 100
+    gate.set()
+    cache.flush()
+    assert back.data[ids[0]] == b"a" * 100
+
+
+def test_lookup_asks_the_backend_only_for_what_memory_lacks():
+    cache = CacheStore(CacheConfig(capacity=10_000), EmptyStore())
+    ids, data = blocks(2, 10)
+    cache.wait(cache.dump(ids[:1], data[:1]))
+    assert cache.lookup(ids) == [True, False]
+
+
+def test_block_bigger_than_the_tier_bypasses_it():
+    back = Recording()
+    cache = CacheStore(CacheConfig(capacity=100), back)
+    ids, data = blocks(1, 1000)
+    assert cache.wait(cache.dump(ids, data)) == [True]
+    assert cache.used_bytes == 0
+    buf = bytearray(1000)
+    assert cache.wait(cache.load(ids, [buf])) == [True] and bytes(buf) == data[0]

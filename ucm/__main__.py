@@ -1,0 +1,5 @@
+import sys
+
+from ucm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""The ``ucm`` command: administration of stores (and, later, the local stack)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from ucm.config import ConfigError
+from ucm.store import StoreError, create_store
+
+
+def _load_store_config(path: str) -> dict[str, Any]:
+    """A store configuration file, or any UCM config file with a ``store`` section."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path} is not valid YAML/JSON: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("store"), dict):
+        data = data["store"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping with 'spec' and per-stage options")
+    return data
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _store_stats(store: Any) -> dict[str, Any]:
+    count = total = 0
+    oldest = newest = None
+    for info in store.scan():
+        count += 1
+        total += info.size
+        oldest = info.mtime if oldest is None else min(oldest, info.mtime)
+        newest = info.mtime if newest is None else max(newest, info.mtime)
+    return {"blocks": count, "bytes": total, "oldest_use": oldest, "newest_use": newest}
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    store = create_store(_load_store_config(args.config))
+    try:
+        if args.action == "stats":
+            result = _store_stats(store)
+            text = f"blocks: {result['blocks']}\nbytes:  {result['bytes']} ({_human(result['bytes'])})"
+            code = 0
+        elif args.action == "verify":
+            corrupt = store.verify(repair=args.repair)
+            checked = _store_stats(store)["blocks"] + (len(corrupt) if args.repair else 0)
+            result = {"checked": checked, "corrupt": [c.hex() for c in corrupt], "repaired": args.repair}
+            lines = [f"checked {checked} blocks: {len(corrupt)} corrupt" + (" (removed)" if args.repair else "")]
+            lines += [f"  {c.hex()}" for c in corrupt]
+            text = "\n".join(lines)
+            code = 1 if corrupt and not args.repair else 0
+        else:
+            blocks, freed = store.gc(args.target)
+            remaining = _store_stats(store)
+            result = {"evicted_blocks": blocks, "evicted_bytes": freed, **remaining}
+            text = (
+                f"evicted {blocks} blocks ({_human(freed)}); "
+                f"{remaining['blocks']} blocks ({_human(remaining['bytes'])}) remain"
+            )
+            code = 0
+    finally:
+        store.close()
+    print(json.dumps(result) if args.json else text)
+    return code
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 500GiB or 1000000, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ucm", description="Unified Cache Management")
+    sub = parser.add_subparsers(dest="command", required=True)
+    store = sub.add_parser("store", help="inspect and maintain a KV block store")
+    actions = store.add_subparsers(dest="action", required=True)
+    for name, help_text in (
+        ("stats", "count blocks and bytes"),
+        ("verify", "check every block's checksum; exit 1 when corrupt blocks are found"),
+        ("gc", "evict least-recently-used blocks down to a target size"),
+    ):
+        p = actions.add_parser(name, help=help_text)
+        p.add_argument(
+            "--config", "-c", required=True, help="store config (YAML/JSON), or a file with a 'store' section"
+        )
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "verify":
+            p.add_argument("--repair", action="store_true", help="remove corrupt blocks")
+        if name == "gc":
+            p.add_argument("--target", type=_byte_size, required=True, help="size to shrink to, e.g. 500GiB")
+    store.set_defaults(func=cmd_store)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, StoreError) as exc:
+        print(f"ucm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
