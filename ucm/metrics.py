@@ -69,3 +69,10 @@ STORE_OP_SECONDS = Histogram(
     ["backend", "op"],
     buckets=_LATENCY_BUCKETS,
 )
+
+
+def counter_total(counter: Counter) -> float:
+    """Sum of a counter over all its label values (in this process)."""
+    return sum(
+        sample.value for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total")
+    )

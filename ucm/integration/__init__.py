@@ -1,0 +1,1 @@
+"""Integrations of UCM into serving engines."""

@@ -1,0 +1,71 @@
+"""``kv_connector_extra_config`` of UCMConnector: validated once, errors naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ucm.config import ConfigError, StrictModel, parse_config
+from ucm.hashing import HASH_ALGORITHMS, HashAlgorithm
+from ucm.store import validate_store_config
+
+# vLLM's connector API changes between minor versions; this is the range the tests run against.
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper)
+
+WHERE = "kv_connector_extra_config"
+
+
+class ConnectorConfig(StrictModel):
+    store: dict[str, Any] = Field(description="Store configuration: {'spec': 'cache|posix', 'posix': {...}}")
+    hash_algorithm: HashAlgorithm = Field("sha256", description=f"One of {', '.join(HASH_ALGORITHMS)}")
+    model_id: str | None = Field(
+        None,
+        description="Model identity bound into block ids; default: the model path or name vLLM was given. "
+        "Set it when instances load the same model from different paths.",
+    )
+    salt: str = Field("", description="Tenant salt; a request's cache_salt is added to it")
+    load_mode: Literal["layer", "step"] = Field(
+        "layer", description="layer: copy loaded blocks into each layer just before it runs; step: all up front"
+    )
+    save_mode: Literal["layer", "step"] = Field(
+        "layer", description="layer: copy each layer's new blocks as it finishes; step: all at the step's end"
+    )
+    load_failure: Literal["recompute", "fail"] = Field(
+        "recompute", description="What vLLM does with blocks that fail to load"
+    )
+    pd_wait_timeout_s: float = Field(
+        30.0, ge=0, description="A consumer waits this long for blocks a producer promised, then recomputes"
+    )
+
+
+def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    config = parse_config(ConnectorConfig, extra, WHERE)
+    with prefixed_errors():
+        validate_store_config(config.store)
+    return config
+
+
+@contextmanager
+def prefixed_errors() -> Iterator[None]:
+    """Store errors name ``store.<field>``; say where that store config lives."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{WHERE}.{exc}") from None
+
+
+def check_vllm_version(version: str) -> None:
+    parts = version.split("+")[0].split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        raise ConfigError(f"UCMConnector: cannot parse vLLM version {version!r}") from None
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= major_minor < hi:
+        raise ConfigError(
+            f"UCMConnector supports vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}; this is vLLM {version}. "
+            "Install a supported vLLM or a UCM release made for this one."
+        )

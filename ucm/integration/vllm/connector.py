@@ -1,0 +1,170 @@
+"""UCMConnector: vLLM's KV connector API on top of UCM's hashing and stores.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "UCMConnector",
+                           "kv_connector_module_path": "ucm.integration.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"store": {"spec": "posix",
+                                                                    "posix": {"roots": ["/kv"]}}}}'
+
+``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
+The scheduler half (:mod:`.scheduler`) decides, the worker half (:mod:`.worker`) moves bytes;
+this class only adapts vLLM's calls to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ucm.hashing import HashContext
+from ucm.integration.vllm.config import check_vllm_version, parse_connector_config, prefixed_errors
+from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import SchedulerSide
+from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
+from ucm.integration.vllm.worker import WorkerSide
+from ucm.store import create_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class UCMConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_vllm_version(vllm.__version__)
+        transfer = self._kv_transfer_config
+        self._config = config = parse_connector_config(transfer.kv_connector_extra_config)
+        kv_role = transfer.kv_role or "kv_both"
+        can_load = kv_role in ("kv_consumer", "kv_both")
+        can_save = kv_role in ("kv_producer", "kv_both")
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        cache = vllm_config.cache_config
+        kv_dtype = str(model.dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else str(cache.cache_dtype)
+        self._tp_size = parallel.tensor_parallel_size
+        context = HashContext(
+            model=config.model_id or str(model.model),
+            dtype=kv_dtype,
+            block_size=cache.block_size,
+            tp_size=self._tp_size,
+            salt=config.salt,
+            algorithm=config.hash_algorithm,
+        )
+        self._stats = StatsRecorder()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        with prefixed_errors():
+            self._store = store = create_store(config.store)
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM reads this right after building the scheduler's connector.
+            transfer.kv_load_failure_policy = config.load_failure
+            self._scheduler = SchedulerSide(
+                context,
+                store,
+                can_load=can_load,
+                can_save=can_save,
+                pd_wait_timeout_s=config.pd_wait_timeout_s,
+                stats=self._stats,
+                tp_size=self._tp_size,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                store,
+                rank=get_tensor_model_parallel_rank(),
+                tp_size=self._tp_size,
+                load_mode=config.load_mode,
+                save_mode=config.save_mode,
+                stats=self._stats,
+            )
+        self._num_blocks = kv_cache_config.num_blocks
+        logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])
+
+    # -- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.save_layer(layer_name, self._meta())
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.finish_step(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def _meta(self) -> UCMConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UCMConnectorMetadata)
+        return meta
+
+    # -- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        # Saves copy out of the paged cache during the step, so vLLM may free the blocks at once.
+        return False, self._scheduler.finished(request)
+
+    # -- both sides ------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            self._worker.collect_store_counters()
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return UCMConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # type: ignore[no-untyped-def]
+        return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        else:
+            self._store.close()

@@ -1,0 +1,100 @@
+"""Paged KV tensors <-> one contiguous payload per block.
+
+vLLM hands the connector one tensor per attention layer. Whatever the backend (CPU:
+``[blocks, kv_heads, block_size, 2*head_dim]``; CUDA FlashAttention: ``[2, blocks, block_size,
+kv_heads, head_dim]``; FlashInfer: ``[blocks, 2, block_size, kv_heads, head_dim]``; any strides),
+one dimension indexes blocks. A block's bytes in one layer are the tensor with that dimension
+removed, in logical order; a block's payload is those bytes for every layer, layer after layer.
+Deriving this from shapes rather than backend names keeps the connector working across backends,
+and makes the payload depend only on the logical layout.
+
+Gather and scatter are one indexed copy per layer for a whole batch of blocks (not one per block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    name: str
+    blocks_dim: int
+    block_shape: tuple[int, ...]  # the layer's shape without the blocks dimension
+    dtype: torch.dtype
+    offset: int  # byte offset of this layer in a block's payload
+    nbytes: int  # bytes of one block in this layer
+
+
+class KVLayout:
+    """Where each block of each layer lives, and how many bytes a block's payload has."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
+        if not kv_caches:
+            raise ValueError("kv_caches: no attention layers were registered")
+        self._tensors: dict[str, torch.Tensor] = {}
+        slots = []
+        offset = 0
+        for name, tensor in kv_caches.items():
+            dim = blocks_dim(tensor, num_blocks, name)
+            shape = tuple(s for d, s in enumerate(tensor.shape) if d != dim)
+            nbytes = tensor.element_size() * _prod(shape)
+            slots.append(LayerSlot(name, dim, shape, tensor.dtype, offset, nbytes))
+            self._tensors[name] = tensor.movedim(dim, 0)  # a view: blocks first
+            offset += nbytes
+        self.slots: tuple[LayerSlot, ...] = tuple(slots)
+        self.block_bytes = offset
+        self.num_blocks = num_blocks
+        self.device = next(iter(kv_caches.values())).device
+        self._index = {s.name: i for i, s in enumerate(self.slots)}
+
+    def layer_index(self, name: str) -> int:
+        return self._index[name]
+
+    def new_staging(self, n: int) -> torch.Tensor:
+        """Host memory for ``n`` payloads (pinned when the KV lives on a GPU, for async copies)."""
+        return torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def _rows(self, staging: torch.Tensor, slot: LayerSlot) -> torch.Tensor:
+        """The part of each staging row that holds ``slot``'s layer, as that layer's dtype and shape."""
+        part = staging[:, slot.offset : slot.offset + slot.nbytes]
+        return part.view(slot.dtype).view(staging.shape[0], *slot.block_shape)
+
+    def gather_layer(self, layer: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Copy one layer of ``block_ids`` into rows of ``staging`` (row i <- block_ids[i])."""
+        slot = self.slots[layer]
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        self._rows(staging, slot).copy_(self._tensors[slot.name].index_select(0, idx))
+
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Copy rows of ``staging`` into one layer of the paged cache (block_ids[i] <- row i)."""
+        slot = self.slots[layer]
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        src = self._rows(staging, slot).to(self.device, non_blocking=True)
+        self._tensors[slot.name].index_copy_(0, idx, src)
+
+    def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        for layer in range(len(self.slots)):
+            self.gather_layer(layer, block_ids, staging)
+
+    def scatter(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        for layer in range(len(self.slots)):
+            self.scatter_layer(layer, block_ids, staging)
+
+
+def blocks_dim(tensor: torch.Tensor, num_blocks: int, name: str = "kv cache") -> int:
+    """The dimension that indexes blocks: sized ``num_blocks``; if several are, the outermost in memory."""
+    candidates = [d for d, s in enumerate(tensor.shape) if s == num_blocks]
+    if not candidates:
+        raise ValueError(f"{name}: no dimension of shape {tuple(tensor.shape)} has num_blocks={num_blocks}")
+    return max(candidates, key=lambda d: (tensor.stride(d), -d))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

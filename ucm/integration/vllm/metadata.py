@@ -1,0 +1,38 @@
+"""What the scheduler half tells the workers each step (pickled across processes: keep it small)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class BlockTransfer:
+    """Move these blocks of one request between the store and the paged cache."""
+
+    req_id: str
+    store_ids: list[bytes]  # rank-0 store keys; a worker of another rank derives its own
+    block_ids: list[int]  # vLLM block ids, pairwise with store_ids
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+def store_keys(block_ids: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
+    """Each tensor-parallel rank stores its own heads under its own key; one rank needs no suffix."""
+    if tp_size == 1:
+        return list(block_ids)
+    suffix = rank.to_bytes(2, "little")
+    return [b + suffix for b in block_ids]
+
+
+def rank_keys(rank0_keys: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
+    """Rank ``rank``'s keys from the rank-0 keys the scheduler sent."""
+    if tp_size == 1 or rank == 0:
+        return list(rank0_keys)
+    return store_keys([k[:-2] for k in rank0_keys], rank, tp_size)

@@ -1,0 +1,189 @@
+"""The scheduler half of the connector: which blocks to load and which to save, per step.
+
+It runs in vLLM's scheduler process and only decides; workers move the bytes. A request's prompt
+is hashed once (ids are kept for the request's lifetime), the store is asked for the longest
+stored prefix, blocks beyond vLLM's own prefix-cache hit are loaded, and every prompt block that
+becomes full and is not yet stored is saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, store_keys
+from ucm.integration.vllm.stats import StatsRecorder
+from ucm.store import Store
+
+logger = logging.getLogger(__name__)
+
+# kv_transfer_params keys. A producer answers with PARAM_BLOCKS so a consumer knows what to wait for.
+PARAM_BLOCKS = "ucm_blocks"
+
+
+class RequestLike(Protocol):
+    """The fields of vLLM's Request that the scheduler half reads."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int] | None
+    num_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    cache_salt: str | None
+
+
+@dataclass
+class _RequestState:
+    ids: list[bytes]  # store ids of the prompt's full blocks (rank 0)
+    num_prompt_tokens: int
+    stored: int = 0  # leading blocks present in the store at the last lookup
+    load: tuple[int, int] | None = None  # blocks [start, end) to load once vLLM allocated them
+    load_tokens: int = 0  # tokens those blocks give vLLM (one less than the blocks on a full hit)
+    blocks: list[int] = field(default_factory=list)  # vLLM block ids of the request
+    next_save: int = 0  # first prompt block not yet handed to workers for saving
+    wait_started: float | None = None
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        context: HashContext,
+        store: Store,
+        *,
+        can_load: bool,
+        can_save: bool,
+        pd_wait_timeout_s: float,
+        stats: StatsRecorder,
+        tp_size: int = 1,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self._context = context
+        self._hashers: dict[str, BlockHasher] = {}
+        self._store = store
+        self._can_load = can_load
+        self._can_save = can_save
+        self._timeout = pd_wait_timeout_s
+        self._stats = stats
+        self._tp_size = tp_size
+        self._clock = clock
+        self._requests: dict[str, _RequestState] = {}
+        self.block_size = context.block_size
+
+    def _hasher(self, salt: str) -> BlockHasher:
+        hasher = self._hashers.get(salt)
+        if hasher is None:
+            hasher = self._hashers[salt] = BlockHasher(self._context.with_salt(self._context.salt + salt))
+        return hasher
+
+    def _state(self, request: RequestLike) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            prompt = list(request.prompt_token_ids or [])
+            ids = self._hasher(request.cache_salt or "").block_ids(prompt)
+            state = self._requests[request.request_id] = _RequestState(store_keys(ids, 0, self._tp_size), len(prompt))
+        return state
+
+    # -- vLLM: get_num_new_matched_tokens --------------------------------------------------------
+    def num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        state.load = None
+        if not state.ids:
+            return 0, False
+        state.stored = self._store.lookup_prefix(state.ids)
+        state.next_save = state.stored
+        if not self._can_load:
+            return 0, False
+        promised = self._promised_blocks(request, state)
+        if state.stored < promised:
+            now = self._clock()
+            if state.wait_started is None:
+                state.wait_started = now
+            if now - state.wait_started < self._timeout:
+                return None, False  # ask again: the producer's blocks are not all visible yet
+            logger.warning(
+                "request %s: %d of %d promised blocks visible after %.1f s; recomputing the rest",
+                request.request_id,
+                state.stored,
+                promised,
+                self._timeout,
+            )
+            self._stats.add("pd_wait_timeouts", 1)
+            promised = 0
+        if promised and state.wait_started is not None:
+            self._stats.observe("pd_wait_seconds", self._clock() - state.wait_started)
+        state.wait_started = None
+        local_blocks = num_computed_tokens // self.block_size
+        if state.stored <= local_blocks:
+            return 0, False
+        # vLLM must compute at least one token: on a full hit the last token is recomputed
+        # (its block is still loaded whole; the recomputed slot gets the same values).
+        hit_tokens = min(state.stored * self.block_size, request.num_tokens - 1)
+        external = hit_tokens - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        state.load = (local_blocks, state.stored)
+        state.load_tokens = external
+        return external, False
+
+    def _promised_blocks(self, request: RequestLike, state: _RequestState) -> int:
+        params = request.kv_transfer_params or {}
+        promised = params.get(PARAM_BLOCKS)
+        if not isinstance(promised, int) or promised <= 0:
+            return 0
+        return min(promised, len(state.ids))
+
+    # -- vLLM: update_state_after_alloc ----------------------------------------------------------
+    def after_alloc(self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.blocks = list(block_ids)
+        if num_external_tokens == 0:
+            state.load = None
+
+    # -- vLLM: build_connector_meta --------------------------------------------------------------
+    def build_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
+        meta = UCMConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.blocks = list(new.block_ids[0])
+            self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.blocks = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.blocks.extend(new_blocks[0])
+            self._plan(meta, req_id, state, cached.num_computed_tokens[i] + scheduled[req_id])
+        return meta
+
+    def _plan(self, meta: UCMConnectorMetadata, req_id: str, state: _RequestState, computed_after: int) -> None:
+        if state.load is not None:
+            start, end = state.load
+            meta.loads.append(BlockTransfer(req_id, state.ids[start:end], state.blocks[start:end]))
+            self._stats.add("external_hit_tokens", state.load_tokens)
+            state.load = None
+        if not self._can_save:
+            return
+        full = min(computed_after, state.num_prompt_tokens) // self.block_size
+        if full > state.next_save:
+            lo = state.next_save
+            meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full]))
+            state.next_save = full
+
+    # -- vLLM: request_finished ------------------------------------------------------------------
+    def finished(self, request: RequestLike) -> dict[str, Any] | None:
+        state = self._requests.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if state is None or not self._can_save or not params.get("do_remote_decode"):
+            return None
+        # A consumer given these waits until this many leading blocks are visible in the store.
+        return {"do_remote_prefill": True, PARAM_BLOCKS: state.next_save}

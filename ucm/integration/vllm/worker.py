@@ -1,0 +1,193 @@
+"""The worker half of the connector: bytes between the paged KV cache and the store.
+
+Loads start when the step starts (``start_load``) and are copied into each layer just before that
+layer's attention runs (``load_mode: layer``) or all at once (``step``). Saves copy each layer's
+new blocks into host staging as the layer finishes (``save_mode: layer``) or at the step's end,
+then the store writes them in the background: the step waits for the copies, not for the I/O.
+Staging is the connector's own memory, so vLLM may free or reuse the blocks right after the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ucm import metrics
+from ucm.integration.vllm.layout import KVLayout
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
+from ucm.integration.vllm.stats import StatsRecorder
+from ucm.store import Store, Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    transfer: BlockTransfer
+    staging: torch.Tensor
+    task: Task
+    started: float
+    ok: list[bool] | None = None
+
+
+class WorkerSide:
+    def __init__(
+        self, store: Store, *, rank: int, tp_size: int, load_mode: str, save_mode: str, stats: StatsRecorder
+    ) -> None:
+        self._store = store
+        self._rank = rank
+        self._tp_size = tp_size
+        self._load_mode = load_mode
+        self._save_mode = save_mode
+        self._stats = stats
+        self.layout: KVLayout | None = None
+        self._loads: list[_Load] = []
+        self._scattered: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._saves: list[tuple[BlockTransfer, torch.Tensor]] = []
+        self._saved_layers = 0
+        self._inflight: set[Task] = set()
+        self._inflight_lock = threading.Lock()
+        self._store_counters = {
+            "store_corrupt_blocks": metrics.STORE_CORRUPT_BLOCKS,
+            "store_evicted_blocks": metrics.STORE_EVICTED_BLOCKS,
+        }
+        self._store_seen = dict.fromkeys(self._store_counters, 0.0)
+
+    def collect_store_counters(self) -> None:
+        """The store's own counters live in this process, which vLLM's /metrics does not read:
+        forward their increase with the connector's stats."""
+        for key, counter in self._store_counters.items():
+            total = metrics.counter_total(counter)
+            self._stats.add(key, int(total - self._store_seen[key]))
+            self._store_seen[key] = total
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.layout = KVLayout(kv_caches, num_blocks)
+        logger.info(
+            "UCM: %d layers, %d bytes per block payload, %d blocks",
+            len(self.layout.slots),
+            self.layout.block_bytes,
+            num_blocks,
+        )
+
+    def _keys(self, transfer: BlockTransfer) -> list[bytes]:
+        return rank_keys(transfer.store_ids, self._rank, self._tp_size)
+
+    # -- loading ---------------------------------------------------------------------------------
+    def start_load(self, meta: UCMConnectorMetadata) -> None:
+        assert self.layout is not None, "register_kv_caches must run before the first step"
+        self._loads = []
+        for transfer in meta.loads:
+            staging = self.layout.new_staging(len(transfer.block_ids))
+            task = self._store.load(self._keys(transfer), list(staging.numpy()))
+            self._loads.append(_Load(transfer, staging, task, time.perf_counter()))
+        if self._load_mode == "step":
+            for layer in range(len(self.layout.slots)):
+                self._scatter_layer(layer)
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self._loads and self._load_mode == "layer":
+            assert self.layout is not None
+            self._scatter_layer(self.layout.layer_index(layer_name))
+
+    def _scatter_layer(self, layer: int) -> None:
+        assert self.layout is not None
+        self._scattered.add(layer)
+        for load in self._loads:
+            if load.ok is None:
+                self._finish_load(load)
+            good = [i for i, ok in enumerate(load.ok or []) if ok]
+            if not good:
+                continue
+            if len(good) == len(load.transfer.block_ids):
+                self.layout.scatter_layer(layer, load.transfer.block_ids, load.staging)
+            else:
+                rows = load.staging[torch.tensor(good)]
+                self.layout.scatter_layer(layer, [load.transfer.block_ids[i] for i in good], rows)
+
+    def _finish_load(self, load: _Load) -> None:
+        load.ok = load.task.wait()
+        n_ok = sum(load.ok)
+        failed = [b for b, ok in zip(load.transfer.block_ids, load.ok, strict=True) if not ok]
+        if failed:
+            # vLLM recomputes these (and, by chaining, what follows them in the request).
+            self._load_errors.update(failed)
+            logger.warning(
+                "UCM: request %s: %d of %d blocks failed to load; recomputing them",
+                load.transfer.req_id,
+                len(failed),
+                len(load.ok),
+            )
+        assert self.layout is not None
+        self._stats.add("loaded_blocks", n_ok)
+        self._stats.add("loaded_bytes", n_ok * self.layout.block_bytes)
+        self._stats.add("load_failed_blocks", len(failed))
+        self._stats.observe("load_seconds", time.perf_counter() - load.started)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save_layer(self, layer_name: str, meta: UCMConnectorMetadata) -> None:
+        if not meta.saves or self._save_mode != "layer":
+            return
+        assert self.layout is not None
+        if self._saved_layers == 0:
+            self._saves = [(t, self.layout.new_staging(len(t.block_ids))) for t in meta.saves]
+        layer = self.layout.layer_index(layer_name)
+        for transfer, staging in self._saves:
+            self.layout.gather_layer(layer, transfer.block_ids, staging)
+        self._saved_layers += 1
+
+    def finish_step(self, meta: UCMConnectorMetadata) -> None:
+        """End of the step: complete the copies and hand the blocks to the store."""
+        assert self.layout is not None
+        if meta.saves and (self._save_mode == "step" or self._saved_layers < len(self.layout.slots)):
+            # save_mode=step, or layers that never reported (all of them are copied now).
+            self._saves = [(t, self.layout.new_staging(len(t.block_ids))) for t in meta.saves]
+            for transfer, staging in self._saves:
+                self.layout.gather(transfer.block_ids, staging)
+        for transfer, staging in self._saves:
+            self._dump(transfer, staging)
+        if self._loads and len(self._scattered) < len(self.layout.slots):
+            # Loaded KV never reached some layers: fail those blocks so vLLM recomputes them.
+            missing = sorted(set(range(len(self.layout.slots))) - self._scattered)
+            logger.error("UCM: vLLM did not call wait_for_layer_load for layers %s; set load_mode: step", missing)
+            for load in self._loads:
+                self._load_errors.update(load.transfer.block_ids)
+        self._saves = []
+        self._saved_layers = 0
+        self._loads = []
+        self._scattered = set()
+
+    def _dump(self, transfer: BlockTransfer, staging: torch.Tensor) -> None:
+        started = time.perf_counter()
+        task = self._store.dump(self._keys(transfer), list(staging.numpy()))
+        block_bytes = staging.shape[1]
+
+        def done(t: Task, staging: torch.Tensor = staging) -> None:  # holds staging until written
+            ok = t.wait(0)
+            n_ok = sum(ok)
+            self._stats.add("saved_blocks", n_ok)
+            self._stats.add("saved_bytes", n_ok * block_bytes)
+            self._stats.add("save_failed_blocks", len(ok) - n_ok)
+            self._stats.observe("save_seconds", time.perf_counter() - started)
+            with self._inflight_lock:
+                self._inflight.discard(t)
+
+        with self._inflight_lock:
+            self._inflight.add(task)
+        task.add_done_callback(done)
+
+    def close(self) -> None:
+        with self._inflight_lock:
+            pending = list(self._inflight)
+        for task in pending:
+            task.wait()
+        self._store.close()
