@@ -1,0 +1,43 @@
+"""kv_connector_extra_config validation: every error names the field."""
+
+import pytest
+
+from ucm.config import ConfigError
+from ucm.integration.vllm.config import check_vllm_version, parse_connector_config
+
+STORE = {"spec": "posix", "posix": {"roots": ["/tmp"]}}
+
+
+def test_defaults():
+    c = parse_connector_config({"store": STORE})
+    assert (c.hash_algorithm, c.load_mode, c.save_mode, c.load_failure) == ("sha256", "layer", "layer", "recompute")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, r"kv_connector_extra_config\.store: Field required"),
+        (None, r"kv_connector_extra_config\.store: Field required"),
+        ({"store": STORE, "stor": 1}, r"kv_connector_extra_config\.stor: unknown field"),
+        ({"store": {"spec": "s3"}}, r"kv_connector_extra_config\.store\.spec: unknown store 's3'"),
+        ({"store": {"spec": "posix", "posix": {"roots": "/x"}}}, r"kv_connector_extra_config\.store\.posix\.roots"),
+        ({"store": STORE, "hash_algorithm": "crc"}, r"kv_connector_extra_config\.hash_algorithm: .*sha256"),
+        ({"store": STORE, "pd_wait_timeout_s": "soon"}, r"kv_connector_extra_config\.pd_wait_timeout_s"),
+        ({"store": STORE, "load_mode": "async"}, r"kv_connector_extra_config\.load_mode: .*'layer' or 'step'"),
+        ({"store": "posix"}, r"kv_connector_extra_config\.store: Input should be a valid dictionary"),
+    ],
+)
+def test_errors_name_the_field(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_connector_config(extra)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.5+cpu", "0.32.1rc1"])
+def test_supported_versions(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+def test_unsupported_versions_are_refused_clearly(version):
+    with pytest.raises(ConfigError, match=rf"supports vLLM >= 0\.32, < 0\.33; this is vLLM {version}"):
+        check_vllm_version(version)

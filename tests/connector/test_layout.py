@@ -1,0 +1,86 @@
+"""Block payloads from paged KV tensors of every layout vLLM uses (CPU here for real; CUDA shapes
+with CPU tensors of the same shapes and strides)."""
+
+import pytest
+import torch
+
+from ucm.integration.vllm.layout import KVLayout, blocks_dim
+
+NB, BS, H, D = 12, 32, 2, 64
+
+
+def cpu_layout():  # vLLM CPU backend: [blocks, kv_heads, block_size, 2*head_dim]
+    return torch.randn(NB, H, BS, 2 * D)
+
+
+def flash_attn_legacy():  # [2, blocks, block_size, kv_heads, head_dim]
+    return torch.randn(2, NB, BS, H, D)
+
+
+def flashinfer():  # [blocks, 2, block_size, kv_heads, head_dim]
+    return torch.randn(NB, 2, BS, H, D)
+
+
+def token_major_view():  # logical [B, H, N, C] over physical [B, N, H, C] (non-contiguous)
+    return torch.randn(NB, BS, H, 2 * D).permute(0, 2, 1, 3)
+
+
+def bf16_cuda_shape():
+    return torch.randn(2, NB, BS, 8, 128).to(torch.bfloat16)
+
+
+LAYOUTS = [cpu_layout, flash_attn_legacy, flashinfer, token_major_view, bf16_cuda_shape]
+
+
+def reference_payload(tensors: dict[str, torch.Tensor], block: int) -> bytes:
+    out = b""
+    for t in tensors.values():
+        d = blocks_dim(t, NB)
+        out += t.select(d, block).contiguous().view(torch.uint8).numpy().tobytes()
+    return out
+
+
+@pytest.mark.parametrize("make", LAYOUTS)
+def test_gather_matches_per_block_reference(make):
+    kv = {f"layer{i}": make() for i in range(3)}
+    layout = KVLayout(kv, NB)
+    blocks = [7, 0, 11, 3]
+    staging = layout.new_staging(len(blocks))
+    layout.gather(blocks, staging)
+    for row, b in enumerate(blocks):
+        assert staging[row].numpy().tobytes() == reference_payload(kv, b)
+
+
+@pytest.mark.parametrize("make", LAYOUTS)
+def test_scatter_restores_blocks_into_other_slots_and_touches_nothing_else(make):
+    src = {f"layer{i}": make() for i in range(2)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    layout_src, layout_dst = KVLayout(src, NB), KVLayout(dst, NB)
+    staging = layout_src.new_staging(3)
+    layout_src.gather([1, 5, 9], staging)
+    layout_dst.scatter([2, 4, 6], staging)
+    for name in src:
+        d = blocks_dim(src[name], NB)
+        for s, t in ((1, 2), (5, 4), (9, 6)):
+            assert torch.equal(src[name].select(d, s), dst[name].select(d, t))
+        untouched = [b for b in range(NB) if b not in (2, 4, 6)]
+        assert all(not dst[name].select(d, b).any() for b in untouched)
+
+
+def test_payload_size_and_offsets():
+    kv = {"a": cpu_layout(), "b": cpu_layout()}
+    layout = KVLayout(kv, NB)
+    per_layer = H * BS * 2 * D * 4
+    assert layout.block_bytes == 2 * per_layer
+    assert [s.offset for s in layout.slots] == [0, per_layer]
+    assert layout.layer_index("b") == 1
+
+
+def test_blocks_dim_prefers_the_outermost_when_sizes_collide():
+    t = torch.zeros(2, 32, 32, 2, 64)  # num_blocks == block_size == 32
+    assert blocks_dim(t, 32) == 1
+
+
+def test_no_blocks_dim_is_a_clear_error():
+    with pytest.raises(ValueError, match="num_blocks=99"):
+        KVLayout({"layer0": torch.zeros(4, 4)}, 99)

@@ -1,0 +1,214 @@
+"""The scheduler half's decisions, with a real store and request objects shaped like vLLM's."""
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.metadata import rank_keys, store_keys
+from ucm.integration.vllm.scheduler import PARAM_BLOCKS, SchedulerSide
+from ucm.integration.vllm.stats import StatsRecorder
+from ucm.store import create_store
+
+BS = 4
+CTX = HashContext(model="m", dtype="float32", block_size=BS)
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+    cache_salt: str | None = None
+    extra: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.extra)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    yield s
+    s.close()
+
+
+def side(store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_size=1) -> SchedulerSide:
+    return SchedulerSide(
+        CTX,
+        store,
+        can_load=can_load,
+        can_save=can_save,
+        pd_wait_timeout_s=timeout,
+        stats=StatsRecorder(),
+        tp_size=tp_size,
+        clock=clock or Clock(),
+    )
+
+
+def put(store, tokens, n_blocks, salt=""):
+    ids = BlockHasher(CTX.with_salt(salt)).block_ids(tokens)[:n_blocks]
+    store.wait(store.dump(ids, [b"x"] * len(ids)))
+
+
+def step(new=(), cached=(), resumed=(), scheduled=None):
+    """A SchedulerOutput-shaped object."""
+    new_reqs = [SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new]
+    cached_reqs = SimpleNamespace(
+        req_ids=[r for r, _, _ in cached],
+        new_block_ids=[(b,) if b else None for _, b, _ in cached],
+        num_computed_tokens=[c for _, _, c in cached],
+        resumed_req_ids=set(resumed),
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=scheduled or {}
+    )
+
+
+TOKENS = list(range(100, 118))  # 18 tokens: 4 full blocks + 2
+
+
+def test_loads_beyond_the_local_hit_and_saves_the_rest(store):
+    put(store, TOKENS, 3)
+    s = side(store)
+    req = Req("r", TOKENS)
+    assert s.num_new_matched_tokens(req, 4) == (8, False)  # local 1 block, store 3 -> load blocks 1..2
+    s.after_alloc(req, [10, 11, 12, 13, 14], 8)
+    meta = s.build_meta(step(new=[("r", [10, 11, 12, 13, 14], 12)], scheduled={"r": 6}))
+    [load] = meta.loads
+    assert load.block_ids == [11, 12]
+    assert load.store_ids == BlockHasher(CTX).block_ids(TOKENS)[1:3]
+    [save] = meta.saves
+    assert save.block_ids == [13]  # block 3 becomes full this step; 4 is partial
+    assert s._stats.take().data["external_hit_tokens"] == 8
+
+
+def test_full_hit_leaves_one_token_to_compute(store):
+    tokens = list(range(16))  # exactly 4 blocks
+    put(store, tokens, 4)
+    s = side(store)
+    assert s.num_new_matched_tokens(Req("r", tokens), 0) == (15, False)
+    s.after_alloc(Req("r", tokens), [1, 2, 3, 4], 15)
+    meta = s.build_meta(step(new=[("r", [1, 2, 3, 4], 15)], scheduled={"r": 1}))
+    assert meta.loads[0].block_ids == [1, 2, 3, 4]  # the last block is loaded whole
+    assert meta.saves == []
+
+
+def test_no_hit_beyond_local_means_no_load(store):
+    put(store, TOKENS, 2)
+    s = side(store)
+    assert s.num_new_matched_tokens(Req("r", TOKENS), 8) == (0, False)
+
+
+def test_chunked_prefill_saves_blocks_as_they_fill(store):
+    s = side(store)
+    req = Req("r", TOKENS)
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    s.after_alloc(req, [5, 6], 0)
+    first = s.build_meta(step(new=[("r", [5, 6], 0)], scheduled={"r": 6}))
+    assert [t.block_ids for t in first.saves] == [[5]]
+    second = s.build_meta(step(cached=[("r", [7, 8, 9], 6)], scheduled={"r": 12}))
+    assert [t.block_ids for t in second.saves] == [[6, 7, 8]]
+    third = s.build_meta(step(cached=[("r", None, 18)], scheduled={"r": 1}))  # decoding: nothing new
+    assert third.saves == []
+
+
+def test_consumer_never_saves_and_producer_never_loads(store):
+    put(store, TOKENS, 4)
+    consumer, producer = side(store, can_save=False), side(store, can_load=False)
+    req = Req("r", TOKENS)
+    assert consumer.num_new_matched_tokens(req, 0)[0] == 16
+    consumer.after_alloc(req, [1, 2, 3, 4, 5], 16)
+    assert consumer.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 16)], scheduled={"r": 2})).saves == []
+    assert producer.num_new_matched_tokens(Req("p", TOKENS), 0) == (0, False)
+    other = list(range(500, 512))
+    assert producer.num_new_matched_tokens(Req("q", other), 0) == (0, False)
+    producer.after_alloc(Req("q", other), [1, 2, 3], 0)
+    assert producer.build_meta(step(new=[("q", [1, 2, 3], 0)], scheduled={"q": 12})).saves[0].block_ids == [1, 2, 3]
+
+
+def test_blocks_already_stored_are_not_saved_again(store):
+    put(store, TOKENS, 2)
+    s = side(store, can_load=False)
+    s.num_new_matched_tokens(Req("r", TOKENS), 0)
+    s.after_alloc(Req("r", TOKENS), [1, 2, 3, 4, 5], 0)
+    meta = s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 0)], scheduled={"r": 18}))
+    assert meta.saves[0].block_ids == [3, 4]
+
+
+def test_cache_salt_separates_tenants(store):
+    put(store, TOKENS, 4, salt="a")
+    s = side(store)
+    assert s.num_new_matched_tokens(Req("x", TOKENS, cache_salt="a"), 0)[0] == 16
+    assert s.num_new_matched_tokens(Req("y", TOKENS, cache_salt="b"), 0) == (0, False)
+    assert s.num_new_matched_tokens(Req("z", TOKENS), 0) == (0, False)
+
+
+def test_pd_consumer_asks_again_until_promised_blocks_are_visible(store):
+    clock = Clock()
+    s = side(store, clock=clock, timeout=5)
+    req = Req("r", TOKENS, kv_transfer_params={"do_remote_prefill": True, PARAM_BLOCKS: 4})
+    assert s.num_new_matched_tokens(req, 0) == (None, False)
+    clock.now += 1
+    put(store, TOKENS, 4)
+    assert s.num_new_matched_tokens(req, 0) == (16, False)
+    data = s._stats.take().data
+    assert data["pd_wait_seconds"] == [1.0]
+    assert "pd_wait_timeouts" not in data
+
+
+def test_pd_consumer_gives_up_after_the_timeout(store):
+    clock = Clock()
+    s = side(store, clock=clock, timeout=5)
+    put(store, TOKENS, 1)
+    req = Req("r", TOKENS, kv_transfer_params={"do_remote_prefill": True, PARAM_BLOCKS: 4})
+    assert s.num_new_matched_tokens(req, 0) == (None, False)
+    clock.now += 5
+    assert s.num_new_matched_tokens(req, 0) == (4, False)  # what is there, then recompute
+    assert s._stats.take().data["pd_wait_timeouts"] == 1
+
+
+def test_producer_promises_its_blocks_only_when_asked(store):
+    s = side(store, can_load=False)
+    plain, pd = Req("a", TOKENS), Req("b", TOKENS, kv_transfer_params={"do_remote_decode": True})
+    for r in (plain, pd):
+        s.num_new_matched_tokens(r, 0)
+        s.after_alloc(r, [1, 2, 3, 4, 5], 0)
+    s.build_meta(step(new=[("a", [1, 2, 3, 4, 5], 0), ("b", [1, 2, 3, 4, 5], 0)], scheduled={"a": 18, "b": 18}))
+    assert s.finished(plain) is None
+    assert s.finished(pd) == {"do_remote_prefill": True, PARAM_BLOCKS: 4}
+    assert s.finished(pd) is None  # state is gone once finished
+
+
+def test_resumed_request_replaces_its_block_list(store):
+    put(store, TOKENS, 2)
+    s = side(store)
+    req = Req("r", TOKENS)
+    s.num_new_matched_tokens(req, 0)
+    s.after_alloc(req, [1, 2, 3, 4, 5], 8)
+    s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 8)], scheduled={"r": 10}))
+    put(store, TOKENS, 4)  # the workers wrote the blocks that step planned
+    # preempted, then resumed with fresh blocks: vLLM asks again and sends the whole new list
+    assert s.num_new_matched_tokens(req, 0)[0] == 16
+    s.after_alloc(req, [20, 21, 22, 23, 24], 16)
+    meta = s.build_meta(step(cached=[("r", [20, 21, 22, 23, 24], 16)], resumed=["r"], scheduled={"r": 2}))
+    assert meta.loads[0].block_ids == [20, 21, 22, 23]
+
+
+def test_tensor_parallel_ranks_use_their_own_keys():
+    ids = [b"a" * 32, b"b" * 32]
+    assert store_keys(ids, 0, 1) == ids
+    rank0 = store_keys(ids, 0, 2)
+    rank1 = rank_keys(rank0, 1, 2)
+    assert rank0 != rank1 and len({*rank0, *rank1}) == 4
+    assert rank_keys(rank0, 0, 2) == rank0

@@ -1,0 +1,99 @@
+"""The worker half moving real tensors through a real store, without an engine."""
+
+import pytest
+import torch
+
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.stats import StatsRecorder
+from ucm.integration.vllm.worker import WorkerSide
+from ucm.store import create_store
+
+NB, LAYERS = 16, 3
+
+
+def kv_caches(fill: bool) -> dict[str, torch.Tensor]:
+    make = torch.randn if fill else torch.zeros
+    return {f"model.layers.{i}.attn": make(NB, 2, 32, 128) for i in range(LAYERS)}
+
+
+def worker(store_root, load_mode="layer", save_mode="layer") -> WorkerSide:
+    store = create_store({"spec": "posix", "posix": {"roots": [str(store_root)]}})
+    return WorkerSide(store, rank=0, tp_size=1, load_mode=load_mode, save_mode=save_mode, stats=StatsRecorder())
+
+
+def run_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: UCMConnectorMetadata, report_layers=True) -> None:
+    """What vLLM does in one forward: load, then per layer wait-load / compute / save, then step end."""
+    w.start_load(meta)
+    for name in kv:
+        if report_layers:
+            w.wait_layer(name)
+            w.save_layer(name, meta)
+    w.finish_step(meta)
+
+
+IDS = [bytes([i]) * 32 for i in range(4)]
+
+
+@pytest.mark.parametrize(("load_mode", "save_mode"), [("layer", "layer"), ("step", "step"), ("layer", "step")])
+def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode):
+    src_kv, dst_kv = kv_caches(True), kv_caches(False)
+    producer = worker(tmp_path, load_mode, save_mode)
+    producer.register(src_kv, NB)
+    run_step(producer, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS, [3, 4, 5, 6])]))
+    producer.close()
+    consumer = worker(tmp_path, load_mode, save_mode)
+    consumer.register(dst_kv, NB)
+    run_step(consumer, dst_kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [10, 11, 12, 13])]))
+    for name in src_kv:
+        assert torch.equal(dst_kv[name][10:14], src_kv[name][3:7])
+        assert not dst_kv[name][:10].any()
+    assert consumer.take_load_errors() == set()
+    stats = consumer._stats.take().data
+    assert stats["loaded_blocks"] == 4
+    consumer.close()
+
+
+def test_failed_blocks_are_reported_and_not_written(tmp_path):
+    src_kv, dst_kv = kv_caches(True), kv_caches(False)
+    producer = worker(tmp_path)
+    producer.register(src_kv, NB)
+    run_step(producer, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:3], [0, 1, 2])]))
+    producer.close()
+    consumer = worker(tmp_path)
+    consumer.register(dst_kv, NB)
+    meta = UCMConnectorMetadata(loads=[BlockTransfer("r", [*IDS[:3], b"missing" * 4], [7, 8, 9, 10])])
+    run_step(consumer, dst_kv, meta)
+    assert consumer.take_load_errors() == {10}
+    assert consumer.take_load_errors() == set()  # reported once
+    for name in src_kv:
+        assert torch.equal(dst_kv[name][7:10], src_kv[name][0:3])
+        assert not dst_kv[name][10].any()
+    consumer.close()
+
+
+def test_layers_never_waited_for_fail_their_loads(tmp_path):
+    kv = kv_caches(True)
+    w = worker(tmp_path, load_mode="layer")
+    w.register(kv, NB)
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [0, 1])]))
+    run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]), report_layers=False)
+    assert w.take_load_errors() == {5, 6}
+    w.close()
+
+
+def test_saves_do_not_block_on_the_store_and_survive_buffer_reuse(tmp_path):
+    src_kv = kv_caches(True)
+    w = worker(tmp_path)
+    w.register(src_kv, NB)
+    expected = {name: t[0:2].clone() for name, t in src_kv.items()}
+    run_step(w, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [0, 1])]))
+    for t in src_kv.values():
+        t[0:2] = 0  # vLLM reuses the blocks right after the step
+    w.close()  # waits for in-flight dumps
+    dst_kv = kv_caches(False)
+    r = worker(tmp_path)
+    r.register(dst_kv, NB)
+    run_step(r, dst_kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [0, 1])]))
+    for name in dst_kv:
+        assert torch.equal(dst_kv[name][0:2], expected[name])
+    r.close()
