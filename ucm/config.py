@@ -38,5 +38,7 @@ def format_validation_error(exc: ValidationError, where: str = "") -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
         lines.append(f"{path}: {msg}")
     return "; ".join(lines)

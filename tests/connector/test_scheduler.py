@@ -212,3 +212,13 @@ def test_tensor_parallel_ranks_use_their_own_keys():
     rank1 = rank_keys(rank0, 1, 2)
     assert rank0 != rank1 and len({*rank0, *rank1}) == 4
     assert rank_keys(rank0, 0, 2) == rank0
+
+
+def test_multimodal_requests_bypass_the_store(store):
+    put(store, TOKENS, 4)
+    s = side(store)
+    req = Req("r", TOKENS)
+    req.mm_features = ["an image"]
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    s.after_alloc(req, [1, 2, 3, 4, 5], 0)
+    assert s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 0)], scheduled={"r": 18})).saves == []

@@ -54,6 +54,7 @@ class ModelSpec:
     num_kv_heads: int
     intermediate_size: int
     train_steps: int
+    train_batch: int = 16
     max_position_embeddings: int = 4096
     seed: int = 1234
     version: int = 1  # bump when the recipe changes: the cache key changes with it
@@ -162,7 +163,7 @@ def _train(model, ids, spec: ModelSpec) -> None:  # type: ignore[no-untyped-def]
 
     gen = torch.Generator().manual_seed(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if spec.hidden_size <= 256 else 1e-3)
-    seq, batch = 64, 16
+    seq, batch = 64, spec.train_batch
     for _ in range(spec.train_steps):
         starts = torch.randint(0, len(ids) - seq - 1, (batch,), generator=gen)
         x = torch.stack([ids[s : s + seq] for s in starts])

@@ -82,7 +82,10 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = list(request.prompt_token_ids or [])
-            ids = self._hasher(request.cache_salt or "").block_ids(prompt)
+            # Multimodal placeholders are the same tokens for different images: such a prompt's
+            # blocks are not named by its tokens, so it bypasses the store entirely.
+            multimodal = bool(getattr(request, "mm_features", None))
+            ids = [] if multimodal else self._hasher(request.cache_salt or "").block_ids(prompt)
             state = self._requests[request.request_id] = _RequestState(store_keys(ids, 0, self._tp_size), len(prompt))
         return state
 
@@ -173,7 +176,7 @@ class SchedulerSide:
             state.load = None
         if not self._can_save:
             return
-        full = min(computed_after, state.num_prompt_tokens) // self.block_size
+        full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.ids))
         if full > state.next_save:
             lo = state.next_save
             meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full]))

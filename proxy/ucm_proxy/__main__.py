@@ -1,0 +1,5 @@
+import sys
+
+from ucm_proxy.cli import main
+
+sys.exit(main())

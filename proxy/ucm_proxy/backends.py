@@ -1,0 +1,97 @@
+"""Backends, their health, and how one is chosen for a request.
+
+Health is active (a periodic GET of each backend's health path) and passive (a request that fails
+to connect or gets a 5xx counts against its backend): ``eject_after`` consecutive failures eject
+a backend for a backoff that doubles with each ejection; a passing health check brings it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Iterable
+
+from ucm_proxy import metrics
+from ucm_proxy.config import HealthConfig, Policy, RoutingConfig
+
+
+class Backend:
+    __slots__ = ("consecutive_failures", "ejected_until", "ejections", "healthy", "in_flight", "key", "role", "url")
+
+    def __init__(self, url: str, role: str) -> None:
+        self.url = url
+        self.role = role
+        self.in_flight = 0
+        self.healthy = True  # optimistic until the first check: serving starts at once
+        self.consecutive_failures = 0
+        self.ejected_until = 0.0
+        self.ejections = 0
+        self.key = hashlib.blake2b(url.encode(), digest_size=8).digest()
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.ejected_until
+
+    def __repr__(self) -> str:
+        return f"Backend({self.url}, {self.role}, in_flight={self.in_flight}, healthy={self.healthy})"
+
+
+class Pool:
+    """The backends of one role and the policy that picks among them."""
+
+    def __init__(self, role: str, urls: Iterable[str], policy: Policy, routing: RoutingConfig, health: HealthConfig):
+        self.role = role
+        self.policy = policy
+        self.routing = routing
+        self.health = health
+        self.backends: list[Backend] = []
+        self._rr = itertools.count()
+        self.set_urls(urls)
+
+    def set_urls(self, urls: Iterable[str]) -> None:
+        """Replace the member list (discovery), keeping the state of backends that stay."""
+        current = {b.url: b for b in self.backends}
+        self.backends = [current.get(u) or Backend(u, self.role) for u in dict.fromkeys(urls)]
+        for b in self.backends:
+            metrics.BACKEND_HEALTHY.labels(b.url, self.role).set(1 if b.healthy else 0)
+
+    def available(self, exclude: frozenset[str] = frozenset()) -> list[Backend]:
+        now = time.monotonic()
+        return [b for b in self.backends if b.available(now) and b.url not in exclude]
+
+    def pick(self, affinity_key: bytes | None = None, exclude: frozenset[str] = frozenset()) -> Backend | None:
+        candidates = self.available(exclude)
+        if not candidates:
+            return None
+        if self.policy == "round_robin":
+            return candidates[next(self._rr) % len(candidates)]
+        if self.policy == "prefix_affinity" and affinity_key is not None:
+            # Rendezvous hashing: a backend leaving only moves the prefixes it owned.
+            chosen = max(candidates, key=lambda b: hashlib.blake2b(affinity_key + b.key, digest_size=8).digest())
+            if chosen.in_flight < self.routing.saturation:
+                return chosen
+        return min(candidates, key=lambda b: b.in_flight)
+
+    # -- passive health --------------------------------------------------------------------------
+    def record_success(self, backend: Backend) -> None:
+        backend.consecutive_failures = 0
+
+    def record_failure(self, backend: Backend) -> None:
+        backend.consecutive_failures += 1
+        if backend.consecutive_failures >= self.health.eject_after:
+            backoff = min(self.health.backoff_s * 2**backend.ejections, self.health.backoff_max_s)
+            backend.ejected_until = time.monotonic() + backoff
+            backend.ejections += 1
+            backend.consecutive_failures = 0
+            metrics.EJECTIONS.labels(backend.url, self.role).inc()
+
+    # -- active health ---------------------------------------------------------------------------
+    def record_check(self, backend: Backend, ok: bool) -> None:
+        if ok:
+            backend.healthy = True
+            backend.ejected_until = 0.0
+            backend.ejections = 0
+            backend.consecutive_failures = 0
+        else:
+            backend.healthy = False
+        metrics.BACKEND_HEALTHY.labels(backend.url, self.role).set(1 if backend.healthy else 0)

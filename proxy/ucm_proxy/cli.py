@@ -1,0 +1,94 @@
+"""``ucm-proxy``: flags and/or a YAML file; flags win over the file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ucm.config import ConfigError, parse_config
+from ucm_proxy.config import ProxyConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ucm-proxy", description="OpenAI-compatible prefill/decode proxy for vLLM")
+    p.add_argument("--config", "-c", help="YAML file with any of the options below (and more: routing, health...)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--mode", choices=["pd", "mixed"])
+    p.add_argument("--prefill", action="append", metavar="URL", help="prefill backend (repeatable)")
+    p.add_argument("--decode", action="append", metavar="URL", help="decode backend (repeatable)")
+    p.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding", "prefix_affinity"])
+    p.add_argument("--decode-policy", choices=["round_robin", "least_outstanding", "prefix_affinity"])
+    p.add_argument("--retries", type=int)
+    p.add_argument("--fallback-to-decode", action="store_true", default=None)
+    p.add_argument("--api-keys-file", help="file with one accepted API key per line")
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def load_config(args: argparse.Namespace) -> ProxyConfig:
+    data: dict[str, Any] = {}
+    if args.config:
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--config: cannot read {args.config}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config: {args.config} must hold a mapping of options")
+        data = loaded
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "mode": args.mode,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "retries": args.retries,
+        "fallback_to_decode": args.fallback_to_decode,
+        "api_keys_file": args.api_keys_file,
+        "max_body_bytes": args.max_body_bytes,
+    }
+    data.update({k: v for k, v in flags.items() if v is not None})
+    routing = dict(data.get("routing") or {})
+    if args.prefill_policy:
+        routing["prefill"] = args.prefill_policy
+    if args.decode_policy:
+        routing["decode"] = args.decode_policy
+    if routing:
+        data["routing"] = routing
+    return parse_config(ProxyConfig, data, "proxy")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args)
+        config.accepted_keys()  # an unreadable keys file is a startup error, not a per-request one
+    except (ConfigError, OSError) as exc:
+        print(f"ucm-proxy: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from ucm_proxy.app import create_app
+
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Proxy configuration: flags and/or a YAML file, validated with errors naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ucm.config import StrictModel
+
+Policy = Literal["round_robin", "least_outstanding", "prefix_affinity"]
+
+
+class RoutingConfig(StrictModel):
+    prefill: Policy = Field("prefix_affinity", description="How a prefill backend is chosen")
+    decode: Policy = Field("least_outstanding", description="How a decode (or mixed) backend is chosen")
+    prefix_chars: int = Field(512, ge=16, description="Leading prompt characters that prefix affinity hashes")
+    saturation: int = Field(
+        32, ge=1, description="In-flight requests at which prefix affinity gives way to the least-loaded backend"
+    )
+
+
+class TimeoutsConfig(StrictModel):
+    connect_s: float = Field(5.0, gt=0)
+    prefill_s: float = Field(600.0, gt=0, description="Whole prefill request")
+    first_byte_s: float = Field(600.0, gt=0, description="Until the decode backend's response starts")
+    idle_s: float = Field(600.0, gt=0, description="Longest silence inside a streamed response")
+
+
+class HealthConfig(StrictModel):
+    interval_s: float = Field(5.0, gt=0, description="Active health check period")
+    path: str = "/health"
+    eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a backend")
+    backoff_s: float = Field(1.0, gt=0, description="First ejection length; doubles each time, up to backoff_max_s")
+    backoff_max_s: float = Field(60.0, gt=0)
+
+
+class DiscoveryConfig(StrictModel):
+    """Backends from Kubernetes EndpointSlices (the proxy's ServiceAccount may list/watch them)."""
+
+    namespace: str
+    prefill_service: str | None = Field(None, description="Service whose EndpointSlices are prefill backends")
+    decode_service: str = Field(description="Service whose EndpointSlices are decode backends")
+    port_name: str = Field("http", description="EndpointSlice port name of the vLLM server")
+    api_server: str | None = Field(None, description="Default: the in-cluster API server")
+    token_path: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    ca_path: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+
+
+class ProxyConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    mode: Literal["pd", "mixed"] = Field("pd", description="pd: prefill then decode; mixed: whole requests")
+    prefill: list[str] = Field(default_factory=list, description="Prefill backend base URLs")
+    decode: list[str] = Field(default_factory=list, description="Decode (or mixed) backend base URLs")
+    discovery: DiscoveryConfig | None = None
+    routing: RoutingConfig = RoutingConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
+    retries: int = Field(1, ge=0, le=10, description="Extra attempts on another backend per request phase")
+    fallback_to_decode: bool = Field(False, description="pd: with no prefill backend, let decode do it all")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth")
+    api_keys_file: Path | None = Field(None, description="File with one accepted key per line (a Secret)")
+    max_body_bytes: int = Field(4 << 20, gt=0, description="Larger request bodies get 413")
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for u in urls:
+            if not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
+                raise ValueError(f"{u!r} is not an http(s):// URL")
+        return [u.rstrip("/") for u in urls]
+
+    @model_validator(mode="after")
+    def _enough_backends(self) -> ProxyConfig:
+        if self.discovery is None:
+            if not self.decode and not (self.mode == "mixed" and self.prefill):
+                raise ValueError("decode: at least one backend URL is needed (or discovery)")
+            if self.mode == "pd" and not self.prefill and not self.fallback_to_decode:
+                raise ValueError("prefill: mode pd needs prefill backends (or fallback_to_decode: true)")
+        return self
+
+    def accepted_keys(self) -> set[str]:
+        keys = set(self.api_keys)
+        if self.api_keys_file is not None:
+            keys |= {line.strip() for line in self.api_keys_file.read_text().splitlines() if line.strip()}
+        return keys

@@ -1,0 +1,20 @@
+"""``ucm_proxy_*`` Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+REQUESTS = Counter("ucm_proxy_requests_total", "Client requests by route and status", ["route", "status"])
+LATENCY = Histogram("ucm_proxy_request_seconds", "Client request duration", ["route"], buckets=_BUCKETS)
+TTFB = Histogram(
+    "ucm_proxy_time_to_first_byte_seconds", "From request to the first response byte", ["route"], buckets=_BUCKETS
+)
+IN_FLIGHT = Gauge("ucm_proxy_backend_in_flight", "Requests in flight per backend", ["backend", "role"])
+BACKEND_HEALTHY = Gauge("ucm_proxy_backend_healthy", "1 when the backend passes its health check", ["backend", "role"])
+EJECTIONS = Counter(
+    "ucm_proxy_backend_ejections_total", "Backends ejected after consecutive failures", ["backend", "role"]
+)
+RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])
+PD_FALLBACKS = Counter("ucm_proxy_pd_fallbacks_total", "PD requests served by decode alone (no prefill backend)")

@@ -1,0 +1,166 @@
+"""Bad input gets a 4xx OpenAI error naming the field; the official openai client works unchanged."""
+
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ucm.testing.fake_vllm import MODEL
+
+COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+
+
+@pytest.fixture
+def proxy(fakes, make_proxy):
+    p, d = fakes.add("p"), fakes.add("d")
+    running = make_proxy(prefill=[p.url], decode=[d.url], max_body_bytes=2048)
+    with running.client() as c:
+        c.get("/v1/models")  # learn the served models, so unknown ones are 404
+    return running
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        ("/v1/completions", b"{nope", 400, None),
+        ("/v1/completions", b"", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", {"prompt": "x"}, 400, "model"),
+        ("/v1/completions", {"model": 7, "prompt": "x"}, 400, "model"),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": 3}, 400, "stream_options"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": ["hi"]}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{}], "max_completion_tokens": -1},
+            400,
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, 413, None),
+    ],
+)
+def test_bad_requests(proxy, route, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with proxy.client() as c:
+        r = c.post(route, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == status and error["message"]
+
+
+def test_api_keys(fakes, make_proxy, tmp_path):
+    p, d = fakes.add("p"), fakes.add("d")
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\n\nkey-two\n")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], api_keys_file=str(keys))
+    with proxy.client() as c:
+        assert c.post("/v1/completions", json=COMPLETION).status_code == 401
+        r = c.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert (
+            c.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer key-two"}).status_code == 200
+        )
+        assert c.get("/health").status_code == 200  # probes need no key
+
+
+def test_a_backend_4xx_is_passed_to_the_client_not_retried(fakes, make_proxy):
+    from ucm.testing.fake_vllm import Behaviour
+
+    p = fakes.add("p", Behaviour(fail_next=["400"]))
+    other_p, d = fakes.add("p2"), fakes.add("d")
+    proxy = make_proxy(prefill=[p.url, other_p.url], decode=[d.url], routing={"prefill": "round_robin"})
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt too long"
+    assert other_p.requests == [] and d.requests == []
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=10,
+)
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from([MODEL, "", "other"]) | json_values,
+        "prompt": st.text(max_size=50) | json_values,
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=20)}), max_size=2
+        )
+        | json_values,
+        "max_tokens": st.integers(-2, 20) | json_values,
+        "max_completion_tokens": st.integers(-2, 20) | json_values,
+        "stream": st.booleans() | json_values,
+        "stream_options": json_values,
+        "kv_transfer_params": json_values,
+        "temperature": json_values,
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=fields | json_values, chat=st.booleans())
+def test_fuzzed_bodies_never_get_a_proxy_5xx(proxy, body, chat):
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    with proxy.client() as c:
+        r = c.post(route, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code < 500, (body, r.status_code, r.text)
+
+
+def test_openai_client_unchanged(proxy):
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert done.choices[0].text == " t0 t1 t2 t3"
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True)
+    )
+    assert streamed == " t0 t1 t2 t3"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert chat.choices[0].message.content == " t0 t1 t2"
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == " t0 t1 t2"
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--decode", "ftp://x"], r"proxy\.decode: Value error|proxy\.decode: .*not an http"),
+        (["--mode", "pd", "--decode", "http://d:1"], r"prefill: mode pd needs prefill backends"),
+        (["--prefill", "http://p:1"], r"decode: at least one backend"),
+        (["--decode", "http://d:1", "--prefill", "http://p:1", "--port", "99999"], r"proxy\.port"),
+        (["--config", "/no/such.yaml"], r"--config: cannot read"),
+    ],
+)
+def test_cli_config_errors_name_the_field(args, message):
+    r = subprocess.run([sys.executable, "-m", "ucm_proxy", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert __import__("re").search(message, r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_yaml_config_and_flags(tmp_path):
+    from ucm_proxy.cli import build_parser, load_config
+
+    path = tmp_path / "proxy.yaml"
+    path.write_text("mode: pd\nprefill: [http://p:8000/]\ndecode: [http://d:8000]\nrouting: {prefill: round_robin}\n")
+    config = load_config(
+        build_parser().parse_args(["-c", str(path), "--decode-policy", "prefix_affinity", "--port", "9"])
+    )
+    assert config.prefill == ["http://p:8000"] and config.port == 9
+    assert (config.routing.prefill, config.routing.decode) == ("round_robin", "prefix_affinity")

@@ -1,0 +1,276 @@
+"""The PD proxy against fake vLLM backends over real HTTP: the request path, routing, failures."""
+
+import json
+import time
+
+import httpx
+import pytest
+
+from ucm.testing.fake_vllm import MODEL, Behaviour
+
+COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.fixture
+def pd(fakes, make_proxy):
+    p1, p2 = fakes.add("p1"), fakes.add("p2")
+    d1, d2 = fakes.add("d1"), fakes.add("d2")
+    proxy = make_proxy(
+        prefill=[p1.url, p2.url], decode=[d1.url, d2.url], routing={"prefill": "round_robin", "decode": "round_robin"}
+    )
+    return proxy, (p1, p2), (d1, d2)
+
+
+def all_requests(servers):
+    return [r for s in servers for r in s.requests]
+
+
+def test_pd_completion_sends_prefill_then_decode_with_its_params(pd):
+    proxy, prefills, decodes = pd
+    with proxy.client() as c:
+        r = c.post(
+            "/v1/completions",
+            json={**COMPLETION, "stream_options": {"include_usage": True}},
+            headers={"X-Request-Id": "req-42", "Authorization": "Bearer user-token"},
+        )
+    assert r.status_code == 200, r.text
+    [pre] = all_requests(prefills)
+    [dec] = all_requests(decodes)
+    assert pre["body"]["max_tokens"] == 1 and pre["body"]["stream"] is False
+    assert "stream_options" not in pre["body"]
+    assert pre["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+    params = dec["body"]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["prefilled_by"] in ("p1", "p2")
+    assert dec["body"]["max_tokens"] == 5 and dec["body"]["stream_options"] == {"include_usage": True}
+    for req in (pre, dec):
+        assert req["headers"]["X-Request-Id"] == "req-42"
+        assert req["headers"]["Authorization"] == "Bearer user-token"
+    assert r.headers["x-request-id"] == "req-42"
+    assert r.json()["choices"][0]["text"] == " t0 t1 t2 t3 t4"
+
+
+def test_request_id_is_created_when_absent(pd):
+    proxy, prefills, decodes = pd
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+    rid = r.headers["x-request-id"]
+    assert len(rid) >= 16
+    assert all_requests(prefills)[0]["headers"]["X-Request-Id"] == rid
+    assert all_requests(decodes)[0]["headers"]["X-Request-Id"] == rid
+
+
+def test_pd_chat_caps_max_completion_tokens_for_prefill(pd):
+    proxy, prefills, decodes = pd
+    with proxy.client() as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+    [pre] = all_requests(prefills)
+    assert pre["body"]["max_completion_tokens"] == 1 and pre["body"]["max_tokens"] == 1
+    assert all_requests(decodes)[0]["body"]["max_completion_tokens"] == 4
+    assert r.json()["choices"][0]["message"]["content"] == " t0 t1 t2 t3"
+
+
+def test_streaming_is_passed_through_chunk_by_chunk(fakes, make_proxy):
+    p = fakes.add("p")
+    d = fakes.add("d", Behaviour(chunks=6, chunk_delay_s=0.15))
+    proxy = make_proxy(prefill=[p.url], decode=[d.url])
+    arrivals = []
+    with (
+        proxy.client() as c,
+        c.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 6, "stream": True}) as r,
+    ):
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for chunk in r.iter_bytes():
+            arrivals.append((time.monotonic(), chunk))
+    events = sse_events(b"".join(c for _, c in arrivals).decode())
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == [f" t{i}" for i in range(6)]
+    # Not buffered whole: the chunks arrived spread over the backend's pacing.
+    assert arrivals[-1][0] - arrivals[0][0] > 0.5
+    assert p.requests[0]["body"]["stream"] is False
+
+
+def test_mixed_mode_forwards_the_request_unchanged(fakes, make_proxy):
+    a, b = fakes.add("a"), fakes.add("b")
+    proxy = make_proxy(mode="mixed", decode=[a.url, b.url], routing={"decode": "round_robin"})
+    with proxy.client() as c:
+        for _ in range(4):
+            assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+    assert len(a.requests) == 2 and len(b.requests) == 2
+    assert all(r["body"] == COMPLETION for r in a.requests + b.requests)
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_backend(fakes, make_proxy):
+    ps = [fakes.add(f"p{i}") for i in range(3)]
+    d = fakes.add("d")
+    proxy = make_proxy(prefill=[p.url for p in ps], decode=[d.url], routing={"prefill": "prefix_affinity"})
+    with proxy.client() as c:
+        for i in range(6):
+            c.post("/v1/completions", json={**COMPLETION, "prompt": "Shared system prompt. " * 40 + f"q{i}"})
+        for i in range(12):
+            c.post("/v1/completions", json={**COMPLETION, "prompt": f"Unrelated prompt number {i}"})
+    counts = [len(p.requests) for p in ps]
+    shared = [p for p in ps if any(r["body"]["prompt"].startswith("Shared") for r in p.requests)]
+    assert len(shared) == 1  # one backend owns the shared prefix
+    assert sum(1 for p in ps if p.requests) >= 2  # other prompts spread
+    assert sum(counts) == 18
+
+
+def test_least_outstanding_avoids_the_busy_backend(fakes, make_proxy):
+    slow = fakes.add("slow", Behaviour(delay_s=1.0))
+    fast = fakes.add("fast")
+    proxy = make_proxy(mode="mixed", decode=[slow.url, fast.url], routing={"decode": "least_outstanding"})
+    import threading
+
+    with proxy.client() as c:
+        t = threading.Thread(target=lambda: c.post("/v1/completions", json=COMPLETION))
+        t.start()
+        time.sleep(0.2)
+        for _ in range(3):
+            assert c.post("/v1/completions", json=COMPLETION).json()["served_by"] == "fast"
+        t.join()
+    assert len(slow.requests) == 1
+
+
+def test_prefill_failure_is_retried_on_another_prefill(fakes, make_proxy):
+    bad = fakes.add("bad", Behaviour(fail_next=["500"]))
+    good, d = fakes.add("good"), fakes.add("d")
+    proxy = make_proxy(prefill=[bad.url, good.url], decode=[d.url], routing={"prefill": "round_robin"})
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 200
+    assert d.requests[0]["body"]["kv_transfer_params"]["prefilled_by"] == "good"
+
+
+def test_no_prefill_gives_503_or_decode_only_with_fallback(fakes, make_proxy):
+    down = fakes.add("down", Behaviour(fail_next=["close"] * 10))
+    d = fakes.add("d")
+    strict = make_proxy(prefill=[down.url], decode=[d.url], retries=0)
+    with strict.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "No prefill backend is available."
+    lenient = make_proxy(prefill=[down.url], decode=[d.url], retries=0, fallback_to_decode=True)
+    with lenient.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+        metrics = c.get("/metrics").text
+    assert r.status_code == 200
+    assert "kv_transfer_params" not in d.requests[-1]["body"]
+    assert "ucm_proxy_pd_fallbacks_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("failure", ["500", "close"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_failure_before_first_byte_is_retried(fakes, make_proxy, failure, stream):
+    p = fakes.add("p")
+    bad, good = fakes.add("bad", Behaviour(fail_next=[failure])), fakes.add("good")
+    proxy = make_proxy(prefill=[p.url], decode=[bad.url, good.url], routing={"decode": "round_robin"})
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json={**COMPLETION, "stream": stream})
+    assert r.status_code == 200
+    assert "good" in r.text
+    assert len(bad.requests) == 1 and len(good.requests) == 1
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event(fakes, make_proxy):
+    p = fakes.add("p")
+    d = fakes.add("d", Behaviour(fail_next=["mid_stream"]))
+    proxy = make_proxy(prefill=[p.url], decode=[d.url])
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json={**COMPLETION, "stream": True, "max_tokens": 8})
+    events = sse_events(r.text)
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
+    assert json.loads(events[-2])["error"]["code"] == 502
+    assert events[-1] == "[DONE]"
+
+
+def test_consecutive_failures_eject_then_health_brings_back(fakes, make_proxy):
+    flaky = fakes.add("flaky", Behaviour(fail_next=["500"] * 3))
+    steady = fakes.add("steady")
+    proxy = make_proxy(
+        mode="mixed",
+        decode=[flaky.url, steady.url],
+        routing={"decode": "round_robin"},
+        health={"interval_s": 30, "eject_after": 2, "backoff_s": 0.5},
+        retries=1,
+    )
+    with proxy.client() as c:
+        for _ in range(4):
+            assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+        served_before = len(flaky.requests)
+        for _ in range(4):
+            assert c.post("/v1/completions", json=COMPLETION).json()["served_by"] == "steady"
+        assert len(flaky.requests) == served_before  # ejected: no traffic
+        time.sleep(0.6)  # backoff over
+        for _ in range(4):
+            c.post("/v1/completions", json=COMPLETION)
+    assert len(flaky.requests) > served_before
+
+
+def test_ready_reflects_backend_health(fakes, make_proxy):
+    p, d = fakes.add("p"), fakes.add("d")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url])
+    with proxy.client() as c:
+        assert c.get("/ready").status_code == 200
+        d.behaviour.healthy = False
+        time.sleep(0.6)
+        r = c.get("/ready")
+        assert r.status_code == 503 and "error" in r.json()
+        assert c.get("/health").status_code == 200  # liveness is the proxy itself
+        d.behaviour.healthy = True
+        time.sleep(0.6)
+        assert c.get("/ready").status_code == 200
+
+
+def test_client_disconnect_cancels_upstream(fakes, make_proxy):
+    p = fakes.add("p")
+    hanging = fakes.add("d", Behaviour(fail_next=["hang"]))
+    proxy = make_proxy(prefill=[p.url], decode=[hanging.url])
+    with proxy.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=COMPLETION)
+    deadline = time.monotonic() + 5
+    while hanging.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hanging.cancelled == 1
+
+
+def test_client_disconnect_mid_stream_cancels_upstream(fakes, make_proxy):
+    p = fakes.add("p")
+    d = fakes.add("d", Behaviour(chunks=50, chunk_delay_s=0.1))
+    proxy = make_proxy(prefill=[p.url], decode=[d.url])
+    with (
+        proxy.client() as c,
+        c.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 50, "stream": True}) as r,
+    ):
+        next(r.iter_bytes())
+    deadline = time.monotonic() + 5
+    while d.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.cancelled == 1
+
+
+def test_models_health_and_metrics(pd):
+    proxy, _, _ = pd
+    with proxy.client() as c:
+        assert c.get("/v1/models").json()["data"] == [{"id": MODEL, "object": "model", "owned_by": "ucm"}]
+        assert c.get("/health").json() == {"status": "ok"}
+        c.post("/v1/completions", json=COMPLETION)
+        c.post("/v1/completions", content=b"{nope")
+        text = c.get("/metrics").text
+    assert 'ucm_proxy_requests_total{route="/v1/completions",status="200"}' in text
+    assert 'ucm_proxy_requests_total{route="/v1/completions",status="400"}' in text
+    assert "ucm_proxy_time_to_first_byte_seconds_bucket" in text
+    assert "ucm_proxy_backend_healthy" in text
+    assert c.__class__ is httpx.Client
+
+
+def test_openapi_docs_are_served(pd):
+    proxy, _, _ = pd
+    with proxy.client() as c:
+        paths = c.get("/openapi.json").json()["paths"]
+    assert {"/v1/models", "/health", "/ready", "/metrics"} <= set(paths)
