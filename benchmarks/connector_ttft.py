@@ -32,6 +32,7 @@ from ucm.testing.models import BENCH, ensure_model
 from ucm.testing.vllm_server import VLLMServer, ucm_kv_config
 
 BLOCK = 32
+IDLE_S = 1.5
 
 
 def dir_bytes(path: Path) -> int:
@@ -72,6 +73,9 @@ class Bench:
         ).start()
 
     def time_first_token(self, case: str, server: VLLMServer, prompt: list[int]) -> float:
+        # vLLM workers busy-poll for 1 s after each request: let every engine go idle first, or
+        # the engine that served the previous case steals CPU from this one ("nothing else running").
+        time.sleep(IDLE_S)
         start = time.perf_counter()
         server.complete(prompt, max_tokens=1)
         elapsed = time.perf_counter() - start

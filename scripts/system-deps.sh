@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# System libraries the Python packages need at run time. Mooncake's client links libibverbs
-# even when it only speaks TCP. Installs only what is missing; needs root (CI and dev machines are).
+# System packages: libraries the Python packages need at run time (Mooncake's client links libibverbs
+# even when it only speaks TCP) and benchmark tools. Installs only what is missing; needs root.
 set -euo pipefail
 missing=()
 dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
+# wrk: the load generator of benchmarks/proxy_overhead.py.
+command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "system-deps: please install: ${missing[*]} (needs root and apt-get)" >&2

@@ -23,11 +23,13 @@ logger = logging.getLogger("ucm_proxy.discovery")
 SERVICE_LABEL = "kubernetes.io/service-name"
 
 
-def slice_urls(slices: dict[str, dict[str, Any]], port_name: str) -> list[str]:
-    """Base URLs of the ready endpoints of these EndpointSlices, in a stable order."""
+def slice_urls(slices: dict[str, dict[str, Any]], service: str, port_name: str) -> list[str]:
+    """Base URLs of the ready endpoints of the Service's EndpointSlices, in a stable order."""
     urls = []
     for name in sorted(slices):
         s = slices[name]
+        if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_LABEL) != service:
+            continue  # the label selector also filters server-side; this keeps emulators honest
         ports = [p.get("port") for p in s.get("ports") or [] if p.get("name", "") == port_name]
         if not ports or ports[0] is None:
             continue
@@ -76,7 +78,7 @@ async def _watch(
                 r.raise_for_status()
                 listing = await r.json()
             slices = {s["metadata"]["name"]: s for s in listing.get("items", [])}
-            pool.set_urls(slice_urls(slices, port_name))
+            pool.set_urls(slice_urls(slices, service, port_name))
             version = listing.get("metadata", {}).get("resourceVersion", "")
             params = {**selector, "watch": "true", "allowWatchBookmarks": "true"}
             if version:
@@ -98,7 +100,7 @@ async def _watch(
                         break  # e.g. 410 Gone: list again
                     else:
                         continue
-                    pool.set_urls(slice_urls(slices, port_name))
+                    pool.set_urls(slice_urls(slices, service, port_name))
         except asyncio.CancelledError:
             raise
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as exc:

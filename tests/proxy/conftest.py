@@ -17,7 +17,7 @@ from ucm_proxy.config import ProxyConfig
 class RunningProxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.app = create_app(config)
-        self.proxy = self.app.state.proxy
+        self.proxy = self.app.proxy
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=config.port, log_level="warning", access_log=False)
         )

@@ -1,0 +1,273 @@
+"""What a PD proxy costs: ucm-proxy vs vLLM's toy proxy vs the Rust vllm-router, side by side.
+
+Instant fake vLLM backends (prefill and decode, 16-chunk streams) and wrk as the load generator.
+For each target — (a) direct to the decode backend, (b) ucm-proxy in PD mode, (c) a faithful
+re-implementation of vLLM's toy PD proxy (benchmarks/toy_pd_proxy.py), (d) vllm-router in its PD
+mode — at concurrency 1, 16 and 64, streaming and not: requests/s, p50/p99 latency, and the proxy
+process's CPU microseconds per request (its own CPU time from /proc).
+
+Pinning (taskset): for throughput the proxy gets core 0 alone and wrk + backends share core 1,
+so the proxy's cost is what is measured; at concurrency 1 everything runs on core 0 (waking an
+idle core costs milliseconds here and would swamp the proxy's own latency).
+
+    python benchmarks/proxy_overhead.py --quick --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ucm.testing.ports import free_port, wait_for_port
+
+HERE = Path(__file__).resolve().parent
+BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
+CONCURRENCY = (1, 16, 64)
+
+
+def spawn(args: list[str], cores: str, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["taskset", "-c", cores, *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def pin(proc: subprocess.Popen[bytes], cores: str) -> None:
+    subprocess.run(["taskset", "-a", "-p", "-c", cores, str(proc.pid)], check=True, capture_output=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and all its threads (and reaped children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def parse_wrk(text: str) -> dict[str, float]:
+    def latency(pct: str) -> float:
+        m = re.search(rf"^\s*{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+        return float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
+
+    requests = re.search(r"(\d+) requests in", text)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    socket_errors = re.search(r"Socket errors: (.*)", text)
+    return {
+        "requests": int(requests.group(1)) if requests else 0,
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1)),  # type: ignore[union-attr]
+        "p50_ms": latency("50"),
+        "p99_ms": latency("99"),
+        "errors": (int(errors.group(1)) if errors else 0) + (1 if socket_errors else 0),
+    }
+
+
+class Target:
+    def __init__(self, name: str, args: list[str] | None, port: int) -> None:
+        self.name, self.args, self.port = name, args, port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="ucm-proxy-bench-"))
+    duration = 3 if args.quick else 10
+    lua = work / "post.lua"
+    py = sys.executable
+    fakes = {}
+    for role in ("prefill", "decode"):
+        port = free_port()
+        fakes[role] = (
+            spawn([py, "-m", "ucm.testing.fake_vllm", "--port", str(port), "--name", role], "1", work / f"{role}.log"),
+            port,
+        )
+    prefill_url, decode_url = (f"http://127.0.0.1:{fakes[r][1]}" for r in ("prefill", "decode"))
+    targets = [Target("direct", None, fakes["decode"][1])]
+    p = free_port()
+    targets.append(
+        Target(
+            "ucm",
+            [
+                py,
+                "-m",
+                "ucm_proxy",
+                "--port",
+                str(p),
+                "--prefill",
+                prefill_url,
+                "--decode",
+                decode_url,
+                "--prefill-policy",
+                "round_robin",
+                "--decode-policy",
+                "round_robin",
+            ],
+            p,
+        )
+    )
+    p = free_port()
+    targets.append(
+        Target(
+            "toy",
+            [py, str(HERE / "toy_pd_proxy.py"), "--port", str(p), "--prefill", prefill_url, "--decode", decode_url],
+            p,
+        )
+    )
+    router = shutil.which("vllm-router", path=str(Path(py).parent)) or shutil.which("vllm-router")
+    if router:
+        p = free_port()
+        targets.append(
+            Target(
+                "vllm-router",
+                [
+                    router,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(p),
+                    "--vllm-pd-disaggregation",
+                    "--prefill",
+                    prefill_url,
+                    "--decode",
+                    decode_url,
+                    "--prefill-policy",
+                    "round_robin",
+                    "--decode-policy",
+                    "round_robin",
+                    "--log-level",
+                    "error",
+                ],
+                p,
+            )
+        )
+    rows = []
+    try:
+        for _, port in fakes.values():
+            if not wait_for_port("127.0.0.1", port, 30):
+                raise RuntimeError("fake backend did not start")
+        for target in targets:
+            if target.args is not None:
+                target.proc = spawn(target.args, "0", work / f"{target.name}.log")
+                if not wait_for_port("127.0.0.1", target.port, 60):
+                    raise RuntimeError(f"{target.name} did not start; see {work / (target.name + '.log')}")
+                time.sleep(1.0)  # let background health checks settle
+            try:
+                for stream in (True, False):
+                    lua.write_text(
+                        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                        f"wrk.body = [[{json.dumps({**BODY, 'stream': stream})}]]\n"
+                    )
+                    for conc in CONCURRENCY:
+                        rows.append(measure(target, fakes, lua, conc, stream, duration))
+                        print(_row_text(rows[-1]), flush=True)
+            finally:
+                if target.proc is not None:
+                    stop(target.proc)
+    finally:
+        for proc, _ in fakes.values():
+            stop(proc)
+        shutil.rmtree(work, ignore_errors=True)
+    return summarize(rows, duration)
+
+
+def measure(target: Target, fakes: dict, lua: Path, conc: int, stream: bool, duration: int) -> dict[str, Any]:
+    single_core = conc == 1
+    backend_cores = "0" if single_core else "1"
+    for proc, _ in fakes.values():
+        pin(proc, backend_cores)
+    if target.proc is not None:
+        pin(target.proc, "0")
+    path = "/v1/completions"
+    url = f"http://127.0.0.1:{target.port}{path}"
+    wrk = ["taskset", "-c", backend_cores, "wrk", "-t1", f"-c{conc}", "--latency", "-s", str(lua)]
+    subprocess.run([*wrk, "-d1s", url], capture_output=True, check=True)  # warm-up: connections, caches
+    cpu0 = cpu_seconds(target.proc.pid) if target.proc is not None else 0.0
+    out = subprocess.run([*wrk, f"-d{duration}s", url], capture_output=True, text=True, check=True).stdout
+    cpu1 = cpu_seconds(target.proc.pid) if target.proc is not None else 0.0
+    result = parse_wrk(out)
+    us = (cpu1 - cpu0) * 1e6 / result["requests"] if target.proc is not None and result["requests"] else None
+    return {"target": target.name, "concurrency": conc, "stream": stream, **result, "cpu_us_per_req": us}
+
+
+def summarize(rows: list[dict[str, Any]], duration: int) -> dict[str, Any]:
+    def get(target: str, conc: int, stream: bool) -> dict[str, Any] | None:
+        return next(
+            (r for r in rows if r["target"] == target and r["concurrency"] == conc and r["stream"] == stream), None
+        )
+
+    ours, toy, router = (get(t, 64, True) for t in ("ucm", "toy", "vllm-router"))
+    ours1, router1, direct1 = (get(t, 1, True) for t in ("ucm", "vllm-router", "direct"))
+    report: dict[str, Any] = {"duration_s": duration, "results": rows}
+    if ours and toy:
+        report["rps_vs_toy"] = ours["rps"] / toy["rps"]
+    if ours:
+        report["us_per_req"] = ours["cpu_us_per_req"]
+    if ours and router:
+        report["rps_vs_vllm_router"] = ours["rps"] / router["rps"]
+    if ours1 and router1 and direct1:
+        ours_added = ours1["p99_ms"] - direct1["p99_ms"]
+        router_added = router1["p99_ms"] - direct1["p99_ms"]
+        report["p99_added_ms"] = {"ucm": ours_added, "vllm-router": router_added}
+        report["p99_added_vs_vllm_router"] = ours_added / router_added if router_added > 0 else None
+        # p99 over a few seconds at concurrency 1 is a handful of samples: p50 is the steadier view.
+        p50_ours, p50_router = ours1["p50_ms"] - direct1["p50_ms"], router1["p50_ms"] - direct1["p50_ms"]
+        report["p50_added_vs_vllm_router"] = p50_ours / p50_router if p50_router > 0 else None
+    return report
+
+
+def _row_text(r: dict[str, Any]) -> str:
+    us = f"{r['cpu_us_per_req']:.0f}" if r["cpu_us_per_req"] is not None else "-"
+    return (
+        f"{r['target']:<12} c={r['concurrency']:<3} {'stream' if r['stream'] else 'json  '}  "
+        f"{r['rps']:>9.0f} req/s  p50 {r['p50_ms']:>7.2f} ms  p99 {r['p99_ms']:>7.2f} ms  "
+        f"cpu {us:>6} us/req  errors {r['errors']}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 s per measurement")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None or shutil.which("taskset") is None:
+        print("needs wrk and taskset (apt-get install wrk util-linux)", file=sys.stderr)
+        return 2
+    report = run(args)
+    for key in (
+        "rps_vs_toy",
+        "rps_vs_vllm_router",
+        "us_per_req",
+        "p99_added_vs_vllm_router",
+        "p50_added_vs_vllm_router",
+    ):
+        if key in report and report[key] is not None:
+            print(f"{key:<28} {report[key]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
