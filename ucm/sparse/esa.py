@@ -1,0 +1,89 @@
+"""ESA: blocks represented by their mean key, scored by dot product with the query.
+
+Per KV head, the score of a block is the sum over that head's query group of ``q . mean(k)``.
+The ``init_window_sz`` first blocks (attention sinks) and the ``local_window_sz`` last blocks are
+always kept; the rest is filled by top-k up to ``sparse_ratio`` of the blocks (at least
+``min_blocks``). Retrieval runs every ``retrieval_stride`` decode steps; in between the selection
+is reused, plus any blocks that became local. With ``background=True`` a retrieval worker computes
+the next selection off the critical path from the current query, and the one after uses it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ucm.sparse.base import (
+    BlockMeta,
+    BlockSelector,
+    PagedKV,
+    blocks_for_ratio,
+    group_query,
+    pad_rows,
+    topk_with_windows,
+)
+
+
+@dataclass(frozen=True)
+class ESAConfig:
+    sparse_ratio: float = 0.3
+    min_blocks: int = 4
+    init_window_sz: int = 1
+    local_window_sz: int = 2
+    retrieval_stride: int = 1
+    background: bool = False
+
+
+def mean_scores(q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """(H, D) query, (n, Hkv, D) block means -> (Hkv, n) scores."""
+    qg = group_query(q, means.shape[1]).sum(1)  # (Hkv, D): the group's summed query
+    return torch.einsum("hd,nhd->hn", qg, means)
+
+
+class ESA(BlockSelector):
+    def __init__(self, config: ESAConfig = ESAConfig()) -> None:
+        self.config = config
+        self._selection: torch.Tensor | None = None
+        self._pending: Future[torch.Tensor] | None = None
+        self._worker = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="esa-retrieval") if config.background else None
+        )
+        self.retrievals = 0
+
+    def _retrieve(self, q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        n = means.shape[0]
+        k = blocks_for_ratio(n, c.sparse_ratio, c.min_blocks)
+        self.retrievals += 1
+        return topk_with_windows(mean_scores(q, means), k, c.init_window_sz, c.local_window_sz)
+
+    def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
+        c = self.config
+        meta.update(kv)
+        n = kv.num_blocks
+        due = self._selection is None or step % c.retrieval_stride == 0
+        if self._worker is not None:
+            if self._pending is not None and self._pending.done():
+                self._selection = self._pending.result()
+                self._pending = None
+            if due and self._pending is None:
+                self._pending = self._worker.submit(self._retrieve, q.clone(), meta.mean.clone())
+            if self._selection is None:
+                self._selection = self._pending.result() if self._pending else self._retrieve(q, meta.mean)
+                self._pending = None
+        elif due:
+            self._selection = self._retrieve(q, meta.mean)
+        return with_recent(self._selection, n, c.local_window_sz)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+def with_recent(selection: torch.Tensor, n: int, local: int) -> torch.Tensor:
+    """A reused selection plus the blocks that are local now (new blocks appear as decoding runs)."""
+    recent = torch.arange(max(0, n - local), n, device=selection.device)
+    hkv = selection.shape[0]
+    return pad_rows([torch.unique(torch.cat([row[(row >= 0) & (row < n)], recent])) for row in selection[:hkv]])

@@ -1,0 +1,61 @@
+"""KVStar: multi-step retrieval with pruned, compressed block representations.
+
+Retrieval (top-k of mean-key scores, as ESA) runs every ``retrieval_stride`` steps and its result
+is reused in between. Representations are shrunk twice: only the ``keep_dims`` channels whose
+block means vary most (per KV head) take part in scores, since near-constant channels add the
+same to every block; and they are stored in ``store_dtype`` (float16 by default). Both cut the
+cost of scoring; benchmarks/sparse_eval.py measures what they cost in recall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, blocks_for_ratio, group_query, topk_with_windows
+from ucm.sparse.esa import with_recent
+
+
+@dataclass(frozen=True)
+class KVStarConfig:
+    sparse_ratio: float = 0.3
+    min_blocks: int = 4
+    init_window_sz: int = 1
+    local_window_sz: int = 2
+    retrieval_stride: int = 4
+    keep_dims: int | None = None  # None: every channel
+    store_dtype: torch.dtype = torch.float16
+
+
+def pruned_representation(
+    means: torch.Tensor, keep: int | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, Hkv, D) means -> (channels (Hkv, r), representation (n, Hkv, r) in ``dtype``)."""
+    n, hkv, d = means.shape
+    r = d if keep is None else min(keep, d)
+    var = means.float().var(0, unbiased=False) if n > 1 else torch.ones(hkv, d, device=means.device)
+    channels = torch.topk(var, r, dim=-1).indices  # (Hkv, r)
+    rep = torch.gather(means, 2, channels[None].expand(n, -1, -1))
+    return channels, rep.to(dtype)
+
+
+class KVStar(BlockSelector):
+    def __init__(self, config: KVStarConfig = KVStarConfig()) -> None:
+        self.config = config
+        self._selection: torch.Tensor | None = None
+        self.retrievals = 0
+
+    def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
+        c = self.config
+        meta.update(kv)
+        n = kv.num_blocks
+        if self._selection is None or step % c.retrieval_stride == 0:
+            channels, rep = pruned_representation(meta.mean, c.keep_dims, c.store_dtype)
+            qg = group_query(q, rep.shape[1]).sum(1)  # (Hkv, D)
+            q_r = torch.gather(qg, 1, channels)  # (Hkv, r)
+            scores = torch.einsum("hr,nhr->hn", q_r.float(), rep.float())
+            k = blocks_for_ratio(n, c.sparse_ratio, c.min_blocks)
+            self._selection = topk_with_windows(scores, k, c.init_window_sz, c.local_window_sz)
+            self.retrievals += 1
+        return with_recent(self._selection, n, c.local_window_sz)
