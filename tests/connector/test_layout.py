@@ -84,3 +84,13 @@ def test_blocks_dim_prefers_the_outermost_when_sizes_collide():
 def test_no_blocks_dim_is_a_clear_error():
     with pytest.raises(ValueError, match="num_blocks=99"):
         KVLayout({"layer0": torch.zeros(4, 4)}, 99)
+
+
+def test_in_place_segments_are_the_payload_of_the_block():
+    kv = {f"layer{i}": cpu_layout() for i in range(2)}
+    layout = KVLayout(kv, NB)
+    assert layout.in_place
+    staging = layout.new_staging(1)
+    layout.gather([4], staging)
+    assert b"".join(bytes(s) for s in layout.block_segments(4)) == staging[0].numpy().tobytes()
+    assert not KVLayout({"a": flash_attn_legacy()}, NB).in_place  # K and V of a block are apart

@@ -16,9 +16,17 @@ def kv_caches(fill: bool) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.attn": make(NB, 2, 32, 128) for i in range(LAYERS)}
 
 
-def worker(store_root, load_mode="layer", save_mode="layer") -> WorkerSide:
+def worker(store_root, load_mode="layer", save_mode="layer", in_place=None) -> WorkerSide:
     store = create_store({"spec": "posix", "posix": {"roots": [str(store_root)]}})
-    return WorkerSide(store, rank=0, tp_size=1, load_mode=load_mode, save_mode=save_mode, stats=StatsRecorder())
+    return WorkerSide(
+        store,
+        rank=0,
+        tp_size=1,
+        load_mode=load_mode,
+        save_mode=save_mode,
+        stats=StatsRecorder(),
+        in_place_loads=in_place,
+    )
 
 
 def run_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: UCMConnectorMetadata, report_layers=True) -> None:
@@ -34,14 +42,15 @@ def run_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: UCMConnectorMetad
 IDS = [bytes([i]) * 32 for i in range(4)]
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize(("load_mode", "save_mode"), [("layer", "layer"), ("step", "step"), ("layer", "step")])
-def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode):
+def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode, in_place):
     src_kv, dst_kv = kv_caches(True), kv_caches(False)
     producer = worker(tmp_path, load_mode, save_mode)
     producer.register(src_kv, NB)
     run_step(producer, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS, [3, 4, 5, 6])]))
     producer.close()
-    consumer = worker(tmp_path, load_mode, save_mode)
+    consumer = worker(tmp_path, load_mode, save_mode, in_place)
     consumer.register(dst_kv, NB)
     run_step(consumer, dst_kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [10, 11, 12, 13])]))
     for name in src_kv:
@@ -53,13 +62,14 @@ def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode)
     consumer.close()
 
 
-def test_failed_blocks_are_reported_and_not_written(tmp_path):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_failed_blocks_are_reported(tmp_path, in_place):
     src_kv, dst_kv = kv_caches(True), kv_caches(False)
     producer = worker(tmp_path)
     producer.register(src_kv, NB)
     run_step(producer, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:3], [0, 1, 2])]))
     producer.close()
-    consumer = worker(tmp_path)
+    consumer = worker(tmp_path, in_place=in_place)
     consumer.register(dst_kv, NB)
     meta = UCMConnectorMetadata(loads=[BlockTransfer("r", [*IDS[:3], b"missing" * 4], [7, 8, 9, 10])])
     run_step(consumer, dst_kv, meta)

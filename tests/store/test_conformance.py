@@ -108,3 +108,18 @@ def test_empty_batches_complete_at_once(store):
     assert store.lookup([]) == []
     assert store.wait(store.dump([], []), 1) == []
     assert isinstance(store.load([], []), Task)
+
+
+def test_segmented_buffers_round_trip(store):
+    """A block's memory may be several segments (e.g. one per layer of a paged KV cache)."""
+    ids, data = blocks(3, 48 << 10)
+    pieces = [[memoryview(d)[: 16 << 10], memoryview(d)[16 << 10 :]] for d in data]
+    assert store.wait(store.dump(ids, pieces), 30) == [True] * 3
+    settle(store)
+    arena = np.zeros((3, 3, 16 << 10), dtype=np.uint8)  # another segmentation: 3 x 16 KiB
+    assert store.wait(store.load(ids, [list(row) for row in arena]), 30) == [True] * 3
+    assert [row.tobytes() for row in arena] == data
+    wrong = [[bytearray(16 << 10), bytearray(16 << 10)]]  # 32 KiB for a 48 KiB block
+    assert store.wait(store.load(ids[:1], wrong), 30) == [False]
+    with pytest.raises(ValueError, match=r"buffers\[0\]: an empty list"):
+        store.load(ids[:1], [[]])

@@ -26,6 +26,32 @@ logger = logging.getLogger(__name__)
 
 # Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy arrays, ...
 Buffer = Any
+# A block's memory as backends see it: one flat byte view, or segments that hold the payload in
+# order (e.g. one per layer, straight inside a paged KV cache, so nothing is staged or copied).
+Blob = memoryview | list[memoryview]
+
+
+def blob_segments(blob: Blob) -> list[memoryview]:
+    return blob if isinstance(blob, list) else [blob]
+
+
+def blob_size(blob: Blob) -> int:
+    return sum(s.nbytes for s in blob) if isinstance(blob, list) else blob.nbytes
+
+
+def copy_to_blob(blob: Blob, data: memoryview) -> None:
+    """Fill ``blob`` (its segments in order) from ``data`` of the same size."""
+    at = 0
+    for seg in blob_segments(blob):
+        seg[:] = data[at : at + seg.nbytes]
+        at += seg.nbytes
+
+
+def copy_from_blob(dst: memoryview, blob: Blob) -> None:
+    at = 0
+    for seg in blob_segments(blob):
+        dst[at : at + seg.nbytes] = seg
+        at += seg.nbytes
 
 
 class Task:
@@ -127,14 +153,16 @@ class Store(ABC):
         return len(ids)
 
     def dump(self, ids: Sequence[bytes], payloads: Sequence[Buffer]) -> Task:
-        """Store ``payloads`` (any C-contiguous buffers); they must stay unchanged until the task ends."""
+        """Store ``payloads`` (C-contiguous buffers, or lists of them holding one payload in order);
+        they must stay unchanged until the task ends."""
         views = _byte_views("payloads", ids, payloads, writable=False)
         task = self._dump(ids, views)
         self._instrument(task, "dump", views)
         return task
 
     def load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task:
-        """Fill the caller's writable ``buffers``; a block is loaded only if its size matches.
+        """Fill the caller's writable ``buffers`` (each a buffer, or a list of segment buffers filled
+        in order); a block is loaded only if its size matches.
 
         A block reported as failed may have left its buffer partly written."""
         views = _byte_views("buffers", ids, buffers, writable=True)
@@ -183,14 +211,14 @@ class Store(ABC):
     def _lookup(self, ids: Sequence[bytes]) -> list[bool]: ...
 
     @abstractmethod
-    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Buffer]) -> Task: ...
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task: ...
 
     @abstractmethod
-    def _load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task: ...
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task: ...
 
-    def _instrument(self, task: Task, op: str, views: Sequence[memoryview]) -> None:
+    def _instrument(self, task: Task, op: str, views: Sequence[Blob]) -> None:
         start = time.perf_counter()
-        sizes = [v.nbytes for v in views]
+        sizes = [blob_size(v) for v in views]
         backend = self.backend
 
         def record(t: Task) -> None:
@@ -204,22 +232,31 @@ class Store(ABC):
         task.add_done_callback(record)
 
 
-def _byte_views(name: str, ids: Sequence[bytes], buffers: Sequence[Buffer], writable: bool) -> list[memoryview]:
+def _byte_views(name: str, ids: Sequence[bytes], buffers: Sequence[Buffer], writable: bool) -> list[Blob]:
     """Flat unsigned-byte views of the caller's buffers (no copies), checked once at the API edge."""
     if len(ids) != len(buffers):
         raise ValueError(f"{name}: got {len(buffers)} for {len(ids)} block ids; they must pair up")
     for block_id in ids:
         if not isinstance(block_id, bytes) or not block_id:
             raise TypeError(f"ids: block ids must be non-empty bytes, got {type(block_id).__name__}")
-    views = []
+    blobs: list[Blob] = []
     for i, buf in enumerate(buffers):
-        view = memoryview(buf)
-        if not view.c_contiguous:
-            raise ValueError(f"{name}[{i}]: buffer must be C-contiguous")
-        if writable and view.readonly:
-            raise ValueError(f"{name}[{i}]: load buffers must be writable")
-        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-    return views
+        if isinstance(buf, (list, tuple)):
+            if not buf:
+                raise ValueError(f"{name}[{i}]: an empty list of segments")
+            blobs.append([_flat(f"{name}[{i}][{j}]", seg, writable) for j, seg in enumerate(buf)])
+        else:
+            blobs.append(_flat(f"{name}[{i}]", buf, writable))
+    return blobs
+
+
+def _flat(name: str, buf: Buffer, writable: bool) -> memoryview:
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError(f"{name}: buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError(f"{name}: load buffers must be writable")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 class PerBlockStore(Store):
@@ -234,15 +271,15 @@ class PerBlockStore(Store):
         self._io_threads = io_threads
 
     @abstractmethod
-    def _dump_block(self, block_id: bytes, payload: Buffer) -> bool: ...
+    def _dump_block(self, block_id: bytes, payload: Blob) -> bool: ...
 
     @abstractmethod
-    def _load_block(self, block_id: bytes, buffer: Buffer) -> bool: ...
+    def _load_block(self, block_id: bytes, buffer: Blob) -> bool: ...
 
-    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Buffer]) -> Task:
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
         return self._run(self._dump_block, ids, payloads)
 
-    def _load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task:
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         return self._run(self._load_block, ids, buffers)
 
     def _run(self, fn: Callable[[bytes, Buffer], bool], ids: Sequence[bytes], bufs: Sequence[Buffer]) -> Task:

@@ -18,7 +18,7 @@ from pydantic import ByteSize, Field
 
 from ucm import metrics
 from ucm.config import StrictModel
-from ucm.store.base import Store, Task
+from ucm.store.base import Blob, Store, Task, blob_size, copy_from_blob, copy_to_blob
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +51,17 @@ class CacheStore(Store):
         self._pending_cv = threading.Condition()
 
     # -- memory tier ---------------------------------------------------------------------------
-    def _copy_out(self, block_id: bytes, dst: memoryview) -> bool:
+    def _copy_out(self, block_id: bytes, dst: Blob) -> bool:
         with self._lock:
             buf = self._blocks.get(block_id)
-            if buf is None or len(buf) != dst.nbytes:
+            if buf is None or len(buf) != blob_size(dst):
                 return False
             self._blocks.move_to_end(block_id)
-            dst[:] = buf
+            copy_to_blob(dst, memoryview(buf))
             return True
 
-    def _put(self, block_id: bytes, payload: memoryview) -> None:
-        size = payload.nbytes
+    def _put(self, block_id: bytes, payload: Blob) -> None:
+        size = blob_size(payload)
         if size > self._capacity:
             return
         with self._lock:
@@ -69,7 +69,7 @@ class CacheStore(Store):
                 self._blocks.move_to_end(block_id)
                 return
             buf = self._take_buffer(size)
-            buf[:] = payload
+            copy_from_blob(memoryview(buf), payload)
             self._blocks[block_id] = buf
             self._used += size
 
@@ -111,7 +111,7 @@ class CacheStore(Store):
                 found[k] = hit
         return found
 
-    def _load(self, ids: Sequence[bytes], buffers: Sequence[memoryview]) -> Task:
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         task = Task(len(ids))
         hits, misses = [], []
         for k, (block_id, buf) in enumerate(zip(ids, buffers, strict=True)):
@@ -130,16 +130,16 @@ class CacheStore(Store):
         task._set(hits, [True] * len(hits))
         return task
 
-    def _dump(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
         for block_id, payload in zip(ids, payloads, strict=True):
             self._put(block_id, payload)
         if self.config.write_mode == "through":
             return self.next.dump(ids, payloads)
         return self._write_back(ids, payloads)
 
-    def _write_back(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
+    def _write_back(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
         # The backend writes from private copies: the caller may reuse its buffers at once.
-        copies = [bytes(p) for p in payloads]
+        copies = [b"".join(p) if isinstance(p, list) else bytes(p) for p in payloads]
         nbytes = sum(len(c) for c in copies)
         with self._pending_cv:
             self._pending_cv.wait_for(

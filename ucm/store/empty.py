@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ucm.config import StrictModel
-from ucm.store.base import Store, Task
+from ucm.store.base import Blob, Store, Task
 
 
 class EmptyConfig(StrictModel):
@@ -18,10 +18,10 @@ class EmptyStore(Store):
     def _lookup(self, ids: Sequence[bytes]) -> list[bool]:
         return [False] * len(ids)
 
-    def _dump(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
         return Task.completed([True] * len(ids))  # accepted and dropped
 
-    def _load(self, ids: Sequence[bytes], buffers: Sequence[memoryview]) -> Task:
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         return Task.completed([False] * len(ids))
 
     def remove(self, ids: Sequence[bytes]) -> list[bool]:

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import ByteSize, Field, field_validator
 
 from ucm.config import ConfigError, StrictModel
-from ucm.store.base import Buffer, Store, StoreError, Task
+from ucm.store.base import Blob, Buffer, Store, StoreError, Task, blob_size, copy_from_blob, copy_to_blob
 
 logger = logging.getLogger(__name__)
 
@@ -109,37 +109,40 @@ class MooncakeStore(Store):
     def _lookup(self, ids: Sequence[bytes]) -> list[bool]:
         return [r == 1 for r in self._client.batch_is_exist([self._key(i) for i in ids])]
 
-    def _dump(self, ids: Sequence[bytes], payloads: Sequence[memoryview]) -> Task:
+    def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
         task = Task(len(ids))
         self._pool.submit(self._transfer, task, ids, payloads, False)
         return task
 
-    def _load(self, ids: Sequence[bytes], buffers: Sequence[memoryview]) -> Task:
+    def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         task = Task(len(ids))
         self._pool.submit(self._transfer, task, ids, buffers, True)
         return task
 
-    def _transfer(self, task: Task, ids: Sequence[bytes], views: Sequence[memoryview], is_load: bool) -> None:
+    def _transfer(self, task: Task, ids: Sequence[bytes], views: Sequence[Blob], is_load: bool) -> None:
         ok = [False] * len(ids)
         try:
-            addrs = [buffer_address(v) for v in views]
-            direct = [k for k, v in enumerate(views) if self._registered(addrs[k], v.nbytes)]
+            # In place: one segment inside registered memory. Anything else goes through staging.
+            addrs = [None if isinstance(v, list) else buffer_address(v) for v in views]
+            direct = [k for k, a in enumerate(addrs) if a is not None and self._registered(a, blob_size(views[k]))]
             if direct:
                 self._batch(is_load, ids, views, direct, [addrs[k] for k in direct], ok)
-            staged = [k for k in range(len(ids)) if not self._registered(addrs[k], views[k].nbytes)]
+            taken = set(direct)
+            staged = [k for k in range(len(ids)) if k not in taken]
             for group in self._staging_groups(staged, views):
                 offsets, at = [], 0
                 for k in group:
+                    size = blob_size(views[k])
                     if not is_load:
-                        self._staging[at : at + views[k].nbytes] = views[k]
+                        copy_from_blob(self._staging[at : at + size], views[k])
                     offsets.append(self._staging_addr + at)
-                    at += views[k].nbytes
+                    at += size
                 self._batch(is_load, ids, views, group, offsets, ok)
                 if is_load:
                     for k, addr in zip(group, offsets, strict=True):
                         if ok[k]:
                             at = addr - self._staging_addr
-                            views[k][:] = self._staging[at : at + views[k].nbytes]
+                            copy_to_blob(views[k], self._staging[at : at + blob_size(views[k])])
         except Exception:
             logger.exception("mooncake: batch %s failed", "load" if is_load else "dump")
         task._set(range(len(ids)), ok)
@@ -148,13 +151,13 @@ class MooncakeStore(Store):
         self,
         is_load: bool,
         ids: Sequence[bytes],
-        views: Sequence[memoryview],
+        views: Sequence[Blob],
         which: list[int],
         addrs: list[int],
         ok: list[bool],
     ) -> None:
         keys = [self._key(ids[k]) for k in which]
-        sizes = [views[k].nbytes for k in which]
+        sizes = [blob_size(views[k]) for k in which]
         if is_load:
             results = self._client.batch_get_into(keys, addrs, sizes)
             for k, size, r in zip(which, sizes, results, strict=True):
@@ -167,14 +170,14 @@ class MooncakeStore(Store):
         if failed and not is_load:
             logger.warning("mooncake: %d puts failed, first %s -> %s", len(failed), *failed[0])
 
-    def _staging_groups(self, which: list[int], views: Sequence[memoryview]) -> list[list[int]]:
+    def _staging_groups(self, which: list[int], views: Sequence[Blob]) -> list[list[int]]:
         """Split blocks into groups that fit the staging area; a block bigger than it fails."""
         groups: list[list[int]] = []
         current: list[int] = []
         used = 0
         cap = self._staging.nbytes
         for k in which:
-            size = views[k].nbytes
+            size = blob_size(views[k])
             if size > cap:
                 logger.warning("mooncake: a %d-byte block exceeds staging_size=%d; not transferred", size, cap)
                 continue

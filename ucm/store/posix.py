@@ -37,7 +37,7 @@ from pydantic import ByteSize, Field
 
 from ucm import metrics
 from ucm.config import ConfigError, StrictModel
-from ucm.store.base import BlockInfo, Buffer, PerBlockStore
+from ucm.store.base import Blob, BlockInfo, PerBlockStore, blob_segments, blob_size, copy_from_blob, copy_to_blob
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class PosixStore(PerBlockStore):
     def _lookup(self, ids: list[bytes]) -> list[bool]:
         return [self._exists(self._path(i)) for i in ids]
 
-    def _load_block(self, block_id: bytes, buffer: Buffer) -> bool:
+    def _load_block(self, block_id: bytes, buffer: Blob) -> bool:
         path = self._path(block_id)
         try:
             return self._retry_stale(self._read_block, path, block_id, buffer)
@@ -124,7 +124,7 @@ class PosixStore(PerBlockStore):
             logger.warning("%s: load of %s failed: %s", self.backend, path, exc)
             return False
 
-    def _dump_block(self, block_id: bytes, payload: Buffer) -> bool:
+    def _dump_block(self, block_id: bytes, payload: Blob) -> bool:
         path = self._path(block_id)
         try:
             st = os.stat(path)
@@ -136,21 +136,21 @@ class PosixStore(PerBlockStore):
         else:  # content-addressed: an existing block already holds these bytes
             self._maybe_touch(path, st.st_mtime)
             return True
-        trailer = TRAILER.pack(
-            MAGIC, FORMAT_VERSION, 0, payload.nbytes, xxhash.xxh3_64_intdigest(payload), block_id[:8]
-        )
+        size = blob_size(payload)
+        trailer = TRAILER.pack(MAGIC, FORMAT_VERSION, 0, size, _checksum(payload), block_id[:8])
         try:
             self._retry_stale(self._write_block, path, payload, trailer)
         except OSError as exc:
             level = logging.WARNING if exc.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
             logger.log(level, "%s: dump of %s failed: %s", self.backend, path, exc)
             return False
-        self._account_written(payload.nbytes + TRAILER.size)
+        self._account_written(size + TRAILER.size)
         return True
 
     # -- reading -----------------------------------------------------------------------------
-    def _read_block(self, path: str, block_id: bytes, buffer: Buffer) -> bool:
-        expected = buffer.nbytes + TRAILER.size
+    def _read_block(self, path: str, block_id: bytes, buffer: Blob) -> bool:
+        size = blob_size(buffer)
+        expected = size + TRAILER.size
         flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.config.direct_io else 0)
         fd = os.open(path, flags)
         try:
@@ -160,11 +160,11 @@ class PosixStore(PerBlockStore):
             if self.config.direct_io:
                 bounce = self._bounce(_round_up(expected))
                 n = os.preadv(fd, [bounce], 0)
-                buffer[:] = bounce[: buffer.nbytes]
-                trailer = bounce[buffer.nbytes : expected]
+                copy_to_blob(buffer, bounce[:size])
+                trailer = bounce[size:expected]
             else:
                 trailer = self._trailer_buffer()
-                n = os.preadv(fd, [buffer, trailer], 0)
+                n = os.preadv(fd, [*blob_segments(buffer), trailer], 0)
         finally:
             os.close(fd)
         if n < expected or not _trailer_matches(trailer, block_id, buffer, self.config.verify_checksum):
@@ -201,20 +201,21 @@ class PosixStore(PerBlockStore):
             pass
 
     # -- writing -----------------------------------------------------------------------------
-    def _write_block(self, path: str, payload: Buffer, trailer: bytes) -> None:
+    def _write_block(self, path: str, payload: Blob, trailer: bytes) -> None:
         tmp = f"{path}.{os.urandom(6).hex()}{TMP_SUFFIX}"
-        size = payload.nbytes + TRAILER.size
+        payload_size = blob_size(payload)
+        size = payload_size + TRAILER.size
         try:
             fd = self._create(tmp)
             try:
                 if self.config.direct_io:
                     bounce = self._bounce(_round_up(size))
-                    bounce[: payload.nbytes] = payload
-                    bounce[payload.nbytes : size] = trailer
+                    copy_from_blob(bounce, payload)
+                    bounce[payload_size:size] = trailer
                     _write_all(fd, [bounce])
                     os.ftruncate(fd, size)
                 else:
-                    _write_all(fd, [payload, memoryview(trailer)])
+                    _write_all(fd, [*blob_segments(payload), memoryview(trailer)])
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
@@ -402,15 +403,25 @@ class _Entry:
         self.path, self.name, self.size, self.mtime = path, name, size, mtime
 
 
-def _trailer_matches(trailer: Buffer, block_id: bytes, payload: Buffer, check_sum: bool = True) -> bool:
+def _trailer_matches(trailer: memoryview, block_id: bytes, payload: Blob, check_sum: bool = True) -> bool:
     magic, version, _flags, length, checksum, tag = TRAILER.unpack(trailer)
     return (
         magic == MAGIC
         and version == FORMAT_VERSION
-        and length == payload.nbytes
+        and length == blob_size(payload)
         and tag == block_id[:8]
-        and (not check_sum or checksum == xxhash.xxh3_64_intdigest(payload))
+        and (not check_sum or checksum == _checksum(payload))
     )
+
+
+def _checksum(payload: Blob) -> int:
+    """xxh3-64 of the payload; streaming over segments gives the same digest as one buffer."""
+    if not isinstance(payload, list):
+        return xxhash.xxh3_64_intdigest(payload)
+    h = xxhash.xxh3_64()
+    for seg in payload:
+        h.update(seg)
+    return h.intdigest()
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

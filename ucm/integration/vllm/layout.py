@@ -54,6 +54,16 @@ class KVLayout:
     def layer_index(self, name: str) -> int:
         return self._index[name]
 
+    @property
+    def in_place(self) -> bool:
+        """True when every block of every layer is one contiguous range of host memory: a store can
+        then read a payload straight into the paged cache (one segment per layer), with no staging."""
+        return self.device.type == "cpu" and all(t[0].is_contiguous() for t in self._tensors.values())
+
+    def block_segments(self, block: int) -> list[memoryview]:
+        """One block's memory in every layer, in payload order (requires :attr:`in_place`)."""
+        return [memoryview(t[block].view(torch.uint8).numpy()) for t in self._tensors.values()]
+
     def new_staging(self, n: int) -> torch.Tensor:
         """Host memory for ``n`` payloads (pinned when the KV lives on a GPU, for async copies)."""
         return torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")

@@ -1,7 +1,9 @@
 """The worker half of the connector: bytes between the paged KV cache and the store.
 
-Loads start when the step starts (``start_load``) and are copied into each layer just before that
-layer's attention runs (``load_mode: layer``) or all at once (``step``). Saves copy each layer's
+Loads start when the step starts (``start_load``). On the CPU the store reads each block straight
+into the paged cache, one segment per layer (no staging, no copy); where that is impossible (GPU
+memory, non-contiguous layouts) blocks are staged in host memory and copied into each layer just
+before that layer's attention runs (``load_mode: layer``) or all at once (``step``). Saves copy each layer's
 new blocks into host staging as the layer finishes (``save_mode: layer``) or at the step's end,
 then the store writes them in the background: the step waits for the copies, not for the I/O.
 Staging is the connector's own memory, so vLLM may free or reuse the blocks right after the step.
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Load:
     transfer: BlockTransfer
-    staging: torch.Tensor
+    staging: torch.Tensor | None  # None: the store reads straight into the paged cache
     task: Task
     started: float
     ok: list[bool] | None = None
@@ -36,9 +38,18 @@ class _Load:
 
 class WorkerSide:
     def __init__(
-        self, store: Store, *, rank: int, tp_size: int, load_mode: str, save_mode: str, stats: StatsRecorder
+        self,
+        store: Store,
+        *,
+        rank: int,
+        tp_size: int,
+        load_mode: str,
+        save_mode: str,
+        stats: StatsRecorder,
+        in_place_loads: bool | None = None,
     ) -> None:
         self._store = store
+        self._in_place_option = in_place_loads  # None: whenever the layout allows it
         self._rank = rank
         self._tp_size = tp_size
         self._load_mode = load_mode
@@ -68,11 +79,14 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layout = KVLayout(kv_caches, num_blocks)
+        allowed = self.layout.in_place
+        self._in_place = allowed if self._in_place_option is None else self._in_place_option and allowed
         logger.info(
-            "UCM: %d layers, %d bytes per block payload, %d blocks",
+            "UCM: %d layers, %d bytes per block payload, %d blocks, loads %s",
             len(self.layout.slots),
             self.layout.block_bytes,
             num_blocks,
+            "in place" if self._in_place else "staged",
         )
 
     def _keys(self, transfer: BlockTransfer) -> list[bytes]:
@@ -83,9 +97,14 @@ class WorkerSide:
         assert self.layout is not None, "register_kv_caches must run before the first step"
         self._loads = []
         for transfer in meta.loads:
+            started = time.perf_counter()
+            if self._in_place:
+                blobs = [self.layout.block_segments(b) for b in transfer.block_ids]
+                self._loads.append(_Load(transfer, None, self._store.load(self._keys(transfer), blobs), started))
+                continue
             staging = self.layout.new_staging(len(transfer.block_ids))
             task = self._store.load(self._keys(transfer), list(staging.numpy()))
-            self._loads.append(_Load(transfer, staging, task, time.perf_counter()))
+            self._loads.append(_Load(transfer, staging, task, started))
         if self._load_mode == "step":
             for layer in range(len(self.layout.slots)):
                 self._scatter_layer(layer)
@@ -102,7 +121,7 @@ class WorkerSide:
             if load.ok is None:
                 self._finish_load(load)
             good = [i for i, ok in enumerate(load.ok or []) if ok]
-            if not good:
+            if not good or load.staging is None:  # in place: the bytes are already there
                 continue
             if len(good) == len(load.transfer.block_ids):
                 self.layout.scatter_layer(layer, load.transfer.block_ids, load.staging)
