@@ -186,6 +186,7 @@ def main() -> int:
         evaluate("esa(0.3)", cases, lambda: ESA(ESAConfig(sparse_ratio=0.3))),
         evaluate("gsa(0.3)", cases, lambda: GSA(GSAConfig(sparse_ratio=0.3))),
         evaluate("gsa_ondevice(0.3)", cases, lambda: GSAOnDevice(d, GSAOnDeviceConfig(sparse_ratio=0.3))),
+        evaluate("kvstar(0.3,fp32)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3, store_dtype=torch.float32))),
         evaluate("kvstar(0.3)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3))),
         evaluate("kvstar(0.3,dims=16)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3, keep_dims=16))),
         evaluate("psa(eps=0.95)", cases, lambda: PSA(PSAConfig(eps=0.95))),
