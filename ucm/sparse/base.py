@@ -172,6 +172,22 @@ def topk_with_windows(scores: torch.Tensor, k: int, init_blocks: int, local_bloc
     return torch.topk(boosted, k, dim=-1).indices.sort(dim=-1).values
 
 
+@dataclass(frozen=True)
+class TopKConfig:
+    """A fixed budget: ``sparse_ratio`` of the blocks (at least ``min_blocks``), always including the
+    ``init_window_sz`` first blocks (attention sinks) and the ``local_window_sz`` last ones."""
+
+    sparse_ratio: float = 0.3
+    min_blocks: int = 4
+    init_window_sz: int = 1
+    local_window_sz: int = 2
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The budget's best blocks by ``scores`` (Hkv, n), per KV head."""
+        k = blocks_for_ratio(scores.shape[1], self.sparse_ratio, self.min_blocks)
+        return topk_with_windows(scores, k, self.init_window_sz, self.local_window_sz)
+
+
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     """Per-head block lists of different lengths -> (Hkv, k), padded with -1."""
     width = max(len(r) for r in rows)

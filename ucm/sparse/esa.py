@@ -15,23 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm.sparse.base import (
-    BlockMeta,
-    BlockSelector,
-    PagedKV,
-    blocks_for_ratio,
-    group_query,
-    pad_rows,
-    topk_with_windows,
-)
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query, pad_rows
 
 
 @dataclass(frozen=True)
-class ESAConfig:
-    sparse_ratio: float = 0.3
-    min_blocks: int = 4
-    init_window_sz: int = 1
-    local_window_sz: int = 2
+class ESAConfig(TopKConfig):
     retrieval_stride: int = 1
     background: bool = False
 
@@ -53,11 +41,8 @@ class ESA(BlockSelector):
         self.retrievals = 0
 
     def _retrieve(self, q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        n = means.shape[0]
-        k = blocks_for_ratio(n, c.sparse_ratio, c.min_blocks)
         self.retrievals += 1
-        return topk_with_windows(mean_scores(q, means), k, c.init_window_sz, c.local_window_sz)
+        return self.config.choose(mean_scores(q, means))
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
         c = self.config

@@ -18,17 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, blocks_for_ratio, topk_with_windows
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig
 from ucm.sparse.psa import upper_bounds
 from ucm.store import Store
 
 
 @dataclass(frozen=True)
-class GSAConfig:
-    sparse_ratio: float = 0.3
-    min_blocks: int = 4
-    init_window_sz: int = 1
-    local_window_sz: int = 2
+class GSAConfig(TopKConfig):
+    pass
 
 
 class GSA(BlockSelector):
@@ -36,11 +33,8 @@ class GSA(BlockSelector):
         self.config = config
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
-        c = self.config
         meta.update(kv)
-        scores = upper_bounds(q, meta).amax(1)  # (Hkv, n)
-        k = blocks_for_ratio(kv.num_blocks, c.sparse_ratio, c.min_blocks)
-        return topk_with_windows(scores, k, c.init_window_sz, c.local_window_sz)
+        return self.config.choose(upper_bounds(q, meta).amax(1))
 
 
 class PrefetchEngine:

@@ -14,18 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, blocks_for_ratio, group_query, topk_with_windows
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
-class GSAOnDeviceConfig:
+class GSAOnDeviceConfig(TopKConfig):
     hash_bits: int | None = None  # default: head_dim (a rotation has at most that many bits)
-    sparse_ratio: float = 0.3
-    min_blocks: int = 4
-    init_window_sz: int = 1
-    local_window_sz: int = 2
     seed: int = 0
 
 
@@ -89,7 +85,4 @@ class GSAOnDevice(BlockSelector):
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta | None = None, step: int = 0) -> torch.Tensor:
         # Its own metadata is the key-hash cache; block statistics are not needed.
-        c = self.config
-        dist = self.block_distances(q, kv)
-        k = blocks_for_ratio(kv.num_blocks, c.sparse_ratio, c.min_blocks)
-        return topk_with_windows(-dist.float(), k, c.init_window_sz, c.local_window_sz)
+        return self.config.choose(-self.block_distances(q, kv).float())

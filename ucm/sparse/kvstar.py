@@ -13,16 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, blocks_for_ratio, group_query, topk_with_windows
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
 from ucm.sparse.esa import with_recent
 
 
 @dataclass(frozen=True)
-class KVStarConfig:
-    sparse_ratio: float = 0.3
-    min_blocks: int = 4
-    init_window_sz: int = 1
-    local_window_sz: int = 2
+class KVStarConfig(TopKConfig):
     retrieval_stride: int = 4
     keep_dims: int | None = None  # None: every channel
     store_dtype: torch.dtype = torch.float16
@@ -55,7 +51,6 @@ class KVStar(BlockSelector):
             qg = group_query(q, rep.shape[1]).sum(1)  # (Hkv, D)
             q_r = torch.gather(qg, 1, channels)  # (Hkv, r)
             scores = torch.einsum("hr,nhr->hn", q_r.float(), rep.float())
-            k = blocks_for_ratio(n, c.sparse_ratio, c.min_blocks)
-            self._selection = topk_with_windows(scores, k, c.init_window_sz, c.local_window_sz)
+            self._selection = c.choose(scores)
             self.retrievals += 1
         return with_recent(self._selection, n, c.local_window_sz)
