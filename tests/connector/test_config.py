@@ -41,3 +41,18 @@ def test_supported_versions(version):
 def test_unsupported_versions_are_refused_clearly(version):
     with pytest.raises(ConfigError, match=rf"supports vLLM >= 0\.32, < 0\.33; this is vLLM {version}"):
         check_vllm_version(version)
+
+
+def test_the_scheduler_joins_mooncake_without_contributing_memory():
+    from ucm.integration.vllm.config import scheduler_store_config
+
+    store = {
+        "spec": "cache|mooncake",
+        "cache": {"capacity": "1GiB"},
+        "mooncake": {"master_address": "m:1", "metadata_server": "http://m:2/metadata", "global_segment_size": "8GiB"},
+    }
+    lookup_only = scheduler_store_config(store)
+    assert lookup_only["mooncake"]["global_segment_size"] == 0
+    assert lookup_only["mooncake"]["master_address"] == "m:1" and lookup_only["cache"] == store["cache"]
+    assert store["mooncake"]["global_segment_size"] == "8GiB"  # the workers' config is untouched
+    assert scheduler_store_config(STORE) is STORE

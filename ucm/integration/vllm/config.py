@@ -11,6 +11,7 @@ from pydantic import Field
 from ucm.config import ConfigError, StrictModel, parse_config
 from ucm.hashing import HASH_ALGORITHMS, HashAlgorithm
 from ucm.store import validate_store_config
+from ucm.store.factory import parse_spec
 
 # vLLM's connector API changes between minor versions; this is the range the tests run against.
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper)
@@ -46,6 +47,14 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     with prefixed_errors():
         validate_store_config(config.store)
     return config
+
+
+def scheduler_store_config(store: dict[str, Any]) -> dict[str, Any]:
+    """The store as vLLM's scheduler process uses it: lookups only. A Mooncake client there would
+    otherwise add a whole segment of DRAM to the pool that no block is ever written to."""
+    if "mooncake" not in parse_spec(store["spec"]):
+        return store
+    return {**store, "mooncake": {**(store.get("mooncake") or {}), "global_segment_size": 0}}
 
 
 @contextmanager

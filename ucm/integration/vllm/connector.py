@@ -28,7 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.hashing import HashContext
-from ucm.integration.vllm.config import check_vllm_version, parse_connector_config, prefixed_errors
+from ucm.integration.vllm.config import (
+    check_vllm_version,
+    parse_connector_config,
+    prefixed_errors,
+    scheduler_store_config,
+)
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
@@ -74,9 +79,10 @@ class UCMConnector(KVConnectorBase_V1):
         self._stats = StatsRecorder()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        is_scheduler = role == KVConnectorRole.SCHEDULER
         with prefixed_errors():
-            self._store = store = create_store(config.store)
-        if role == KVConnectorRole.SCHEDULER:
+            self._store = store = create_store(scheduler_store_config(config.store) if is_scheduler else config.store)
+        if is_scheduler:
             # vLLM reads this right after building the scheduler's connector.
             transfer.kv_load_failure_policy = config.load_failure
             self._scheduler = SchedulerSide(
