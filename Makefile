@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ucm-dev-stamp
 
-.PHONY: dev test lint fmt clean
+.PHONY: dev test lint fmt crds clean
 
 dev: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: dev
 fmt: dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# Regenerate the CRD from the spec models (a test fails when the checked-in copy drifts).
+crds: dev
+	$(BIN)/python -m ucm.deploy.crd crds/ucm.io_ucmdeployments.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

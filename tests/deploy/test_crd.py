@@ -1,0 +1,151 @@
+"""The UCMDeployment CRD: generated from the models, checked in, structural, valid; the examples
+validate against it; every CEL rule's Python twin rejects what the rule rejects."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from ucm.deploy.crd import CRD_FILE, generate, render
+from ucm.deploy.spec import UCMDeploymentSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
+
+
+def test_checked_in_crd_is_what_the_models_generate():
+    checked_in = (ROOT / "crds" / CRD_FILE).read_text()
+    assert checked_in == render(), "run: python -m ucm.deploy.crd crds/" + CRD_FILE
+
+
+def walk(node, path="schema"):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from walk(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    schema = generate()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in walk(schema):
+        assert not {"$ref", "anyOf", "oneOf", "allOf", "$defs", "title"} & set(node), path
+        typed = (
+            "type" in node or node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+        )
+        assert typed, f"{path} has no type"
+        if "properties" in node:
+            assert node["type"] == "object", path
+
+
+def test_crd_passes_kubernetes_validate_strict():
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    r = subprocess.run([str(exe), "--strict", str(ROOT / "crds" / CRD_FILE)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def draft4(node):
+    """The CRD schema as JSON Schema draft 4, with unknown fields rejected (the API server prunes them)."""
+    node = copy.deepcopy(node)
+    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes") and k != "nullable"}
+    if node.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if "properties" in node:
+        out["properties"] = {k: draft4(v) for k, v in node["properties"].items()}
+        out["additionalProperties"] = False
+    if isinstance(node.get("items"), dict):
+        out["items"] = draft4(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = draft4(node["additionalProperties"])
+    if node.get("nullable"):
+        out = {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+SCHEMA = draft4(generate()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate_against_the_crd_and_the_models(path):
+    doc = yaml.safe_load(path.read_text())
+    jsonschema.Draft4Validator(SCHEMA).validate(doc)
+    UCMDeploymentSpec.model_validate(doc["spec"])
+
+
+def test_there_is_an_example_per_store_type():
+    types = {yaml.safe_load(p.read_text())["spec"]["store"]["type"] for p in EXAMPLES}
+    assert types == {"posix", "nfs", "ds3fs", "mooncake"}
+
+
+def test_unknown_fields_and_bad_values_fail_the_schema():
+    doc = yaml.safe_load(EXAMPLES[0].read_text())
+    doc["spec"]["prefill"]["replica"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="replica"):
+        jsonschema.Draft4Validator(SCHEMA).validate(doc)
+    doc = yaml.safe_load(EXAMPLES[0].read_text())
+    doc["spec"]["store"]["type"] = "s3"
+    with pytest.raises(jsonschema.ValidationError, match="s3"):
+        jsonschema.Draft4Validator(SCHEMA).validate(doc)
+
+
+BASE = {"model": {"source": {"hf": "m"}}, "store": {"type": "nfs", "nfs": {"server": "s", "path": "/p"}}}
+
+
+def with_(path: str, value):
+    spec = copy.deepcopy(BASE)
+    node = spec
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    if value is None:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value
+    return spec
+
+
+# Each CEL rule of the CRD, the spec that breaks it, and the message both must give.
+CEL_CASES = [
+    (
+        with_("model.source", {"hf": "m", "hostPath": "/m"}),
+        "model.source: exactly one of pvc, hostPath, hf must be set",
+    ),
+    (with_("model.source", {}), "model.source: exactly one of pvc, hostPath, hf must be set"),
+    (with_("store", {"type": "posix"}), "store.pvc: required when type is posix"),
+    (with_("store", {"type": "nfs"}), "store.nfs: required when type is nfs"),
+    (with_("store", {"type": "ds3fs"}), "store.ds3fs: required when type is ds3fs"),
+    (with_("store", {"type": "mooncake"}), "store.mooncake: required when type is mooncake"),
+    (
+        with_("store", {"type": "posix", "pvc": {"claimName": "a", "create": {"size": "1Ti"}}}),
+        "store.pvc: set exactly one of claimName, create",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), CEL_CASES)
+def test_python_twins_of_the_cel_rules(spec, message):
+    with pytest.raises(ValidationError) as exc:
+        UCMDeploymentSpec.model_validate(spec)
+    # the twin names the same fields as the CEL rule's message
+    field = message.split(":")[0]
+    assert field in str(exc.value)
+
+
+def test_every_cel_rule_has_a_case():
+    schema = generate()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    rules = {rule["message"] for _, node in walk(schema) for rule in node.get("x-kubernetes-validations", [])}
+    assert rules == {m for _, m in CEL_CASES}
+
+
+def test_defaults_fill_a_minimal_spec():
+    spec = UCMDeploymentSpec.model_validate(BASE)
+    assert spec.prefill.replicas == 1 and spec.decode.replicas == 1
+    assert spec.model.block_size == 128 and spec.store.hashing.algorithm == "sha256"
+    assert spec.proxy.routing.prefill == "prefix_affinity"

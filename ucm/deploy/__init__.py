@@ -1,0 +1,1 @@
+"""The UCMDeployment resource: spec models (:mod:`.spec`) and the CRD generated from them (:mod:`.crd`)."""
