@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ucm.integration.vllm.config import kv_transfer_config
 from ucm.testing.models import BENCH, ensure_model
-from ucm.testing.vllm_server import VLLMServer, ucm_kv_config
+from ucm.testing.vllm_server import VLLMServer
 
 BLOCK = 32
 IDLE_S = 1.5
@@ -102,7 +103,7 @@ class Bench:
         tier_prompts = [self.prompt(n) for _ in range(trials)]
 
         plain = self.server("plain")
-        writers = [self.server("example-1", example_kv), self.server("ucm-1", ucm_kv_config(posix))]
+        writers = [self.server("example-1", example_kv), self.server("ucm-1", kv_transfer_config(posix))]
         try:
             for s in (plain, *writers):
                 s.wait_ready()
@@ -118,7 +119,7 @@ class Bench:
                 s.stop()
             os.sync()
 
-            readers = [self.server("example-2", example_kv), self.server("ucm-2", ucm_kv_config(posix))]
+            readers = [self.server("example-2", example_kv), self.server("ucm-2", kv_transfer_config(posix))]
             try:
                 for s in readers:
                     s.wait_ready()
@@ -136,7 +137,7 @@ class Bench:
             os.sync()
 
             for phase in ("cold", "warm"):
-                tier = self.server(f"tiered-{phase}", ucm_kv_config(tiered)).wait_ready()
+                tier = self.server(f"tiered-{phase}", kv_transfer_config(tiered)).wait_ready()
                 try:
                     for t in range(trials):
                         self.time_first_token(f"ucm_cache_posix_{phase}", tier, tier_prompts[t])

@@ -56,3 +56,20 @@ def test_the_scheduler_joins_mooncake_without_contributing_memory():
     assert lookup_only["mooncake"]["master_address"] == "m:1" and lookup_only["cache"] == store["cache"]
     assert store["mooncake"]["global_segment_size"] == "8GiB"  # the workers' config is untouched
     assert scheduler_store_config(STORE) is STORE
+
+
+def test_kv_transfer_config_is_validated_and_needs_no_vllm():
+    import subprocess
+    import sys
+
+    from ucm.integration.vllm.config import kv_transfer_config
+
+    config = kv_transfer_config(STORE, "kv_consumer", salt="t")
+    assert config["kv_connector"] == "UCMConnector" and config["kv_role"] == "kv_consumer"
+    assert config["kv_connector_module_path"] == "ucm.integration.vllm"
+    assert config["kv_connector_extra_config"] == {"store": STORE, "salt": "t"}
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.load_mode"):
+        kv_transfer_config(STORE, load_mode="sometimes")
+    # deployment tooling builds it without importing vLLM
+    code = "import sys, ucm.integration.vllm.config; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

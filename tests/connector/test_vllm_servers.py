@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.config import kv_transfer_config
 from ucm.testing.prompts import PROMPTS
-from ucm.testing.vllm_server import ServerFailed, VLLMServer, cached_tokens, ucm_kv_config
+from ucm.testing.vllm_server import ServerFailed, VLLMServer, cached_tokens
 
 pytestmark = pytest.mark.slow
 BS = 32
@@ -32,9 +33,11 @@ def servers(tiny_model, store_dir, tmp_path_factory):
     tiered = {"spec": "cache|posix", "cache": {"capacity": "256MiB"}, "posix": {"roots": [str(store_dir)]}}
     all_servers = {
         "P": VLLMServer(tiny_model, logs / "plain.log"),
-        "A": VLLMServer(tiny_model, logs / "producer.log", kv_transfer_config=ucm_kv_config(posix, "kv_producer")),
+        "A": VLLMServer(tiny_model, logs / "producer.log", kv_transfer_config=kv_transfer_config(posix, "kv_producer")),
         "B": VLLMServer(
-            tiny_model, logs / "both.log", kv_transfer_config=ucm_kv_config(tiered, "kv_both", pd_wait_timeout_s=20)
+            tiny_model,
+            logs / "both.log",
+            kv_transfer_config=kv_transfer_config(tiered, "kv_both", pd_wait_timeout_s=20),
         ),
     }
     try:
@@ -177,7 +180,7 @@ def test_tenant_salts_never_share_blocks(servers):
 
 
 def test_bad_extra_config_fails_at_startup_naming_the_field(tiny_model, tmp_path):
-    bad = ucm_kv_config({"spec": "posix", "posix": {"roots": [str(tmp_path / "missing")]}})
+    bad = kv_transfer_config({"spec": "posix", "posix": {"roots": [str(tmp_path / "missing")]}})
     server = VLLMServer(tiny_model, tmp_path / "bad.log", kv_transfer_config=bad).start()
     try:
         with pytest.raises(ServerFailed) as exc:

@@ -20,16 +20,6 @@ class ServerFailed(RuntimeError):
     pass
 
 
-def ucm_kv_config(store: dict[str, Any], role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    """A --kv-transfer-config that loads UCMConnector with this store configuration."""
-    return {
-        "kv_connector": "UCMConnector",
-        "kv_connector_module_path": "ucm.integration.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"store": store, **extra},
-    }
-
-
 class VLLMServer:
     def __init__(
         self,

@@ -49,6 +49,23 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     return config
 
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+def kv_transfer_config(store: dict[str, Any], role: KVRole = "kv_both", **extra: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` that loads UCMConnector with this store and extra options.
+
+    The one place the shape is written: tests, benchmarks, the operator and ``ucm up`` all use it."""
+    config = {"store": store, **extra}
+    parse_connector_config(config)  # fail here, naming the field, rather than in vLLM's startup
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.integration.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": config,
+    }
+
+
 def scheduler_store_config(store: dict[str, Any]) -> dict[str, Any]:
     """The store as vLLM's scheduler process uses it: lookups only. A Mooncake client there would
     otherwise add a whole segment of DRAM to the pool that no block is ever written to."""
