@@ -161,14 +161,20 @@ class Proxy:
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
         key = _affinity_key(body, route, self.config.routing.prefix_chars)
+        # One watcher for everything before the response starts (prefill, decode's first chunk).
+        return await _unless_disconnected(request, self._serve(route, raw, body, headers, key, started))
+
+    async def _serve(
+        self, route: str, raw: bytes, body: dict[str, Any], headers: dict[str, str], key: bytes, started: float
+    ) -> Response:
         decode_body = raw
         if self.config.mode == "pd":
-            params = await _unless_disconnected(request, self._prefill(route, body, headers, key))
+            params = await self._prefill(route, body, headers, key)
             if params is not None:
                 decode_body = _with_params(raw, body, params)
         if body.get("stream"):
-            return await self._decode_stream(request, route, decode_body, headers, key, started)
-        return await _unless_disconnected(request, self._decode(route, decode_body, headers, key, started))
+            return await self._decode_stream(route, decode_body, headers, key, started)
+        return await self._decode(route, decode_body, headers, key, started)
 
     def _authorize(self, request: Request) -> None:
         if not self.keys:
@@ -241,7 +247,7 @@ class Proxy:
             raise ProxyError(503, "No decode backend is available.") from None
 
     async def _decode_stream(
-        self, request: Request, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
+        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
     ) -> Response:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
@@ -267,7 +273,7 @@ class Proxy:
             )
 
         try:
-            return await _unless_disconnected(request, self._with_retries(self.decode, key, attempt))
+            return await self._with_retries(self.decode, key, attempt)
         except _NoBackend:
             raise ProxyError(503, "No decode backend is available.") from None
 
