@@ -27,7 +27,7 @@ import aiohttp
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import metrics
 from ucm_proxy.backends import Backend, Pool
@@ -265,7 +265,7 @@ class Proxy:
                 raise
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
             ctx.hold()  # in flight until the stream ends
-            return StreamingResponse(
+            return _Relay(
                 self._relay(ctx, resp, first),
                 status_code=resp.status,
                 headers=_response_headers(resp, headers),
@@ -326,6 +326,38 @@ class Proxy:
     ) -> _Upstream:
         assert self.session is not None
         return _Upstream(self.session, backend, route, payload, headers, timeout)
+
+
+class _Relay(Response):
+    """A streamed response relayed chunk by chunk, on the request's own task.
+
+    Starlette's StreamingResponse runs two tasks per response (the stream and a disconnect
+    listener); here one watcher cancels the relaying task when the client goes away, which also
+    aborts the upstream request (the relay's ``finally`` closes it)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str], media_type: str):
+        self.chunks = chunks
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        relaying = asyncio.current_task()
+        assert relaying is not None
+        watcher = asyncio.ensure_future(_disconnected_receive(receive))
+        watcher.add_done_callback(lambda w: None if w.cancelled() else relaying.cancel())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled for another reason (shutdown): not ours to swallow
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()
 
 
 class _Passthrough(Exception):
@@ -397,8 +429,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _disconnected(request: Request) -> None:
+    await _disconnected_receive(request.receive)
+
+
+async def _disconnected_receive(receive: Any) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
