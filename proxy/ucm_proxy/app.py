@@ -347,17 +347,26 @@ class _Relay(Response):
         assert relaying is not None
         watcher = asyncio.ensure_future(_disconnected_receive(receive))
         watcher.add_done_callback(lambda w: None if w.cancelled() else relaying.cancel())
+
+        def client_gone() -> bool:
+            return watcher.done() and not watcher.cancelled()
+
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not watcher.done() or watcher.cancelled():
+            if not client_gone():
                 raise  # cancelled for another reason (shutdown): not ours to swallow
         finally:
             watcher.cancel()
-            await self.chunks.aclose()
+            try:
+                await self.chunks.aclose()
+            except asyncio.CancelledError:
+                # The client left just as the stream ended: its cancellation lands here instead.
+                if not client_gone():
+                    raise
 
 
 class _Passthrough(Exception):
