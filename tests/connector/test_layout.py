@@ -58,7 +58,8 @@ def test_scatter_restores_blocks_into_other_slots_and_touches_nothing_else(make)
     layout_src, layout_dst = KVLayout(src, NB), KVLayout(dst, NB)
     staging = layout_src.new_staging(3)
     layout_src.gather([1, 5, 9], staging)
-    layout_dst.scatter([2, 4, 6], staging)
+    for layer in range(len(layout_dst.slots)):
+        layout_dst.scatter_layer(layer, [2, 4, 6], staging)
     for name in src:
         d = blocks_dim(src[name], NB)
         for s, t in ((1, 2), (5, 4), (9, 6)):

@@ -78,7 +78,8 @@ TINY = ModelSpec(
     intermediate_size=512,
     train_steps=300,
 )
-# For benchmarks: 8 layers x 8 KV heads x 64: 32 KiB of KV per token in float32, ~1 s per 2,000-token prefill.
+# For benchmarks: 8 layers x 8 KV heads x 64: 32 KiB of KV per token in float32; a 2,000-token prefill
+# takes ~4.5 s on 2 cores (measured by benchmarks/connector_ttft.py).
 BENCH = ModelSpec(
     "bench-llama",
     vocab_size=512,

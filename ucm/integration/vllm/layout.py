@@ -90,10 +90,6 @@ class KVLayout:
         for layer in range(len(self.slots)):
             self.gather_layer(layer, block_ids, staging)
 
-    def scatter(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
-        for layer in range(len(self.slots)):
-            self.scatter_layer(layer, block_ids, staging)
-
 
 def blocks_dim(tensor: torch.Tensor, num_blocks: int, name: str = "kv cache") -> int:
     """The dimension that indexes blocks: sized ``num_blocks``; if several are, the outermost in memory."""
