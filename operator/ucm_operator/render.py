@@ -1,0 +1,227 @@
+"""A plan (``ucm.deploy.plan``) as Kubernetes objects.
+
+Every object carries the standard labels, an owner reference to its ``UCMDeployment`` (the garbage
+collector removes children with it), and ``ucm.io/desired-hash``: a digest of what the operator
+wants it to be, which is how a reconcile tells "unchanged" apart without comparing against fields
+the API server defaults or normalizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ucm.deploy.plan import Plan, Probe, Role
+from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
+
+MANAGED_BY = "ucm-operator"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+DESIRED_HASH = "ucm.io/desired-hash"
+CONFIG_HASH = "ucm.io/config-hash"
+CONFIG_DIR_VOLUME = "ucm-config"
+ENGINES = ("prefill", "decode")
+
+
+def digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def labels(name: str, component: str | None = None) -> dict[str, str]:
+    out = {LABEL_NAME: "ucm", LABEL_INSTANCE: name, LABEL_MANAGED_BY: MANAGED_BY}
+    if component:
+        out[LABEL_COMPONENT] = component
+    return out
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    return {LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+
+
+class Owner:
+    """The ``UCMDeployment`` the children belong to."""
+
+    def __init__(self, name: str, namespace: str, uid: str) -> None:
+        self.name, self.namespace, self.uid = name, namespace, uid
+
+    def meta(self, suffix: str, component: str | None) -> dict[str, Any]:
+        return {
+            "name": f"{self.name}-{suffix}",
+            "namespace": self.namespace,
+            "labels": labels(self.name, component),
+            "ownerReferences": [
+                {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": KIND,
+                    "name": self.name,
+                    "uid": self.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
+
+
+def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, Any]]:
+    """Every child object, each stamped with its desired hash."""
+    objects: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": owner.meta("config", None), "data": dict(plan.files)}
+    ]
+    if plan.store_claim is not None:
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": owner.meta("kv", "store"),
+                "spec": plan.store_claim,
+            }
+        )
+    for role in plan.roles:
+        objects.append(_deployment(owner, spec, plan, role))
+        objects.append(_service(owner, spec, role))
+        if role.component in ENGINES:
+            objects.append(_pdb(owner, role))
+    objects += _proxy_rbac(owner)
+    for obj in objects:
+        obj["metadata"].setdefault("annotations", {})[DESIRED_HASH] = digest(obj)
+    return objects
+
+
+def _probe(p: Probe | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    action: dict[str, Any] = (
+        {"httpGet": {"path": p.path, "port": p.port}} if p.path else {"tcpSocket": {"port": p.port}}
+    )
+    return {
+        **action,
+        "initialDelaySeconds": p.initial_delay_s,
+        "periodSeconds": p.period_s,
+        "failureThreshold": p.failure_threshold,
+    }
+
+
+def _resources(role: Role) -> dict[str, Any]:
+    if role.pool is None:
+        return {}
+    r = role.pool.resources
+    requests = {k: str(v) for k, v in r.requests.items()}
+    limits = {k: str(v) for k, v in r.limits.items()}
+    if r.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(r.gpus)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -> dict[str, Any]:
+    mounts = [{"name": CONFIG_DIR_VOLUME, "mountPath": "/etc/ucm", "readOnly": True}]
+    volumes: list[dict[str, Any]] = [{"name": CONFIG_DIR_VOLUME, "configMap": {"name": f"{owner.name}-config"}}]
+    for v in role.volumes:
+        mounts.append({"name": v.name, "mountPath": v.mount_path, **({"readOnly": True} if v.read_only else {})})
+        volumes.append({"name": v.name, **v.source})
+    if role.component in ENGINES:
+        # vLLM's workers exchange tensors through shared memory; the default 64 MiB /dev/shm is too small.
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env += [{"name": k, "value": v} for k, v in role.env.items()]
+    container: dict[str, Any] = {
+        "name": role.component,
+        "image": role.image or f"{spec.image.repository}:{spec.image.tag}",
+        "imagePullPolicy": spec.image.pull_policy,
+        "command": role.command,
+        "env": env,
+        "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in role.ports],
+        "volumeMounts": mounts,
+        "resources": _resources(role),
+    }
+    for key, probe in (
+        ("readinessProbe", role.readiness),
+        ("livenessProbe", role.liveness),
+        ("startupProbe", role.startup),
+    ):
+        if probe is not None:
+            container[key] = _probe(probe)
+    if role.drain_delay_s:
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": role.drain_delay_s}}}
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": role.drain_delay_s + 30,
+        "automountServiceAccountToken": role.component == "proxy",
+    }
+    if role.component == "proxy":
+        pod["serviceAccountName"] = f"{owner.name}-proxy"
+    if spec.image.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in spec.image.pull_secrets]
+    if role.pool is not None:
+        if role.pool.node_selector:
+            pod["nodeSelector"] = dict(role.pool.node_selector)
+        if role.pool.tolerations:
+            pod["tolerations"] = list(role.pool.tolerations)
+        if role.pool.affinity:
+            pod["affinity"] = dict(role.pool.affinity)
+    config_hash = digest({f: plan.files[f] for f in role.files})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": owner.meta(role.name, role.component),
+        "spec": {
+            "replicas": role.replicas,
+            "selector": {"matchLabels": selector(owner.name, role.component)},
+            "template": {
+                "metadata": {"labels": labels(owner.name, role.component), "annotations": {CONFIG_HASH: config_hash}},
+                "spec": pod,
+            },
+        },
+    }
+
+
+def _service(owner: Owner, spec: UCMDeploymentSpec, role: Role) -> dict[str, Any]:
+    if role.component == "proxy":
+        svc = spec.proxy.service
+        body: dict[str, Any] = {
+            "type": svc.type,
+            "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}],
+        }
+    else:
+        body = {
+            "ports": [{"name": p.name, "port": p.number, "targetPort": p.name, "protocol": "TCP"} for p in role.ports]
+        }
+        if role.component in ENGINES:
+            body["clusterIP"] = "None"  # headless: the proxy discovers pods through its EndpointSlices
+    body["selector"] = selector(owner.name, role.component)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": owner.meta(role.name, role.component), "spec": body}
+
+
+def _pdb(owner: Owner, role: Role) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": owner.meta(role.name, role.component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name, role.component)}},
+    }
+
+
+def _proxy_rbac(owner: Owner) -> list[dict[str, Any]]:
+    """The proxy watches its pools' EndpointSlices; nothing else."""
+    name = f"{owner.name}-proxy"
+    rule = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": owner.meta("proxy", "proxy")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": owner.meta("proxy", "proxy"),
+            "rules": [rule],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": owner.meta("proxy", "proxy"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]

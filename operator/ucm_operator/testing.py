@@ -1,0 +1,184 @@
+"""The real operator against kmock (an in-memory Kubernetes API server), for tests and benchmarks.
+
+kmock runs no controllers: a test plays the Deployment controller by patching children's
+``status``, and the API server's own fields (``uid``, ``generation``) by writing them itself.
+Requests a test makes carry :data:`DRIVER_HEADER`, so what the operator did can be told apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import kmock
+import kopf
+
+from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION
+from ucm_operator.api import KINDS
+from ucm_operator.api import path as child_path
+from ucm_operator.handlers import build_registry
+
+DRIVER_HEADER = "X-UCM-Test-Driver"
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
+WRITE_VERBS = {"create", "patch", "update", "delete"}
+ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock plus the metadata a real API server assigns on create (uid, resourceVersion,
+    generation): Kopf tells objects apart by uid and tests its patches against resourceVersion."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("resourceVersion", "1")
+            meta.setdefault("generation", 1)
+        return await super()._handle(request)
+
+
+def declare(k: kmock.KubernetesEmulator) -> None:
+    """Every resource the operator and Kopf use, so that API discovery finds them."""
+    k.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
+        kind=KIND, namespaced=True, subresources={"status"}, shortnames={"ucmd"}, verbs=ALL_VERBS
+    )
+    for kind, (group, version, plural) in KINDS.items():
+        key = f"{group}/{version}/{plural}" if group else f"{version}/{plural}"
+        k.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, subresources={"status"}, verbs=ALL_VERBS)
+    k.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=ALL_VERBS)
+    k.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=ALL_VERBS)
+    k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=ALL_VERBS
+    )
+
+
+def ucmd_path(namespace: str, name: str | None = None) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}" + (f"/{name}" if name else "")
+
+
+class Driver:
+    """What a test does to the cluster (the user and the controllers kmock does not run)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        # No keep-alive: a pooled connection to kmock goes stale when an operator stops.
+        self.http = aiohttp.ClientSession(
+            headers={DRIVER_HEADER: "1"},
+            timeout=aiohttp.ClientTimeout(total=10),
+            connector=aiohttp.TCPConnector(force_close=True),
+        )
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+        async with self.http.request(method, self.url + path, json=body, headers=headers) as r:
+            data = await r.json(content_type=None)
+            if r.status >= 400:
+                raise AssertionError(f"{method} {path}: {r.status} {data}")
+            return data
+
+    async def apply_ucmd(self, namespace: str, name: str, spec: dict[str, Any], uid: str, generation: int = 1) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": uid,
+                "generation": generation,
+            },
+            "spec": spec,
+        }
+        await self.call("POST", ucmd_path(namespace), body)
+
+    async def update_ucmd(self, namespace: str, name: str, spec: dict[str, Any], generation: int) -> None:
+        """A spec change, with the generation bump the API server would make."""
+        await self.call("PATCH", ucmd_path(namespace, name), {"spec": spec, "metadata": {"generation": generation}})
+
+    async def ucmd(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self.call("GET", ucmd_path(namespace, name))
+
+    async def children(self, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
+        out = {}
+        for kind in KINDS:
+            listing = await self.call("GET", child_path(kind, namespace))
+            for obj in listing.get("items") or []:
+                if (obj["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == name:
+                    out[(kind, obj["metadata"]["name"])] = obj
+        return out
+
+    async def play_deployment_controller(self, namespace: str, name: str, ready: bool = True) -> None:
+        """Report every Deployment of ``name`` (un)ready, as the controller would once pods run."""
+        for (kind, child), obj in (await self.children(namespace, name)).items():
+            if kind == "Deployment":
+                n = obj["spec"]["replicas"] if ready else 0
+                status = {"replicas": n, "readyReplicas": n, "updatedReplicas": n, "observedGeneration": 1}
+                await self.call("PATCH", child_path(kind, namespace, child) + "/status", {"status": status})
+            elif kind == "PersistentVolumeClaim":
+                await self.call("PATCH", child_path(kind, namespace, child) + "/status", {"status": {"phase": "Bound"}})
+
+
+def operator_calls(k: Iterable[Any]) -> list[tuple[str, str, str, str]]:
+    """(group, resource[/subresource], verb, path) of every resource request the operator made."""
+    out = []
+    for req in k:
+        if DRIVER_HEADER in req.headers or req.resource is None or req.resource.plural is None:
+            continue  # the test's own calls; discovery (non-resource URLs, open to every user)
+        action = req.action.value if req.action else ""
+        verb = VERBS.get(action) or {"PATCH": "patch", "PUT": "update"}.get(req.method.value, req.method.value)
+        resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+        out.append((req.resource.group or "", resource, verb, req.url.path))
+    return out
+
+
+def posted_events(k: Iterable[Any]) -> list[dict[str, Any]]:
+    """Events the operator posted. (kmock does not fill ``generateName``, so it stores only the first
+    of them; the requests are the record.)"""
+    return [
+        r.data for r in k if DRIVER_HEADER not in r.headers and r.method.value == "POST" and "/events" in r.url.path
+    ]
+
+
+def allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+    return any(
+        group in r.get("apiGroups", []) and resource in r.get("resources", []) and verb in r.get("verbs", [])
+        for r in rules
+    )
+
+
+@asynccontextmanager
+async def operator_running(url: str) -> AsyncIterator[None]:
+    """The real operator (Kopf, this package's handlers) until the block exits."""
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=build_registry(server=url),
+            standalone=True,
+            clusterwide=True,
+            stop_flag=stop,
+            ready_flag=ready,
+        )
+    )
+    waiter = asyncio.create_task(ready.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # raises why it stopped
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@asynccontextmanager
+async def emulator() -> AsyncIterator[kmock.KubernetesEmulator]:
+    """kmock outside pytest (the benchmark)."""
+    async with Emulator() as k, kmock.Server(k):
+        declare(k)
+        yield k

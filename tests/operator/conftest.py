@@ -1,0 +1,44 @@
+"""The operator on kmock. Every test's operator calls are checked against the chart's ClusterRole."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from ucm_operator.testing import Driver, allowed, declare, operator_calls
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ucm-operator"
+
+
+def helm(*args: str, tmp: Path) -> str:
+    env = {**os.environ, **{f"HELM_{k}_HOME": str(tmp / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+    r = subprocess.run([str(Path(sys.executable).parent / "helm"), *args], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="session")
+def cluster_role_rules(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    docs = yaml.safe_load_all(helm("template", "r", str(CHART), tmp=tmp_path_factory.mktemp("helm")))
+    role = next(d for d in docs if d and d["kind"] == "ClusterRole")
+    return role["rules"]
+
+
+@pytest_asyncio.fixture
+async def cluster(kmock, cluster_role_rules) -> AsyncIterator[Driver]:
+    declare(kmock)
+    driver = Driver(str(kmock.url))
+    try:
+        yield driver
+    finally:
+        await driver.close()
+    denied = sorted({c for c in operator_calls(kmock) if not allowed(cluster_role_rules, *c[:3])})
+    assert not denied, f"calls the chart's ClusterRole does not allow: {denied}"

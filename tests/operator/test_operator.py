@@ -1,0 +1,239 @@
+"""The real operator (Kopf + ucm_operator) against kmock: children, status, no-op, updates, deletion."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from ucm_operator.testing import WRITE_VERBS, Driver, Emulator, operator_calls, operator_running, posted_events
+
+pytestmark = pytest.mark.kmock(cls=Emulator)
+NS = "serving"
+SPEC: dict[str, Any] = {
+    "model": {"source": {"pvc": {"claimName": "models", "path": "/llama"}}, "servedName": "llama"},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 2},
+    "store": {"type": "posix", "pvc": {"create": {"size": "1Ti", "storageClassName": "cephfs"}}},
+    "proxy": {"replicas": 1},
+}
+CHILDREN = {
+    ("ConfigMap", "a-config"),
+    ("PersistentVolumeClaim", "a-kv"),
+    ("Deployment", "a-prefill"),
+    ("Deployment", "a-decode"),
+    ("Deployment", "a-proxy"),
+    ("Service", "a-prefill"),
+    ("Service", "a-decode"),
+    ("Service", "a-proxy"),
+    ("PodDisruptionBudget", "a-prefill"),
+    ("PodDisruptionBudget", "a-decode"),
+    ("ServiceAccount", "a-proxy"),
+    ("Role", "a-proxy"),
+    ("RoleBinding", "a-proxy"),
+}
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await check()
+        except (AssertionError, KeyError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def writes(k, since: int = 0) -> list[tuple[str, str, str, str]]:
+    return [c for c in operator_calls(list(k)[since:]) if c[2] in WRITE_VERBS]
+
+
+def child_writes_since(k, since: int) -> set[tuple[str, str]]:
+    """(resource, name) of every write to a child after request number ``since``."""
+    return {
+        (c[1], c[3].rsplit("/", 1)[-1]) for c in writes(k, since) if not c[1].startswith(("ucmdeployments", "events"))
+    }
+
+
+async def created_and_ready(cluster: Driver, name: str = "a", spec: dict[str, Any] = SPEC) -> None:
+    await cluster.apply_ucmd(NS, name, spec, uid=f"uid-{name}")
+
+    async def all_children() -> None:
+        assert set(await cluster.children(NS, name)) == {(k, n.replace("a-", f"{name}-", 1)) for k, n in CHILDREN}
+
+    await eventually(all_children)
+    await cluster.play_deployment_controller(NS, name)
+
+    async def ready() -> None:
+        assert conditions(await cluster.ucmd(NS, name))["Ready"]["status"] == "True"
+
+    await eventually(ready)
+
+
+@pytest.mark.asyncio
+async def test_create_gives_owned_children_and_status_follows_readiness(kmock, cluster):
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "a", SPEC, uid="uid-a")
+
+        async def progressing() -> dict[str, Any]:
+            kids = await cluster.children(NS, "a")
+            assert set(kids) == CHILDREN
+            obj = await cluster.ucmd(NS, "a")
+            cond = conditions(obj)
+            assert cond["Ready"]["status"] == "False" and cond["Progressing"]["status"] == "True"
+            return kids
+
+        kids = await eventually(progressing)
+        for obj in kids.values():
+            (ref,) = obj["metadata"]["ownerReferences"]
+            assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("UCMDeployment", "a", "uid-a", True)
+            assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ucm-operator"
+        decode = kids[("Deployment", "a-decode")]["spec"]
+        assert decode["replicas"] == 2
+        container = decode["template"]["spec"]["containers"][0]
+        assert container["command"][:3] == ["ucm", "serve", "--kv-config"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+        assert kids[("Service", "a-decode")]["spec"]["clusterIP"] == "None"
+
+        # Only the controller's ready replicas make it Ready, role by role.
+        await cluster.play_deployment_controller(NS, "a")
+
+        async def ready() -> dict[str, Any]:
+            obj = await cluster.ucmd(NS, "a")
+            cond = conditions(obj)
+            assert [
+                cond[t]["status"] for t in ("Ready", "StoreReady", "PrefillReady", "DecodeReady", "ProxyReady")
+            ] == ["True"] * 5
+            assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
+            return obj
+
+        obj = await eventually(ready)
+        status = obj["status"]
+        assert status["readyReplicas"] == {"prefill": 1, "decode": 2, "proxy": 1}
+        assert status["endpoint"] == "http://a-proxy.serving.svc:8000/v1"
+        assert status["observedGeneration"] == 1
+        assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] for c in status["conditions"])
+
+        async def ready_event() -> None:
+            assert any("Ready=True" in e.get("message", "") for e in posted_events(kmock))
+
+        await eventually(ready_event)
+
+        # A pool losing its pods turns Ready off again.
+        await cluster.play_deployment_controller(NS, "a", ready=False)
+
+        async def not_ready() -> None:
+            cond = conditions(await cluster.ucmd(NS, "a"))
+            assert cond["Ready"]["status"] == "False" and cond["DecodeReady"]["message"] == "0/2 ready"
+
+        await eventually(not_ready)
+
+
+@pytest.mark.asyncio
+async def test_changes_patch_only_what_changed(kmock, cluster):
+    async with operator_running(cluster.url):
+        await created_and_ready(cluster)
+        before = await cluster.children(NS, "a")
+        mark = len(list(kmock))
+        spec = copy.deepcopy(SPEC)
+        spec["decode"]["replicas"] = 3
+        await cluster.update_ucmd(NS, "a", spec, generation=2)
+
+        async def scaled() -> None:
+            kids = await cluster.children(NS, "a")
+            assert kids[("Deployment", "a-decode")]["spec"]["replicas"] == 3
+
+        await eventually(scaled)
+        await asyncio.sleep(0.5)  # anything else would have been written by now
+        assert child_writes_since(kmock, mark) == {("deployments", "a-decode")}
+
+        # A store option changes the connector config: the ConfigMap, and the engines roll (their
+        # config hash changed) while the proxy, Services and the rest stay untouched.
+        mark = len(list(kmock))
+        spec["store"]["cacheSize"] = "8Gi"
+        await cluster.update_ucmd(NS, "a", spec, generation=3)
+
+        async def reconfigured() -> None:
+            kids = await cluster.children(NS, "a")
+            assert '"cache|posix"' in kids[("ConfigMap", "a-config")]["data"]["kv-transfer-config.json"]
+
+        await eventually(reconfigured)
+        await asyncio.sleep(0.5)
+        assert child_writes_since(kmock, mark) == {
+            ("configmaps", "a-config"),
+            ("deployments", "a-prefill"),
+            ("deployments", "a-decode"),
+        }
+        after = await cluster.children(NS, "a")
+        hashes = lambda kids, k: kids[k]["spec"]["template"]["metadata"]["annotations"]["ucm.io/config-hash"]  # noqa: E731
+        assert hashes(before, ("Deployment", "a-decode")) != hashes(after, ("Deployment", "a-decode"))
+        assert hashes(before, ("Deployment", "a-proxy")) == hashes(after, ("Deployment", "a-proxy"))
+
+
+@pytest.mark.asyncio
+async def test_restart_on_unchanged_state_writes_nothing(kmock, cluster):
+    async with operator_running(cluster.url):
+        await created_and_ready(cluster)
+        await asyncio.sleep(0.5)
+        before = await cluster.children(NS, "a")
+    mark = len(list(kmock))
+    async with operator_running(cluster.url):
+        await asyncio.sleep(2.0)  # resume handlers and the initial watch events have run
+        after = await cluster.children(NS, "a")
+    # Kopf's own bookkeeping on the object (PATCH of the resource itself) is not ours to judge;
+    # children, status and Events must see no write at all.
+    ours = [c for c in writes(kmock, mark) if not (c[1] == "ucmdeployments" and c[2] == "patch")]
+    assert ours == []
+    assert before == after
+
+
+@pytest.mark.asyncio
+async def test_delete_removes_children_then_the_object(kmock, cluster):
+    async with operator_running(cluster.url):
+        await created_and_ready(cluster)
+        await cluster.call("DELETE", f"/apis/ucm.io/v1alpha1/namespaces/{NS}/ucmdeployments/a")
+
+        async def gone() -> None:
+            listing = await cluster.call("GET", f"/apis/ucm.io/v1alpha1/namespaces/{NS}/ucmdeployments")
+            assert listing["items"] == []
+            assert await cluster.children(NS, "a") == {}
+
+        await eventually(gone)
+        deletes = [c[3].rsplit("/", 1)[-1] for c in operator_calls(kmock) if c[2] == "delete"]
+        assert deletes.index("a-proxy") < deletes.index("a-prefill") < deletes.index("a-kv")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("store", "field"),
+    [
+        ({"type": "mooncake", "mooncake": {}}, "spec.store.mooncake: set exactly one of master"),
+        ({"type": "mooncake", "mooncake": {"address": "m:1"}}, "spec.store.mooncake.metadataServer"),
+        ({"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "lots"}, "spec.store.cacheSize"),
+    ],
+)
+async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, store, field):
+    async with operator_running(cluster.url):
+        mark = len(list(kmock))
+        await cluster.apply_ucmd(NS, "bad", {**SPEC, "store": store}, uid="uid-bad")
+
+        async def degraded() -> dict[str, Any]:
+            cond = conditions(await cluster.ucmd(NS, "bad"))
+            assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "InvalidSpec"
+            return cond
+
+        cond = await eventually(degraded)
+        assert cond["Degraded"]["message"].startswith(field), cond["Degraded"]["message"]
+        assert cond["Ready"]["status"] == "False"
+        await asyncio.sleep(0.5)
+        assert [c for c in writes(kmock, mark) if not c[1].startswith(("ucmdeployments", "events"))] == []
+        assert await cluster.children(NS, "bad") == {}

@@ -1,0 +1,89 @@
+"""``ucm serve``: start a vLLM OpenAI server with UCMConnector from a kv-transfer-config file.
+
+The operator mounts that file from its ConfigMap and ``ucm up`` writes it to the run directory; both
+start engines through this command, so the checks below run the same way everywhere: the config is
+validated before vLLM loads a model, ``${VAR}`` references are filled from the environment (a pod's
+own IP for Mooncake), and a store directory that is missing or read-only stops the start with a
+message saying so (in Kubernetes that usually means the volume is not mounted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ucm.config import ConfigError
+from ucm.integration.vllm.config import WHERE, parse_connector_config
+from ucm.store.factory import parse_spec
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+POSIX_LIKE = ("posix", "nfs", "ds3fs")
+
+
+def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The file's kv-transfer-config with ``${VAR}``s filled in, validated."""
+    env = os.environ if environ is None else environ
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"--kv-config: cannot read {path}: {exc.strerror}") from None
+
+    def fill(m: re.Match[str]) -> str:
+        if m.group(1) not in env:
+            raise ConfigError(f"--kv-config: {path} uses ${{{m.group(1)}}}, which is not set in the environment")
+        return env[m.group(1)]
+
+    try:
+        config = json.loads(_VAR.sub(fill, text))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--kv-config: {path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("kv_connector_extra_config"), dict):
+        raise ConfigError(f"--kv-config: {path} must be a kv-transfer-config with kv_connector_extra_config")
+    parse_connector_config(config["kv_connector_extra_config"])
+    return config
+
+
+def check_store_dirs(config: dict[str, Any]) -> None:
+    """Every directory a file-based store writes to exists and takes a file."""
+    store = config["kv_connector_extra_config"]["store"]
+    for stage in parse_spec(store["spec"]):
+        if stage not in POSIX_LIKE:
+            continue
+        for root in store[stage]["roots"]:
+            where = f"{WHERE}.store.{stage}.roots: {root}"
+            if not os.path.isdir(root):
+                raise ConfigError(f"{where} does not exist (is the store volume mounted?)")
+            try:
+                with tempfile.NamedTemporaryFile(dir=root, prefix=".ucm-write-check-"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(
+                    f"{where} is not writable ({exc.strerror}); check the volume and its permissions"
+                ) from None
+
+
+def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *vllm_args,
+        "--kv-transfer-config",
+        json.dumps(config, separators=(",", ":")),
+    ]
+
+
+def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
+    config = load_kv_config(kv_config)
+    check_store_dirs(config)
+    command = vllm_command(config, vllm_args)
+    if dry_run:
+        print(json.dumps(command))
+        return 0
+    sys.stdout.flush()
+    os.execv(command[0], command)
