@@ -1,0 +1,137 @@
+"""The plan: one description of the stack, read by the operator and by ``ucm up``."""
+
+from __future__ import annotations
+
+import json
+from itertools import count
+
+import pytest
+import yaml
+
+from ucm.deploy.plan import KV_CONFIG_FILE, PROXY_CONFIG_FILE, PlanError, Site, build_plan
+from ucm.deploy.quantity import quantity_bytes
+from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.integration.vllm.config import parse_connector_config
+from ucm_proxy.config import ProxyConfig
+
+BASE = {"model": {"source": {"hostPath": "/models/tiny"}}, "store": {"type": "posix", "pvc": {"claimName": "kv"}}}
+K8S = Site("kubernetes", namespace="serving")
+
+
+def local_site(tmp_path) -> Site:
+    ports = count(20000)
+    return Site("local", config_dir=str(tmp_path), kv_dir=str(tmp_path / "kv"), ports=lambda: next(ports))
+
+
+def plan_for(overrides: dict, site: Site = K8S):
+    return build_plan("demo", UCMDeploymentSpec.model_validate({**BASE, **overrides}), site)
+
+
+def kv(plan) -> dict:
+    config = json.loads(plan.files[KV_CONFIG_FILE])
+    parse_connector_config(config["kv_connector_extra_config"])  # what the engines will accept
+    return config["kv_connector_extra_config"]
+
+
+def test_kubernetes_plan_roles_and_files():
+    plan = plan_for({"decode": {"replicas": 3}})
+    assert [(r.name, r.replicas) for r in plan.roles] == [("prefill", 1), ("decode", 3), ("proxy", 1)]
+    extra = kv(plan)
+    assert extra["store"] == {"spec": "posix", "posix": {"roots": ["/var/lib/ucm/kv"]}}
+    assert extra["model_id"] == "/models/tiny"  # same on every pod, so blocks are shared
+    decode = plan.role("decode")
+    assert decode.command[:4] == ["ucm", "serve", "--kv-config", "/etc/ucm/" + KV_CONFIG_FILE]
+    assert "--port" in decode.command and decode.command[decode.command.index("--port") + 1] == "8000"
+    proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
+    assert proxy.discovery is not None and proxy.discovery.decode_service == "demo-decode"
+    assert proxy.host == "0.0.0.0" and proxy.mode == "pd"
+
+
+def test_local_plan_gives_each_replica_a_port_and_the_proxy_their_urls(tmp_path):
+    plan = plan_for({"prefill": {"replicas": 2}, "decode": {"replicas": 1}}, local_site(tmp_path))
+    names = [r.name for r in plan.roles]
+    assert names == ["prefill-0", "prefill-1", "decode-0", "proxy"]
+    ports = [r.ports[0].number for r in plan.roles]
+    assert len(set(ports)) == 4
+    proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
+    assert proxy.prefill == [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    assert proxy.decode == [f"http://127.0.0.1:{ports[2]}"]
+    assert proxy.host == "127.0.0.1" and proxy.discovery is None
+    assert kv(plan)["store"]["posix"]["roots"] == [str(tmp_path / "kv")]
+    assert all(not r.volumes for r in plan.roles)
+
+
+@pytest.mark.parametrize(
+    ("store", "spec_str"),
+    [
+        ({"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "1Gi"}, "cache|posix"),
+        ({"type": "nfs", "nfs": {"server": "s", "path": "/p"}}, "nfs"),
+        ({"type": "ds3fs", "ds3fs": {"mountPath": "/3fs"}}, "ds3fs"),
+        ({"type": "mooncake", "mooncake": {"master": {}}}, "mooncake"),
+    ],
+)
+def test_store_types(store, spec_str):
+    plan = plan_for({"store": store})
+    extra = kv(plan)
+    assert extra["store"]["spec"] == spec_str
+    has_master = any(r.component == "mooncake-master" for r in plan.roles)
+    assert has_master == ("master" in (store.get("mooncake") or {}))
+    if spec_str == "cache|posix":
+        assert extra["store"]["cache"]["capacity"] == 1 << 30
+    if spec_str == "mooncake":
+        mc = extra["store"]["mooncake"]
+        assert mc["master_address"] == "demo-mooncake-master:50051"
+        assert mc["local_hostname"] == "${POD_IP}"
+        assert mc["global_segment_size"] == 4 << 30
+
+
+def test_a_created_claim_is_in_the_plan():
+    plan = plan_for({"store": {"type": "posix", "pvc": {"create": {"size": "2Ti", "storageClassName": "cephfs"}}}})
+    assert plan.store_claim == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "2Ti"}},
+        "storageClassName": "cephfs",
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"store": {"type": "mooncake", "mooncake": {}}}, "store.mooncake: set exactly one of master"),
+        (
+            {"store": {"type": "mooncake", "mooncake": {"master": {}, "address": "m:1"}}},
+            "store.mooncake: set exactly one of master",
+        ),
+        ({"store": {"type": "mooncake", "mooncake": {"address": "m:1"}}}, "store.mooncake.metadataServer: required"),
+        ({"store": {"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "lots"}}, "store.cacheSize: 'lots'"),
+        (
+            {"store": {"type": "mooncake", "mooncake": {"master": {}, "segmentSize": "4Gb"}}},
+            "store.mooncake.segmentSize",
+        ),
+    ],
+)
+def test_specs_that_cannot_work_name_the_field(overrides, message):
+    with pytest.raises(PlanError) as err:
+        plan_for(overrides)
+    assert str(err.value).startswith(message)
+
+
+def test_a_pvc_model_cannot_run_locally(tmp_path):
+    spec = {"model": {"source": {"pvc": {"claimName": "models"}}}}
+    with pytest.raises(PlanError, match=r"^model.source.pvc: .*hostPath"):
+        plan_for(spec, local_site(tmp_path))
+    assert plan_for(spec).role("prefill").command[6] == "/models"  # the claim's root
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [(1024, 1024), ("16Gi", 16 << 30), ("2T", 2 * 10**12), ("512Mi", 512 << 20), ("1.5Gi", 3 << 29), ("100", 100)],
+)
+def test_quantities(text, value):
+    assert quantity_bytes(text, "f") == value
+
+
+@pytest.mark.parametrize("bad", ["16GB", "lots", "-1", "1e9", ""])
+def test_bad_quantities_name_the_field(bad):
+    with pytest.raises(ValueError, match=r"^store.cacheSize: "):
+        quantity_bytes(bad, "store.cacheSize")

@@ -1,0 +1,135 @@
+"""Every object the operator renders and every manifest the chart renders is valid Kubernetes
+(kubernetes-validate --strict, offline schemas); the chart lints, and its values are checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.operator.conftest import CHART, ROOT, helm
+from ucm.deploy.plan import Site, build_plan
+from ucm.deploy.spec import UCMDeploymentSpec
+from ucm_operator.render import DESIRED_HASH, Owner, render
+
+EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
+VARIANTS = {
+    "mooncake-external": {
+        "model": {"source": {"hf": "Qwen/Qwen3-0.6B"}},
+        "store": {"type": "mooncake", "mooncake": {"address": "mc:50051", "metadataServer": "http://mc:8080/metadata"}},
+        "proxy": {"apiKeySecret": {"name": "keys"}, "service": {"type": "NodePort"}},
+    },
+    "nfs-cache-gpus": {
+        "model": {"source": {"hostPath": "/models/llama"}, "extraArgs": ["--max-num-seqs", "64"]},
+        "prefill": {
+            "replicas": 2,
+            "resources": {"gpus": 2, "requests": {"cpu": "8", "memory": "64Gi"}},
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+        },
+        "store": {"type": "nfs", "nfs": {"server": "10.0.0.2", "path": "/kv"}, "cacheSize": "16Gi"},
+        "image": {"pullSecrets": ["regcred"]},
+    },
+}
+
+
+def validate_strict(docs: list[dict], tmp_path: Path) -> None:
+    path = tmp_path / "objects.yaml"
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    r = subprocess.run([str(exe), "--strict", "-k", "1.33.0", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def specs() -> list[tuple[str, dict]]:
+    out = [(p.stem, yaml.safe_load(p.read_text())["spec"]) for p in EXAMPLES]
+    return out + list(VARIANTS.items())
+
+
+@pytest.mark.parametrize(("name", "spec"), specs(), ids=[n for n, _ in specs()])
+def test_rendered_objects_are_valid_kubernetes(name, spec, tmp_path):
+    model = UCMDeploymentSpec.model_validate(spec)
+    plan = build_plan("demo", model, Site("kubernetes", namespace="serving"))
+    objects = render(Owner("demo", "serving", "0000-uid"), model, plan)
+    validate_strict(objects, tmp_path)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names))
+    assert all(o["metadata"]["annotations"][DESIRED_HASH] for o in objects)
+
+
+def test_render_is_deterministic_and_hash_tracks_content():
+    spec = UCMDeploymentSpec.model_validate(VARIANTS["nfs-cache-gpus"])
+    site = Site("kubernetes", namespace="serving")
+    owner = Owner("demo", "serving", "u")
+    a = render(owner, spec, build_plan("demo", spec, site))
+    b = render(owner, spec, build_plan("demo", spec, site))
+    assert a == b
+    changed = spec.model_copy(update={"decode": spec.decode.model_copy(update={"replicas": 5})})
+    c = render(owner, changed, build_plan("demo", changed, site))
+    differ = {o["metadata"]["name"] + "/" + o["kind"] for o, p in zip(a, c, strict=True) if o != p}
+    assert differ == {"demo-decode/Deployment"}
+
+
+def test_gpus_and_scheduling_reach_the_pod():
+    spec = UCMDeploymentSpec.model_validate(VARIANTS["nfs-cache-gpus"])
+    objects = render(Owner("d", "ns", "u"), spec, build_plan("d", spec, Site("kubernetes", namespace="ns")))
+    prefill = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "d-prefill")
+    pod = prefill["spec"]["template"]["spec"]
+    res = pod["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "2"
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "gpu"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in pod["containers"][0]["env"]
+    assert {"name": "kv", "nfs": {"server": "10.0.0.2", "path": "/kv"}} in pod["volumes"]
+
+
+def test_chart_lints(tmp_path):
+    helm("lint", "--strict", str(CHART), tmp=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        ["--set", "metrics.service.enabled=true", "--set", "watchNamespaces={serving,batch}"],
+        ["--set", "metrics.serviceMonitor.enabled=true", "--set", "image.tag=dev"],
+    ],
+    ids=["defaults", "metrics-namespaces", "servicemonitor"],
+)
+def test_chart_renders_valid_manifests(values, tmp_path):
+    out = helm("template", "ucm", str(CHART), "--namespace", "ucm-system", "--include-crds", *values, tmp=tmp_path)
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"} <= kinds
+    # ServiceMonitor is the Prometheus operator's custom resource: not in the offline schemas.
+    validate_strict([d for d in docs if d["kind"] != "ServiceMonitor"], tmp_path)
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    if "watchNamespaces={serving,batch}" in values:
+        assert "--namespace=serving" in args and "--namespace=batch" in args
+    assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize(
+    ("flag", "complaint"),
+    [
+        ("logLevel=loud", "logLevel"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("watchNamespaces={Bad_NS}", "watchNamespaces"),
+        ("metrics.port=70000", "port"),
+        ("surprise=1", "surprise"),
+    ],
+)
+def test_chart_values_are_validated(flag, complaint, tmp_path):
+    env_home = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "helm"), "template", "u", str(CHART), "--set", flag],
+        capture_output=True,
+        text=True,
+        env={**env_home, "PATH": "/usr/bin:/bin"},
+    )
+    assert r.returncode != 0 and complaint in r.stderr, r.stderr

@@ -1,0 +1,78 @@
+"""``ucm serve``, the engines' entrypoint: checks before vLLM starts, then the vLLM command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ucm.integration.vllm.config import kv_transfer_config
+
+UCM = str(Path(sys.executable).parent / "ucm")
+
+
+def write_config(tmp_path: Path, store: dict) -> Path:
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(kv_transfer_config(store)))
+    return path
+
+
+def serve(config: Path, *vllm: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [UCM, "serve", "--kv-config", str(config), "--dry-run", "--", *vllm],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+def test_dry_run_prints_the_vllm_command_with_the_config(tmp_path):
+    (tmp_path / "kv").mkdir()
+    config = write_config(tmp_path, {"spec": "posix", "posix": {"roots": [str(tmp_path / "kv")]}})
+    r = serve(config, "--model", "m", "--port", "8001")
+    assert r.returncode == 0, r.stderr
+    command = json.loads(r.stdout)
+    assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    passed = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert passed["kv_connector"] == "UCMConnector"
+    assert passed["kv_connector_extra_config"]["store"]["posix"]["roots"] == [str(tmp_path / "kv")]
+
+
+def test_a_missing_store_directory_stops_the_start(tmp_path):
+    config = write_config(
+        tmp_path, {"spec": "cache|posix", "cache": {"capacity": 1 << 20}, "posix": {"roots": ["/nope"]}}
+    )
+    r = serve(config, "--model", "m")
+    assert r.returncode == 2
+    assert "store.posix.roots: /nope does not exist (is the store volume mounted?)" in r.stderr
+
+
+def test_an_unwritable_store_directory_stops_the_start(tmp_path):
+    config = write_config(tmp_path, {"spec": "posix", "posix": {"roots": ["/sys/fs"]}})  # EACCES even for root
+    r = serve(config, "--model", "m")
+    assert r.returncode == 2 and "/sys/fs is not writable" in r.stderr
+
+
+def test_environment_variables_fill_the_config(tmp_path):
+    store = {"spec": "mooncake", "mooncake": {"master_address": "m:1", "metadata_server": "http://m:2/metadata"}}
+    config = tmp_path / "kv.json"
+    text = json.dumps(kv_transfer_config(store)).replace(
+        '"master_address"', '"local_hostname": "${POD_IP}", "master_address"'
+    )
+    config.write_text(text)
+    r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and "${POD_IP}, which is not set" in r.stderr
+    r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin", "POD_IP": "10.1.2.3"})
+    assert r.returncode == 0, r.stderr
+    passed = json.loads(json.loads(r.stdout)[-1])
+    assert passed["kv_connector_extra_config"]["store"]["mooncake"]["local_hostname"] == "10.1.2.3"
+
+
+def test_a_bad_config_names_the_field(tmp_path):
+    config = tmp_path / "kv.json"
+    config.write_text(
+        json.dumps({"kv_connector": "UCMConnector", "kv_connector_extra_config": {"store": {"spec": "tape"}}})
+    )
+    r = serve(config, "--model", "m")
+    assert r.returncode == 2 and "store.spec: unknown store 'tape'" in r.stderr
