@@ -120,8 +120,10 @@ def build_registry(server: str | None = None) -> kopf.OperatorRegistry:
         for cond in new["conditions"]:
             if cond["type"] not in ("Ready", "Degraded"):
                 continue
-            if (before.get(cond["type"]) or {}).get("status") == cond["status"]:
-                continue
+            was = (before.get(cond["type"]) or {}).get("status")
+            notable = cond["status"] == "True"  # Ready, or Degraded
+            if was == cond["status"] or (was is None and not notable):
+                continue  # unchanged, or a first status that says nothing happened
             text = f"{cond['type']}={cond['status']}" + (f": {cond['message']}" if cond["message"] else "")
             bad = (cond["type"] == "Degraded") == (cond["status"] == "True")
             (kopf.warn if bad else kopf.info)(dict(owner), reason=cond["reason"], message=text)

@@ -102,7 +102,7 @@ def computed_status(
         ok = d is not None and d.settled and d.want == role.replicas and ready >= role.replicas
         if role.component in ROLE_CONDITIONS:
             ready_replicas[role.component] = ready
-            msg = f"{ready}/{role.replicas} ready" if d else "not created yet"
+            msg = f"{ready}/{role.replicas} ready"
             conds.append(
                 condition(old, ROLE_CONDITIONS[role.component], ok, "Ready" if ok else "Waiting", msg, generation)
             )

@@ -11,9 +11,10 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
+import attrs
 import kmock
 import kopf
 
@@ -28,9 +29,27 @@ WRITE_VERBS = {"create", "patch", "update", "delete"}
 ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 
 
+class Call(NamedTuple):
+    """One resource request the operator made, as RBAC sees it."""
+
+    group: str
+    resource: str  # plural[/subresource]
+    verb: str
+    path: str
+    data: Any
+
+
+@attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
-    """kmock plus the metadata a real API server assigns on create (uid, resourceVersion,
-    generation): Kopf tells objects apart by uid and tests its patches against resourceVersion."""
+    """kmock plus what a real API server does on create (assign uid, resourceVersion, generation:
+    Kopf tells objects apart by uid and tests its patches against resourceVersion), and a compact
+    record of the operator's calls in ``calls``.
+
+    kmock matches every request against its whole request history (quadratic); ``history_limit``
+    keeps only the latest requests there, for runs of thousands of calls."""
+
+    history_limit: int | None = None
+    calls: list[Call] = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
@@ -38,7 +57,21 @@ class Emulator(kmock.KubernetesEmulator):
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("resourceVersion", "1")
             meta.setdefault("generation", 1)
+        call = _as_call(request)
+        if call is not None:
+            self.calls.append(call)
+        if self.history_limit is not None and len(self._requests) > 2 * self.history_limit:
+            del self._requests[: -self.history_limit]
         return await super()._handle(request)
+
+
+def _as_call(req: kmock.Request) -> Call | None:
+    if DRIVER_HEADER in req.headers or req.resource is None or req.resource.plural is None:
+        return None  # the test's own calls; discovery (non-resource URLs, open to every user)
+    action = req.action.value if req.action else ""
+    verb = VERBS.get(action) or {"PATCH": "patch", "PUT": "update"}.get(req.method.value, req.method.value)
+    resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+    return Call(req.resource.group or "", resource, verb, req.url.path, req.data if verb == "create" else None)
 
 
 def declare(k: kmock.KubernetesEmulator) -> None:
@@ -124,25 +157,10 @@ class Driver:
                 await self.call("PATCH", child_path(kind, namespace, child) + "/status", {"status": {"phase": "Bound"}})
 
 
-def operator_calls(k: Iterable[Any]) -> list[tuple[str, str, str, str]]:
-    """(group, resource[/subresource], verb, path) of every resource request the operator made."""
-    out = []
-    for req in k:
-        if DRIVER_HEADER in req.headers or req.resource is None or req.resource.plural is None:
-            continue  # the test's own calls; discovery (non-resource URLs, open to every user)
-        action = req.action.value if req.action else ""
-        verb = VERBS.get(action) or {"PATCH": "patch", "PUT": "update"}.get(req.method.value, req.method.value)
-        resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
-        out.append((req.resource.group or "", resource, verb, req.url.path))
-    return out
-
-
-def posted_events(k: Iterable[Any]) -> list[dict[str, Any]]:
+def posted_events(calls: Iterable[Call]) -> list[dict[str, Any]]:
     """Events the operator posted. (kmock does not fill ``generateName``, so it stores only the first
     of them; the requests are the record.)"""
-    return [
-        r.data for r in k if DRIVER_HEADER not in r.headers and r.method.value == "POST" and "/events" in r.url.path
-    ]
+    return [c.data for c in calls if c.resource == "events" and c.verb == "create"]
 
 
 def allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
@@ -177,8 +195,8 @@ async def operator_running(url: str) -> AsyncIterator[None]:
 
 
 @asynccontextmanager
-async def emulator() -> AsyncIterator[kmock.KubernetesEmulator]:
+async def emulator(history_limit: int | None = None) -> AsyncIterator[Emulator]:
     """kmock outside pytest (the benchmark)."""
-    async with Emulator() as k, kmock.Server(k):
+    async with Emulator(history_limit=history_limit) as k, kmock.Server(k):
         declare(k)
         yield k

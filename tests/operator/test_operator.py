@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
-from ucm_operator.testing import WRITE_VERBS, Driver, Emulator, operator_calls, operator_running, posted_events
+from ucm.testing.ports import free_port
+from ucm_operator.testing import WRITE_VERBS, Driver, Emulator, operator_running, posted_events
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 NS = "serving"
@@ -53,7 +59,7 @@ def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def writes(k, since: int = 0) -> list[tuple[str, str, str, str]]:
-    return [c for c in operator_calls(list(k)[since:]) if c[2] in WRITE_VERBS]
+    return [c[:4] for c in k.calls[since:] if c.verb in WRITE_VERBS]
 
 
 def child_writes_since(k, since: int) -> set[tuple[str, str]]:
@@ -124,7 +130,7 @@ async def test_create_gives_owned_children_and_status_follows_readiness(kmock, c
         assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] for c in status["conditions"])
 
         async def ready_event() -> None:
-            assert any("Ready=True" in e.get("message", "") for e in posted_events(kmock))
+            assert any("Ready=True" in e.get("message", "") for e in posted_events(kmock.calls))
 
         await eventually(ready_event)
 
@@ -143,7 +149,7 @@ async def test_changes_patch_only_what_changed(kmock, cluster):
     async with operator_running(cluster.url):
         await created_and_ready(cluster)
         before = await cluster.children(NS, "a")
-        mark = len(list(kmock))
+        mark = len(kmock.calls)
         spec = copy.deepcopy(SPEC)
         spec["decode"]["replicas"] = 3
         await cluster.update_ucmd(NS, "a", spec, generation=2)
@@ -158,7 +164,7 @@ async def test_changes_patch_only_what_changed(kmock, cluster):
 
         # A store option changes the connector config: the ConfigMap, and the engines roll (their
         # config hash changed) while the proxy, Services and the rest stay untouched.
-        mark = len(list(kmock))
+        mark = len(kmock.calls)
         spec["store"]["cacheSize"] = "8Gi"
         await cluster.update_ucmd(NS, "a", spec, generation=3)
 
@@ -185,7 +191,7 @@ async def test_restart_on_unchanged_state_writes_nothing(kmock, cluster):
         await created_and_ready(cluster)
         await asyncio.sleep(0.5)
         before = await cluster.children(NS, "a")
-    mark = len(list(kmock))
+    mark = len(kmock.calls)
     async with operator_running(cluster.url):
         await asyncio.sleep(2.0)  # resume handlers and the initial watch events have run
         after = await cluster.children(NS, "a")
@@ -208,7 +214,7 @@ async def test_delete_removes_children_then_the_object(kmock, cluster):
             assert await cluster.children(NS, "a") == {}
 
         await eventually(gone)
-        deletes = [c[3].rsplit("/", 1)[-1] for c in operator_calls(kmock) if c[2] == "delete"]
+        deletes = [c.path.rsplit("/", 1)[-1] for c in kmock.calls if c.verb == "delete"]
         assert deletes.index("a-proxy") < deletes.index("a-prefill") < deletes.index("a-kv")
 
 
@@ -223,7 +229,7 @@ async def test_delete_removes_children_then_the_object(kmock, cluster):
 )
 async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, store, field):
     async with operator_running(cluster.url):
-        mark = len(list(kmock))
+        mark = len(kmock.calls)
         await cluster.apply_ucmd(NS, "bad", {**SPEC, "store": store}, uid="uid-bad")
 
         async def degraded() -> dict[str, Any]:
@@ -237,3 +243,29 @@ async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, stor
         await asyncio.sleep(0.5)
         assert [c for c in writes(kmock, mark) if not c[1].startswith(("ucmdeployments", "events"))] == []
         assert await cluster.children(NS, "bad") == {}
+
+
+@pytest.mark.asyncio
+async def test_the_console_script_runs_the_operator_with_a_liveness_endpoint(kmock, cluster, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "operator.log", "wb")  # noqa: SIM115 - closed below
+    exe = Path(sys.executable).parent / "ucm-operator"
+    liveness = f"http://127.0.0.1:{port}/healthz"
+    proc = subprocess.Popen([str(exe), "--server", cluster.url, "--liveness", liveness], stdout=log, stderr=log)
+    try:
+
+        async def alive() -> None:
+            assert proc.poll() is None, (tmp_path / "operator.log").read_text()
+            async with aiohttp.ClientSession() as http:
+                try:
+                    async with http.get(liveness) as r:
+                        assert r.status == 200
+                except aiohttp.ClientConnectionError as exc:
+                    raise AssertionError(str(exc)) from None
+
+        await eventually(alive, timeout=30)
+        await created_and_ready(cluster, "cli")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        log.close()
