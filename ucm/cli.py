@@ -1,4 +1,5 @@
-"""The ``ucm`` command: store administration and starting engines (``ucm serve``)."""
+"""The ``ucm`` command: store administration, the engines' entrypoint (``ucm serve``), and the
+local stack (``ucm up`` / ``ucm down``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from ucm.config import ConfigError
+from ucm.deploy.up import add_parsers as add_up_parsers
 from ucm.store import StoreError, create_store
 
 
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dry-run", action="store_true", help="check everything, print the vLLM command, exit")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then the vLLM server arguments")
     serve.set_defaults(func=cmd_serve)
+    add_up_parsers(sub)
     return parser
 
 

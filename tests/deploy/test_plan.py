@@ -20,7 +20,7 @@ K8S = Site("kubernetes", namespace="serving")
 
 def local_site(tmp_path) -> Site:
     ports = count(20000)
-    return Site("local", config_dir=str(tmp_path), kv_dir=str(tmp_path / "kv"), ports=lambda: next(ports))
+    return Site("local", config_dir=str(tmp_path), kv_dir=str(tmp_path / "kv"), ports=lambda role: next(ports))
 
 
 def plan_for(overrides: dict, site: Site = K8S):

@@ -13,6 +13,7 @@ raises :class:`PlanError` naming the field (the operator reports it as ``Degrade
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -112,7 +113,7 @@ class Site:
     namespace: str = "default"
     config_dir: str = "/etc/ucm"
     kv_dir: str = KV_MOUNT  # local: the posix store's directory
-    ports: Any = None  # local: a callable returning a free port
+    ports: Callable[[str], int] | None = None  # local: the port for a role (or "role/port-name")
 
     @property
     def local(self) -> bool:
@@ -122,8 +123,10 @@ class Site:
     def bind(self) -> str:
         return "127.0.0.1" if self.local else "0.0.0.0"
 
-    def port(self, default: int) -> int:
-        return self.ports() if self.local else default
+    def port(self, role: str, default: int) -> int:
+        if self.ports is None or not self.local:
+            return default
+        return self.ports(role)
 
     def host(self, deployment: str, role: str) -> str:
         return "127.0.0.1" if self.local else f"{deployment}-{role}"
@@ -144,12 +147,12 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
             [(f"{component}-{i}", 1) for i in range(pool.replicas)] if site.local else [(component, pool.replicas)]
         )
         for role_name, replicas in instances:
-            port = site.port(VLLM_PORT)
+            port = site.port(role_name, VLLM_PORT)
             roles.append(
                 _engine(name, role_name, component, replicas, port, pool, spec, site, model_path, model_volumes)
             )
             engines.setdefault(component, []).append(f"http://{site.host(name, role_name)}:{port}")
-    proxy_port = site.port(PROXY_PORT)
+    proxy_port = site.port("proxy", PROXY_PORT)
     files[PROXY_CONFIG_FILE] = _proxy_config(name, spec, site, proxy_port, engines)
     roles.append(_proxy(spec, site, proxy_port))
     return Plan(name=name, roles=roles, files=files, store_claim=_claim(spec, site))
@@ -194,10 +197,12 @@ def _store(name: str, spec: UCMDeploymentSpec, site: Site) -> tuple[dict[str, An
         if (mc.master is None) == (mc.address is None):
             raise _fail("store.mooncake", "set exactly one of master (run one here) or address (an external one)")
         if mc.master is not None:
-            rpc, metadata = site.port(mc.master.port), site.port(mc.master.metadata_port)
+            rpc = site.port("mooncake-master", mc.master.port)
+            metadata = site.port("mooncake-master/metadata", mc.master.metadata_port)
             host = site.host(name, "mooncake-master")
             address, metadata_url = f"{host}:{rpc}", f"http://{host}:{metadata}/metadata"
-            master = _mooncake_master(mc.master.image, rpc, metadata, site.port(MOONCAKE_METRICS_PORT), site)
+            metrics = site.port("mooncake-master/metrics", MOONCAKE_METRICS_PORT)
+            master = _mooncake_master(mc.master.image, rpc, metadata, metrics, site)
         else:
             if not mc.metadata_server:
                 raise _fail("store.mooncake.metadataServer", "required with address (the master's metadata URL)")

@@ -1,0 +1,293 @@
+"""The plan (``ucm.deploy.plan``) as local processes: ``ucm up``.
+
+Every role becomes a process on loopback with its own free port and log file; config files go to
+the run directory. Roles start in dependency order (the Mooncake master, then the engines
+together, then the proxy) and each counts as started only when its readiness probe answers. A
+role that dies before it is ready stops the whole stack with its log's tail; one that dies later
+is restarted (as Kubernetes would restart its pod), at most ``MAX_RESTARTS`` times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ucm.deploy.plan import Plan, Probe, Role, Site, build_plan
+from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.testing.ports import free_port
+
+MAX_RESTARTS = 3
+STOP_GRACE_S = 30.0
+# Roles in a group start together; a group starts when the previous one is ready.
+START_ORDER = (("mooncake-master",), ("prefill", "decode"), ("proxy",))
+
+
+class StackError(RuntimeError):
+    """The stack cannot start or keep running; the message says why and where to look."""
+
+
+def default_spec(model_path: str | Path) -> dict[str, Any]:
+    """The embedded stack: a model on this machine, a POSIX store in the run directory, one
+    prefill and one decode engine (vLLM's CPU settings), and the proxy."""
+    return {
+        "model": {
+            "source": {"hostPath": str(model_path)},
+            "servedName": "tiny",
+            "dtype": "float32",
+            "blockSize": 32,
+            "maxModelLen": 4096,
+            "extraArgs": ["--enforce-eager", "--max-num-seqs", "16"],
+        },
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 1},
+        "store": {"type": "posix", "pvc": {"claimName": "local"}},
+        "proxy": {"fallbackToDecode": True},
+    }
+
+
+def kubernetes_only_fields(spec: UCMDeploymentSpec) -> list[str]:
+    """Fields the user set that only mean something in a cluster (ignored locally)."""
+    out = [f"image.{f}" for f in sorted(spec.image.model_fields_set)]
+    for pool_name in ("prefill", "decode"):
+        pool = getattr(spec, pool_name)
+        for f in ("resources", "node_selector", "tolerations", "affinity"):
+            if f in pool.model_fields_set:
+                out.append(f"{pool_name}.{_camel(f)}")
+    st = spec.store
+    if st.type == "posix" and "pvc" in st.model_fields_set:
+        out.append("store.pvc (blocks go to the run directory)")
+    if st.type == "nfs":
+        out.append("store.nfs (blocks go to the run directory)")
+    if st.mooncake and st.mooncake.master and st.mooncake.master.image:
+        out.append("store.mooncake.master.image")
+    for f in ("service", "api_key_secret"):
+        if f in spec.proxy.model_fields_set:
+            out.append(f"proxy.{_camel(f)}")
+    if spec.proxy.replicas > 1:
+        out.append("proxy.replicas (one proxy runs locally)")
+    return out
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def resolve(executable: str) -> str:
+    """Console scripts of this installation first (``ucm``, ``ucm-proxy``, ``mooncake_master``)."""
+    here = Path(sys.executable).parent / executable
+    if here.exists():
+        return str(here)
+    found = shutil.which(executable)
+    if found is None:
+        raise StackError(f"{executable}: not found in {here.parent} or on PATH")
+    return found
+
+
+@dataclass
+class Process:
+    role: Role
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    ready: bool = False
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def port(self) -> int:
+        return self.role.ports[0].number
+
+    def start(self) -> None:
+        command = [resolve(self.role.command[0]), *self.role.command[1:]]
+        with open(self.log, "ab") as log:
+            self.popen = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        self.ready = False
+        self.started_at = time.monotonic()
+
+    def exited(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def probe(self) -> bool:
+        p: Probe | None = self.role.readiness
+        if p is None:
+            return self.exited() is None
+        port = next(x.number for x in self.role.ports if x.name == p.port)
+        if p.path is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return True
+            except OSError:
+                return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{p.path}", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            self.popen.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        except ProcessLookupError:
+            pass
+
+
+class LocalStack:
+    def __init__(self, spec: UCMDeploymentSpec, run_dir: Path, proxy_port: int = 0, name: str = "local") -> None:
+        self.spec, self.name = spec, name
+        self.run_dir = run_dir
+        self.logs = run_dir / "logs"
+        if proxy_port and not port_is_free(proxy_port):
+            raise StackError(f"--port: {proxy_port} is in use; choose another (0 picks any free port)")
+        site = Site(
+            "local",
+            config_dir=str(run_dir),
+            kv_dir=str(run_dir / "kv"),
+            ports=lambda role: proxy_port if role == "proxy" and proxy_port else free_port(),
+        )
+        self.plan: Plan = build_plan(name, spec, site)
+        source = spec.model.source
+        if source.host_path is not None and not Path(source.host_path).is_dir():
+            raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
+        engines = [r for r in self.plan.roles if r.component in ("prefill", "decode")]
+        self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, len(engines))) for r in self.plan.roles]
+
+    @property
+    def proxy(self) -> Process:
+        return next(p for p in self.processes if p.role.component == "proxy")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy.port}/v1"
+
+    def _env(self, role: Role, engines: int) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if role.component in ("prefill", "decode"):
+            cores = os.cpu_count() or 1
+            # vLLM's CPU backend binds its OpenMP threads; explicit binding avoids its default
+            # holding a core back. With fewer than two cores per engine they share all of them:
+            # in PD, prefill and decode of one request run one after the other.
+            per = cores // engines if cores >= 2 * engines else cores
+            index = [r.name for r in self.plan.roles if r.component in ("prefill", "decode")].index(role.name)
+            first = index * per if per < cores else 0
+            env.update(
+                {
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + per - 1}",
+                    "GLOG_minloglevel": "2",
+                }
+            )
+        env.update(role.env)
+        return env
+
+    def write_files(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "kv").mkdir(parents=True, exist_ok=True)
+        for filename, text in self.plan.files.items():
+            (self.run_dir / filename).write_text(text)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "base_url": self.base_url,
+            "roles": {p.role.name: p.popen.pid for p in self.processes if p.popen is not None},
+        }
+
+    def start(self, progress: Callable[[str, list[Process]], None], timeout: float = 600.0) -> None:
+        """Start every role in order; returns when all are ready. On failure stops what started."""
+        self.write_files()
+        deadline = time.monotonic() + timeout
+        try:
+            for stage in START_ORDER:
+                group = [p for p in self.processes if p.role.component in stage]
+                for p in group:
+                    p.start()
+                    progress(f"starting {p.role.name} on port {p.port} (log: {p.log})", [])
+                self._wait_ready(group, deadline, progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(
+        self, group: list[Process], deadline: float, progress: Callable[[str, list[Process]], None]
+    ) -> None:
+        waiting = list(group)
+        while waiting:
+            for p in list(waiting):
+                code = p.exited()
+                if code is not None:
+                    raise StackError(
+                        f"{p.role.name} exited with code {code} before it was ready; "
+                        f"its log ({p.log}) ends:\n{p.tail()}"
+                    )
+                if p.probe():
+                    p.ready = True
+                    waiting.remove(p)
+                    progress(f"{p.role.name} ready after {time.monotonic() - p.started_at:.0f} s", [])
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(p.role.name for p in waiting)
+                raise StackError(f"{names} not ready in time; see {self.logs}")
+            if waiting:
+                progress("", waiting)
+                time.sleep(0.5)
+
+    def supervise(self, report: Callable[[str], None]) -> None:
+        """Restart roles that died after being ready; raise when one keeps dying."""
+        for p in self.processes:
+            code = p.exited()
+            if code is None:
+                continue
+            if p.restarts >= MAX_RESTARTS:
+                raise StackError(
+                    f"{p.role.name} exited (code {code}) {p.restarts + 1} times; its log ({p.log}) ends:\n{p.tail()}"
+                )
+            p.restarts += 1
+            report(f"{p.role.name} exited with code {code}; restarting ({p.restarts}/{MAX_RESTARTS})")
+            p.start()
+
+    def stop(self) -> None:
+        """Proxy first (no new requests), then engines, then the store's master."""
+        for stage in reversed(START_ORDER):
+            for p in self.processes:
+                if p.role.component in stage:
+                    p.stop()
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    path.write_text(json.dumps(state, indent=2))

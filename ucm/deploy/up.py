@@ -1,0 +1,167 @@
+"""``ucm up`` / ``ucm down``: run a ``UCMDeployment`` on this machine (see ``ucm.deploy.local``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ucm.config import ConfigError, format_validation_error
+from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields, write_state
+from ucm.deploy.plan import PlanError
+from ucm.deploy.spec import KIND, UCMDeploymentSpec
+
+STATE_FILE = "stack.json"
+
+
+class _Stop(Exception):
+    pass
+
+
+def add_parsers(sub: Any) -> None:
+    up = sub.add_parser("up", help="run a UCMDeployment here: store, prefill/decode vLLM, proxy")
+    up.add_argument("-f", "--file", help="a UCMDeployment (YAML); default: the tiny model, a POSIX store, 1+1 engines")
+    up.add_argument("--name", default="local", help="stack name (run directory .ucm/<name>)")
+    up.add_argument("--run-dir", default=".ucm", help="where config, logs, blocks and state go")
+    up.add_argument("--port", type=int, default=8000, help="proxy port (0: any free port)")
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every role to be ready")
+    up.set_defaults(func=cmd_up)
+    down = sub.add_parser("down", help="stop a stack started with ucm up")
+    down.add_argument("--name", default="local")
+    down.add_argument("--run-dir", default=".ucm")
+    down.set_defaults(func=cmd_down)
+
+
+def load_spec(path: str | None) -> tuple[UCMDeploymentSpec, bool]:
+    """The spec, and whether the user gave it (the default needs no warnings)."""
+    if path is None:
+        from ucm.testing.models import TINY, ensure_model
+
+        print("ucm up: preparing the tiny model (generated once, cached in ~/.cache/ucm/models)", flush=True)
+        return UCMDeploymentSpec.model_validate(default_spec(ensure_model(TINY))), False
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"-f: cannot read {path}: {exc}") from None
+    if isinstance(doc, dict) and doc.get("kind") == KIND:
+        doc = doc.get("spec")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"-f: {path} must hold a {KIND} (or its spec)")
+    try:
+        return UCMDeploymentSpec.model_validate(doc), True
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "spec")) from None
+
+
+class Progress:
+    """One rewritten status line on a terminal; plain lines otherwise (logs, CI)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.t0 = time.monotonic()
+        self.frame = 0
+
+    def __call__(self, message: str, waiting: list[Process]) -> None:
+        if message:
+            self._line(f"ucm up: {message}")
+        elif waiting and self.tty:
+            self.frame += 1
+            names = ", ".join(p.role.name for p in waiting)
+            spinner = "|/-\\"[self.frame % 4]
+            sys.stdout.write(f"\r{spinner} waiting for {names} ({time.monotonic() - self.t0:.0f} s)\033[K")
+            sys.stdout.flush()
+
+    def _line(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K")
+        print(text, flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        spec, given = load_spec(args.file)
+        run_dir = Path(args.run_dir).resolve() / args.name
+        stack = LocalStack(spec, run_dir, args.port, args.name)
+    except (PlanError, StackError) as exc:
+        print(f"ucm up: error: {exc}", file=sys.stderr)
+        return 2
+    if given:
+        for f in kubernetes_only_fields(spec):
+            print(f"ucm up: ignoring {f}: Kubernetes only", flush=True)
+
+    def stop_signal(signum: int, _frame: object) -> None:
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop_signal)
+    signal.signal(signal.SIGINT, stop_signal)
+    progress = Progress()
+    state_file = run_dir / STATE_FILE
+    try:
+        stack.start(progress, timeout=args.timeout)
+        write_state(state_file, stack.state())
+        _announce(stack, progress)
+        while True:
+            time.sleep(1.0)
+            stack.supervise(lambda m: progress(m, []))
+            write_state(state_file, stack.state())
+    except _Stop as why:
+        print(f"\nucm up: {why}: stopping", flush=True)
+        stack.stop()
+        return 0
+    except StackError as exc:
+        print(f"\nucm up: error: {exc}", file=sys.stderr, flush=True)
+        stack.stop()
+        return 1
+    finally:
+        state_file.unlink(missing_ok=True)
+
+
+def _announce(stack: LocalStack, progress: Progress) -> None:
+    model = stack.spec.model.served_name or "model"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    progress(f"ready in {time.monotonic() - progress.t0:.0f} s; logs in {stack.logs}", [])
+    print(f"  try: curl -s {stack.base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    print("  stop: Ctrl-C, or `ucm down`")
+    print(f"  OpenAI base URL: {stack.base_url}", flush=True)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state_file = Path(args.run_dir).resolve() / args.name / STATE_FILE
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        print(f"ucm down: no stack named {args.name!r} is running (no {state_file})")
+        return 0
+    _signal(state["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 90
+    while _alive(state["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in [state["pid"], *state["roles"].values()]:  # whatever outlived a stuck `ucm up`
+        if _alive(pid):
+            _signal(-pid if pid != state["pid"] else pid, signal.SIGKILL)
+    state_file.unlink(missing_ok=True)
+    print(f"ucm down: stopped {args.name}")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
