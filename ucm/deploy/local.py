@@ -226,7 +226,11 @@ class LocalStack:
         return {
             "pid": os.getpid(),
             "base_url": self.base_url,
-            "roles": {p.role.name: p.popen.pid for p in self.processes if p.popen is not None},
+            "roles": {
+                p.role.name: {"pid": p.popen.pid, "url": f"http://127.0.0.1:{p.port}", "restarts": p.restarts}
+                for p in self.processes
+                if p.popen is not None
+            },
         }
 
     def start(self, progress: Callable[[str, list[Process]], None], timeout: float = 600.0) -> None:

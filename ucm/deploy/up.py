@@ -51,8 +51,10 @@ def load_spec(path: str | None) -> tuple[UCMDeploymentSpec, bool]:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"-f: cannot read {path}: {exc}") from None
-    if isinstance(doc, dict) and doc.get("kind") == KIND:
-        doc = doc.get("spec")
+    if isinstance(doc, dict) and "spec" in doc and "model" not in doc:  # the resource, not just its spec
+        if doc.get("kind", KIND) != KIND:
+            raise ConfigError(f"-f: {path} holds a {doc.get('kind')}, not a {KIND}")
+        doc = doc["spec"]
     if not isinstance(doc, dict):
         raise ConfigError(f"-f: {path} must hold a {KIND} (or its spec)")
     try:
@@ -90,7 +92,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec, given = load_spec(args.file)
         run_dir = Path(args.run_dir).resolve() / args.name
         stack = LocalStack(spec, run_dir, args.port, args.name)
-    except (PlanError, StackError) as exc:
+    except (ConfigError, PlanError, StackError) as exc:
         print(f"ucm up: error: {exc}", file=sys.stderr)
         return 2
     if given:
@@ -144,7 +146,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + 90
     while _alive(state["pid"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pid in [state["pid"], *state["roles"].values()]:  # whatever outlived a stuck `ucm up`
+    for pid in [state["pid"], *(r["pid"] for r in state["roles"].values())]:  # what outlived a stuck `ucm up`
         if _alive(pid):
             _signal(-pid if pid != state["pid"] else pid, signal.SIGKILL)
     state_file.unlink(missing_ok=True)

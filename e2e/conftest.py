@@ -1,0 +1,127 @@
+"""One local PD stack (``ucm up``, as a user runs it) and one plain vLLM, shared by the e2e tests.
+
+Three vLLM CPU engines share the machine's cores, each with its OpenMP threads bound explicitly
+(``VLLM_CPU_OMP_THREADS_BIND``); they start once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ucm.deploy.local import default_spec
+from ucm.testing.models import TINY, ensure_model
+from ucm.testing.vllm_server import VLLMServer
+
+UCM = str(Path(sys.executable).parent / "ucm")
+
+
+class Stack:
+    """A running ``ucm up`` process and what it printed."""
+
+    def __init__(self, run_dir: Path, spec: dict[str, Any], name: str = "e2e") -> None:
+        self.run_dir, self.name = run_dir, name
+        spec_file = run_dir / f"{name}.yaml"
+        spec_file.write_text(yaml.safe_dump({"apiVersion": "ucm.io/v1alpha1", "kind": "UCMDeployment", "spec": spec}))
+        self.proc = subprocess.Popen(
+            [UCM, "up", "-f", str(spec_file), "--port", "0", "--run-dir", str(run_dir), "--name", name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float = 420.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            urls = [line.split("OpenAI base URL: ", 1)[1] for line in self.lines if "OpenAI base URL: " in line]
+            if urls:
+                return urls[-1]
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ucm up exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.5)
+        raise AssertionError(f"ucm up not ready after {timeout} s:\n{self.output()}")
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / self.name / "stack.json").read_text())
+
+    def down(self) -> int:
+        subprocess.run([UCM, "down", "--run-dir", str(self.run_dir), "--name", self.name], check=True, timeout=120)
+        return self.proc.wait(60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    return ensure_model(TINY)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("stack"), default_spec(tiny))
+    try:
+        s.base_url = s.wait_ready()  # type: ignore[attr-defined]
+        yield s
+    finally:
+        if s.proc.poll() is None:
+            pids = [r["pid"] for r in s.state()["roles"].values()]
+            assert s.down() == 0, s.output()
+            assert not [p for p in pids if alive(p)], "ucm down left processes behind"
+        print(s.output())
+
+
+@pytest.fixture(scope="session")
+def plain(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    server = VLLMServer(tiny, tmp_path_factory.mktemp("plain") / "vllm.log", extra_args=["--served-model-name", "tiny"])
+    server.start()
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention ``text`` (a run directory)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd and proc.name.isdigit() and alive(int(proc.name)):
+            out.append(cmd)
+    return out
+
+
+def kill_role(stack: Stack, role: str) -> int:
+    pid = stack.state()["roles"][role]["pid"]
+    os.killpg(pid, signal.SIGKILL)
+    return pid
