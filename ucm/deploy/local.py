@@ -201,11 +201,12 @@ class LocalStack:
         if role.component in ("prefill", "decode"):
             cores = os.cpu_count() or 1
             # vLLM's CPU backend binds its OpenMP threads; explicit binding avoids its default
-            # holding a core back. With fewer than two cores per engine they share all of them:
-            # in PD, prefill and decode of one request run one after the other.
-            per = cores // engines if cores >= 2 * engines else cores
+            # holding a core back. Engines get disjoint cores when there are enough: an idle
+            # vLLM worker busy-polls for a second after each request, which would steal a shared
+            # core from the engine that has work (measured: benchmarks/e2e_serving.py).
+            per = max(1, cores // engines)
             index = [r.name for r in self.plan.roles if r.component in ("prefill", "decode")].index(role.name)
-            first = index * per if per < cores else 0
+            first = (index * per) % cores
             env.update(
                 {
                     "VLLM_CPU_KVCACHE_SPACE": "1",
