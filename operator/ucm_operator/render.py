@@ -154,6 +154,17 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
     }
     if role.component == "proxy":
         pod["serviceAccountName"] = f"{owner.name}-proxy"
+        # The proxy image runs as a non-root user and writes nothing to its filesystem.
+        pod["securityContext"] = {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
     if spec.image.pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image.pull_secrets]
     if role.pool is not None:

@@ -20,12 +20,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
+from ucm import __version__
 from ucm.config import ConfigError, format_validation_error
 from ucm.deploy.quantity import quantity_bytes as _quantity_bytes
 from ucm.deploy.spec import PoolSpec, UCMDeploymentSpec
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_proxy.config import ProxyConfig
 
+PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it with the release
 KV_CONFIG_FILE = "kv-transfer-config.json"
 PROXY_CONFIG_FILE = "proxy.yaml"
 API_KEYS_DIR = "/etc/ucm/api-keys"
@@ -372,6 +374,7 @@ def _proxy(spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
         readiness=Probe("http", "/ready", period_s=5),
         liveness=Probe("http", "/health", period_s=10),
         drain_delay_s=5,
+        image=p.image or f"{PROXY_IMAGE}:{__version__}",
     )
 
 

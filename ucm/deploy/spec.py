@@ -192,6 +192,7 @@ class ProxyRouting(Spec):
 
 
 class ProxySpec(Spec):
+    image: str | None = Field(None, description="Default: ucm/proxy:<this UCM release>")
     replicas: int = Field(1, ge=0)
     routing: ProxyRouting = ProxyRouting()
     service: ProxyService = ProxyService()

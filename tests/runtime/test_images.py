@@ -1,0 +1,125 @@
+"""The Dockerfiles, checked without Docker: hadolint, the rules that matter, entrypoints run
+outside a container with the image's own arguments, and tags that match what the chart and the
+operator reference."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ucm import __version__
+from ucm.deploy.plan import PROXY_IMAGE, Site, build_plan
+from ucm.deploy.spec import ImageSpec, UCMDeploymentSpec
+from ucm.testing.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = sorted((ROOT / "runtime").glob("Dockerfile*"))
+BIN = Path(sys.executable).parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def exec_form(args: str) -> list[str]:
+    value = json.loads(args)
+    assert isinstance(value, list), f"use the exec form (a JSON list), not {args!r}"
+    return value
+
+
+def test_there_is_an_image_per_deployable():
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile", "Dockerfile.operator", "Dockerfile.proxy"]
+
+
+def test_hadolint_passes():
+    r = subprocess.run([str(BIN / "hadolint"), *map(str, DOCKERFILES)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_the_rules_that_matter(path):
+    ins = instructions(path)
+    for op, args in ins:
+        if op == "FROM":
+            image = args.split()[0]
+            assert ":" in image and not image.endswith(":latest"), f"unpinned base image {image}"
+        if op in ("ENV", "ARG"):
+            assert not re.search(r"(PASSWORD|SECRET|TOKEN|API_KEY)\w*=", args, re.I), f"a secret in {op} {args}"
+        if op == "COPY":
+            *sources, _dest = args.split()
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the build context"
+    users = [args for op, args in ins if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the image must end as a non-root USER"
+    entry = exec_form(next(args for op, args in ins if op == "ENTRYPOINT"))
+    assert entry[0] in PYPROJECT["project"]["scripts"], f"ENTRYPOINT {entry[0]} is not one of this project's scripts"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_entrypoints_run_outside_a_container(path):
+    entry = exec_form(next(args for op, args in instructions(path) if op == "ENTRYPOINT"))
+    r = subprocess.run([str(BIN / entry[0]), *entry[1:], "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout
+
+
+def test_the_proxy_image_command_serves_health(tmp_path):
+    """The proxy image's ENTRYPOINT + CMD, with the config the operator would mount."""
+    ins = instructions(ROOT / "runtime" / "Dockerfile.proxy")
+    entry = exec_form(next(a for op, a in ins if op == "ENTRYPOINT"))
+    cmd = exec_form(next(a for op, a in ins if op == "CMD"))
+    spec = UCMDeploymentSpec.model_validate(
+        {"model": {"source": {"hf": "m"}}, "store": {"type": "nfs", "nfs": {"server": "s", "path": "/p"}}}
+    )
+    port = free_port()
+    ports = iter([free_port(), free_port(), port])
+    plan = build_plan("x", spec, Site("local", config_dir=str(tmp_path), ports=lambda role: next(ports)))
+    config = tmp_path / "proxy.yaml"
+    config.write_text(plan.files["proxy.yaml"])
+    args = [str(config) if a == "/etc/ucm/proxy.yaml" else a for a in cmd]
+    proc = subprocess.Popen([str(BIN / entry[0]), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    assert r.status == 200
+                    return
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                time.sleep(0.1)
+        raise AssertionError("the proxy never answered /health")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_image_tags_agree_with_the_chart_and_the_operator():
+    version = PYPROJECT["project"]["version"]
+    assert __version__ == version
+    built = re.findall(r"-t (ucm/[a-z]+):\$\(VERSION\)", (ROOT / "Makefile").read_text())
+    assert sorted(built) == ["ucm/operator", "ucm/proxy", "ucm/runtime"]
+    chart = yaml.safe_load((ROOT / "charts" / "ucm-operator" / "Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "charts" / "ucm-operator" / "values.yaml").read_text())
+    assert chart["appVersion"] == version and values["image"]["tag"] == ""  # "" means appVersion
+    assert values["image"]["repository"] in built
+    runtime = ImageSpec()
+    assert (runtime.repository, runtime.tag) == ("ucm/runtime", version)
+    assert PROXY_IMAGE in built

@@ -1,0 +1,127 @@
+"""The native transfer layer matches the torch reference byte for byte; ucm works without it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ucm import native
+
+ucm_native = pytest.importorskip("ucm_native", reason="make dev builds runtime/native")
+NB = 12
+
+
+def layouts(dtype: torch.dtype) -> dict[str, list[tuple[torch.Tensor, int]]]:
+    g = torch.Generator().manual_seed(7)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    padded = rand(2, NB + 5, 4, 3, 8)
+    wide = rand(NB, 4, 4, 24)
+    return {
+        # vLLM CPU: per layer [num_blocks, kv_heads, block_size, 2*head_dim]
+        "blocks-first": [(rand(NB, 2, 4, 16), 0) for _ in range(3)],
+        # FlashAttention: per layer [2, num_blocks, block_size, kv_heads, head_dim] (K/V = 2 chunks)
+        "kv-first": [(rand(2, NB, 4, 3, 8), 1) for _ in range(2)],
+        # Non-contiguous: blocks strided past padding, and a slice of a wider tensor.
+        "strided": [(padded[:, :NB], 1), (wide[:, 1:3], 0)],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["blocks-first", "kv-first", "strided"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gather_and_scatter_match_torch(dtype, layout, threads):
+    layers = layouts(dtype)[layout]
+    assert all(native.segment_of(t, d) is not None for t, d in layers)
+    blocks = [5, 0, 11, 5, 7]  # repeats allowed
+    width = native.payload_bytes(layers)
+    got = torch.zeros(len(blocks), width + 16, dtype=torch.uint8)  # rows longer than a payload
+    want = torch.zeros_like(got)
+    native.gather(layers, blocks, got, threads)
+    native.torch_move(layers, blocks, want, to_buffer=True)
+    assert torch.equal(got, want)
+
+    fill = torch.randint(0, 255, (3, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    mine = [(t.clone(), d) for t, d in layers]
+    ref = [(t.clone(), d) for t, d in layers]
+    native.scatter(mine, [1, 9, 4], fill, threads)
+    native.torch_move(ref, [1, 9, 4], fill, to_buffer=False)
+    for (a, _), (b, _) in zip(mine, ref, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_layout_that_is_no_segment_falls_back_to_torch():
+    t = torch.randn(NB, 4, 8).transpose(1, 2)  # inner dimensions not contiguous
+    assert native.segment_of(t, 0) is None
+    buf = torch.zeros(2, native.payload_bytes([(t, 0)]), dtype=torch.uint8)
+    native.gather([(t, 0)], [3, 1], buf)
+    assert torch.equal(buf[0].view(torch.float32), t[3].contiguous().flatten())
+
+
+def test_bad_buffers_are_refused():
+    layers = layouts(torch.float32)["blocks-first"]
+    with pytest.raises(ValueError, match="fewer than"):
+        native.gather(layers, [1, 2], torch.zeros(1, 10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        native.gather(layers, [1], torch.zeros(1, 10))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_files_round_trip(direct, tmp_path):
+    sizes = [4096, 4096 * 3, 1000, 4096 * 2 + 7, 1]
+    data = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    paths = [str(tmp_path / f"b{i}") for i in range(len(sizes))]
+    put = ucm_native.write_files(paths, [d.data_ptr() for d in data], sizes, direct, 3)
+    assert put == sizes
+    assert [os.path.getsize(p) for p in paths] == sizes
+    back = [torch.zeros(n + 5, dtype=torch.uint8) for n in sizes]  # misaligned on purpose
+    views = [b[5:] for b in back]
+    got = ucm_native.read_files(paths, [v.data_ptr() for v in views], sizes, direct, 2)
+    assert got == sizes
+    assert all(torch.equal(v, d) for v, d in zip(views, data, strict=True))
+    missing = ucm_native.read_files([str(tmp_path / "nope")], [views[0].data_ptr()], [10], direct, 1)
+    assert missing == [-errno.ENOENT]
+
+
+def test_ucm_works_without_the_extension():
+    code = (
+        "import sys; sys.modules['ucm_native'] = None\n"
+        "import torch; from ucm import native\n"
+        "assert not native.available()\n"
+        "t = torch.arange(24.).view(4, 6); b = torch.zeros(2, 24, dtype=torch.uint8)\n"
+        "native.gather([(t, 0)], [2, 0], b)\n"
+        "assert torch.equal(b[0].view(torch.float32), t[2])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_cuda_kernels_were_built_where_nvcc_exists():
+    """Compile-only here: the CUDA sources are built for sm_80 and sm_90a whenever nvcc exists."""
+    assert ucm_native.cuda == (shutil.which("nvcc") is not None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.parametrize("layout", ["blocks-first", "kv-first", "strided"])
+def test_cuda_gather_scatter_match_torch(layout):
+    layers = [(t.cuda(), d) for t, d in layouts(torch.bfloat16)[layout]]
+    blocks = [5, 0, 11, 5, 7]
+    width = native.payload_bytes(layers)
+    got = torch.zeros(len(blocks), width, dtype=torch.uint8).pin_memory()
+    want = torch.zeros(len(blocks), width, dtype=torch.uint8)
+    native.gather(layers, blocks, got)
+    native.torch_move(layers, blocks, want, to_buffer=True)
+    assert torch.equal(got, want)
+    mine = [(t.clone(), d) for t, d in layers]
+    ref = [(t.clone(), d) for t, d in layers]
+    native.scatter(mine, blocks[:3], got)
+    native.torch_move(ref, blocks[:3], got, to_buffer=False)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(mine, ref, strict=True))

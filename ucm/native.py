@@ -1,0 +1,133 @@
+"""KV block gather/scatter between paged tensors and contiguous buffers.
+
+The native transfer layer (``runtime/native``, module ``ucm_native``) does it with threads and the
+GIL released, and on GPUs with one CUDA kernel per batch; torch does it otherwise and is the
+reference the native code must match byte for byte. ``ucm`` works without the extension.
+
+A *segment* says where one tensor's bytes of block ``b`` are (see :func:`segment_of`); a block's
+payload is its segments' bytes in order, and payload ``i`` goes to row ``i`` of the buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    import ucm_native as _native
+except ImportError:  # the extension is optional
+    _native = None
+
+
+def available() -> bool:
+    return _native is not None
+
+
+def cuda_available() -> bool:
+    return _native is not None and bool(_native.cuda)
+
+
+@dataclass(frozen=True)
+class Segment:
+    base: int
+    block_stride: int
+    chunks: int
+    chunk_stride: int
+    chunk_bytes: int
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.base, self.block_stride, self.chunks, self.chunk_stride, self.chunk_bytes)
+
+
+def segment_of(tensor: torch.Tensor, blocks_dim: int) -> Segment | None:
+    """Block ``b`` of ``tensor`` (indexed by dimension ``blocks_dim``) as a segment, or None when the
+    layout cannot be one: the dimensions after the block dimension must be contiguous, and those
+    before it must flatten to a single stride (they become the chunks)."""
+    shape, strides, es = tensor.shape, tensor.stride(), tensor.element_size()
+    expected = 1
+    for size, stride in zip(reversed(shape[blocks_dim + 1 :]), reversed(strides[blocks_dim + 1 :]), strict=True):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    outer = [(size, stride) for size, stride in zip(shape[:blocks_dim], strides[:blocks_dim], strict=True) if size != 1]
+    for (_, stride), (size_next, stride_next) in itertools.pairwise(outer):
+        if stride != stride_next * size_next:
+            return None
+    return Segment(
+        base=tensor.data_ptr(),
+        block_stride=strides[blocks_dim] * es,
+        chunks=math.prod(s for s, _ in outer),
+        chunk_stride=outer[-1][1] * es if outer else 0,
+        chunk_bytes=expected * es,
+    )
+
+
+def payload_bytes(layers: Sequence[tuple[torch.Tensor, int]]) -> int:
+    return sum(t.numel() // t.shape[d] * t.element_size() for t, d in layers)
+
+
+def gather(
+    layers: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1
+) -> None:
+    """Row ``i`` of ``buffer`` (uint8, one row per block) <- block ``blocks[i]`` of every layer."""
+    _move(layers, blocks, buffer, threads, to_buffer=True)
+
+
+def scatter(
+    layers: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1
+) -> None:
+    """Block ``blocks[i]`` of every layer <- row ``i`` of ``buffer``."""
+    _move(layers, blocks, buffer, threads, to_buffer=False)
+
+
+def _move(
+    layers: Sequence[tuple[torch.Tensor, int]],
+    blocks: Sequence[int],
+    buffer: torch.Tensor,
+    threads: int,
+    to_buffer: bool,
+) -> None:
+    if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.stride(1) != 1:
+        raise ValueError("buffer: a uint8 tensor of rows (one per block), each row contiguous")
+    if buffer.shape[0] < len(blocks) or buffer.shape[1] < payload_bytes(layers):
+        raise ValueError(
+            f"buffer: {tuple(buffer.shape)} holds fewer than {len(blocks)} rows of {payload_bytes(layers)} bytes"
+        )
+    segments = [segment_of(t, d) for t, d in layers]
+    devices = {t.device.type for t, _ in layers} | {buffer.device.type}
+    native = _native is not None and all(s is not None for s in segments) and len(blocks) > 0
+    if native and devices == {"cpu"}:
+        fn: Any = _native.gather if to_buffer else _native.scatter
+        fn([s.as_tuple() for s in segments], list(blocks), buffer.data_ptr(), buffer.stride(0) * 1, threads)
+    elif native and "cuda" in devices and cuda_available():
+        stream = torch.cuda.current_stream(next(t.device for t, _ in layers if t.is_cuda)).cuda_stream
+        _native.cuda_move(
+            [s.as_tuple() for s in segments], list(blocks), buffer.data_ptr(), buffer.stride(0), to_buffer, stream
+        )
+    else:
+        torch_move(layers, blocks, buffer, to_buffer)
+
+
+def torch_move(
+    layers: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], buffer: torch.Tensor, to_buffer: bool
+) -> None:
+    """The reference: per layer, index the blocks and copy their bytes."""
+    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=layers[0][0].device)
+    offset = 0
+    n = len(blocks)
+    for tensor, dim in layers:
+        width = tensor.numel() // tensor.shape[dim] * tensor.element_size()
+        rows = buffer[:n, offset : offset + width]
+        if to_buffer:
+            picked = tensor.index_select(dim, idx).movedim(dim, 0).contiguous()
+            rows.copy_(picked.view(n, -1).view(torch.uint8).to(buffer.device))
+        else:
+            shape = [n, *(s for i, s in enumerate(tensor.shape) if i != dim)]
+            values = rows.to(tensor.device).contiguous().view(tensor.dtype).view(shape).movedim(0, dim)
+            tensor.index_copy_(dim, idx, values)
+        offset += width
