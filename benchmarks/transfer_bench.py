@@ -46,7 +46,7 @@ def kv_case(block_tokens: int, pool_blocks: int, request_blocks: int, threads: i
     blocks = torch.randperm(pool_blocks, generator=g)[:request_blocks].tolist()
     width = native.payload_bytes(layers)
     buf = torch.empty(request_blocks, width, dtype=torch.uint8)
-    src = torch.empty_like(buf)
+    src = torch.randint(0, 255, buf.shape, dtype=torch.uint8)  # written: untouched pages read as zeros, fast
     total = buf.numel()
     gb = total / 1e9
     out = {
@@ -89,6 +89,7 @@ def files_case(root: Path, block_bytes: int, n: int, threads: int, trials: int) 
             )
         )
     for direct in (False, True):
+        (root / f"store-{direct}").mkdir()
         store = create_store(
             {
                 "spec": "posix",
@@ -123,7 +124,7 @@ def main() -> int:
                 f"block {tokens:>2} tokens, {threads} thread(s): " + ", ".join(f"{k} {v} GB/s" for k, v in case.items())
             )
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
-        report["files"] = files_case(Path(tmp), 2 << 20, 32 if args.quick else 128, threads=2, trials=trials)
+        report["files"] = files_case(Path(tmp).resolve(), 2 << 20, 32 if args.quick else 128, threads=2, trials=trials)
     print("files, 2 MiB blocks, 2 threads: " + ", ".join(f"{k} {v} GB/s" for k, v in report["files"].items()))
 
     big, small = report["kv"]["block32_threads2"], report["kv"]["block8_threads1"]
