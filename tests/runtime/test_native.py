@@ -111,7 +111,9 @@ def test_the_cuda_kernels_were_built_where_nvcc_exists():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
 @pytest.mark.parametrize("layout", ["blocks-first", "kv-first", "strided"])
-def test_cuda_gather_scatter_match_torch(layout):
+def test_cuda_gather_scatter_match_torch(layout, monkeypatch):
+    monkeypatch.setenv("UCM_NATIVE_CUDA", "1")
+    assert native.cuda_available()
     layers = [(t.cuda(), d) for t, d in layouts(torch.bfloat16)[layout]]
     blocks = [5, 0, 11, 5, 7]
     width = native.payload_bytes(layers)

@@ -8,7 +8,8 @@ removed, in logical order; a block's payload is those bytes for every layer, lay
 Deriving this from shapes rather than backend names keeps the connector working across backends,
 and makes the payload depend only on the logical layout.
 
-Gather and scatter are one indexed copy per layer for a whole batch of blocks (not one per block).
+Gather and scatter go through :mod:`ucm.native`: the native layer's threaded copy when it is
+installed (for host memory), otherwise one indexed torch copy per layer for a whole batch of blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ucm import native
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class KVLayout:
         if not kv_caches:
             raise ValueError("kv_caches: no attention layers were registered")
         self._tensors: dict[str, torch.Tensor] = {}
+        self._layers: dict[str, tuple[torch.Tensor, int]] = {}
         slots = []
         offset = 0
         for name, tensor in kv_caches.items():
@@ -44,6 +48,7 @@ class KVLayout:
             nbytes = tensor.element_size() * _prod(shape)
             slots.append(LayerSlot(name, dim, shape, tensor.dtype, offset, nbytes))
             self._tensors[name] = tensor.movedim(dim, 0)  # a view: blocks first
+            self._layers[name] = (tensor, dim)
             offset += nbytes
         self.slots: tuple[LayerSlot, ...] = tuple(slots)
         self.block_bytes = offset
@@ -68,23 +73,19 @@ class KVLayout:
         """Host memory for ``n`` payloads (pinned when the KV lives on a GPU, for async copies)."""
         return torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def _rows(self, staging: torch.Tensor, slot: LayerSlot) -> torch.Tensor:
-        """The part of each staging row that holds ``slot``'s layer, as that layer's dtype and shape."""
-        part = staging[:, slot.offset : slot.offset + slot.nbytes]
-        return part.view(slot.dtype).view(staging.shape[0], *slot.block_shape)
+    def _part(self, staging: torch.Tensor, slot: LayerSlot) -> torch.Tensor:
+        """The bytes of each staging row that hold ``slot``'s layer."""
+        return staging[:, slot.offset : slot.offset + slot.nbytes]
 
     def gather_layer(self, layer: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy one layer of ``block_ids`` into rows of ``staging`` (row i <- block_ids[i])."""
         slot = self.slots[layer]
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        self._rows(staging, slot).copy_(self._tensors[slot.name].index_select(0, idx))
+        native.gather([self._layers[slot.name]], block_ids, self._part(staging, slot))
 
     def scatter_layer(self, layer: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy rows of ``staging`` into one layer of the paged cache (block_ids[i] <- row i)."""
         slot = self.slots[layer]
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        src = self._rows(staging, slot).to(self.device, non_blocking=True)
-        self._tensors[slot.name].index_copy_(0, idx, src)
+        native.scatter([self._layers[slot.name]], block_ids, self._part(staging, slot))
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         for layer in range(len(self.slots)):
