@@ -4,7 +4,8 @@ Gather/scatter: a request's blocks between paged KV tensors of a realistic layou
 [2 (K/V), num_blocks, block_tokens, 8 KV heads, 128 dim] bf16, FlashAttention's layout: 2 chunks
 per layer and block) and a contiguous buffer, at 1 and 2 threads:
   native   ucm_native.gather / scatter (runtime/native)
-  torch    the reference (index_select + copy per layer; what runs without the extension)
+  torch    the reference (index_select + copy per layer; what runs without the extension), with
+           torch's intra-op threads set to the same count
   memcpy   one parallel memcpy of the same total bytes (the limit)
 at 32-token blocks (64 KiB per chunk) and 8-token blocks (16 KiB, "small").
 
@@ -49,12 +50,17 @@ def kv_case(block_tokens: int, pool_blocks: int, request_blocks: int, threads: i
     src = torch.randint(0, 255, buf.shape, dtype=torch.uint8)  # written: untouched pages read as zeros, fast
     total = buf.numel()
     gb = total / 1e9
-    out = {
-        "native_gather": gb / median_time(lambda: native.gather(layers, blocks, buf, threads), trials),
-        "native_scatter": gb / median_time(lambda: native.scatter(layers, blocks, buf, threads), trials),
-        "torch_gather": gb / median_time(lambda: native.torch_move(layers, blocks, buf, True), trials),
-        "torch_scatter": gb / median_time(lambda: native.torch_move(layers, blocks, buf, False), trials),
-    }
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)  # torch gets the same threads as the native copy
+    try:
+        out = {
+            "native_gather": gb / median_time(lambda: native.gather(layers, blocks, buf, threads), trials),
+            "native_scatter": gb / median_time(lambda: native.scatter(layers, blocks, buf, threads), trials),
+            "torch_gather": gb / median_time(lambda: native.torch_move(layers, blocks, buf, True), trials),
+            "torch_scatter": gb / median_time(lambda: native.torch_move(layers, blocks, buf, False), trials),
+        }
+    finally:
+        torch.set_num_threads(saved)
     mc = median_time(lambda: native._native.memcpy(buf.data_ptr(), src.data_ptr(), total, threads), trials)
     out["memcpy"] = gb / mc
     return {k: round(v, 3) for k, v in out.items()}
