@@ -11,7 +11,6 @@ an unchanged object reads nothing and writes nothing.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -35,7 +34,6 @@ from ucm_operator.render import (
 )
 from ucm_operator.status import Child, child_from, computed_status, invalid_status
 
-logger = logging.getLogger(__name__)
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 # Deletion order: stop taking requests first, then the engines, then what they depend on.
 DELETE_ORDER = ["proxy", "prefill", "decode", None, "mooncake-master", "store"]

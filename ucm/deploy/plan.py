@@ -35,8 +35,6 @@ MODEL_MOUNT = "/models"
 KV_MOUNT = "/var/lib/ucm/kv"
 VLLM_PORT = 8000
 PROXY_PORT = 8000
-MOONCAKE_RPC_PORT = 50051
-MOONCAKE_METADATA_PORT = 8080
 MOONCAKE_METRICS_PORT = 9003
 # Seconds a stopping pod keeps serving after it leaves its Service's endpoints: the proxy's
 # EndpointSlice watch sees it go first, so no new request is routed to a dying engine.
