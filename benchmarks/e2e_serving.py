@@ -33,7 +33,7 @@ import aiohttp
 from ucm.deploy.local import LocalStack, default_spec
 from ucm.deploy.spec import UCMDeploymentSpec
 from ucm.testing.models import CORPUS, TINY, ensure_model
-from ucm.testing.vllm_server import VLLMServer
+from ucm.testing.vllm_server import VLLMServer, metric_totals
 
 MODEL = "tiny"
 
@@ -113,14 +113,6 @@ async def run_trace(url: str, prompts: list[str], out_tokens: int, concurrency: 
     return results, wall
 
 
-def metric_total(url: str, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == name)
-
-
 def summarize(results: list[dict[str, Any]], wall: float, external_tokens: float) -> dict[str, float]:
     ttft = [r["ttft"] for r in results]
     itl = [x for r in results for x in r["itl"]]
@@ -164,9 +156,10 @@ def main() -> int:
         try:
             decode = next(x for x in stack.processes if x.role.component == "decode")
             decode_url = f"http://127.0.0.1:{decode.port}"
-            before = metric_total(decode_url, "ucm_connector_external_hit_tokens_total")
+            hits = "ucm_connector_external_hit_tokens_total"
+            before = metric_totals(decode_url).get(hits, 0.0)
             rows, wall = asyncio.run(run_trace(stack.base_url, prompts, args.output_tokens, args.concurrency))
-            external = metric_total(decode_url, "ucm_connector_external_hit_tokens_total") - before
+            external = metric_totals(decode_url).get(hits, 0.0) - before
             results["pd"] = summarize(rows, wall, external)
         finally:
             stack.stop()

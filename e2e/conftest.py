@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,18 +85,24 @@ def tiny() -> Path:
     return ensure_model(TINY)
 
 
+@contextmanager
+def running(stack: Stack) -> Iterator[Stack]:
+    """The stack once ready; on exit, ``ucm down`` must stop it and every process it started."""
+    try:
+        stack.base_url = stack.wait_ready()  # type: ignore[attr-defined]
+        yield stack
+    finally:
+        if stack.proc.poll() is None:
+            pids = [r["pid"] for r in stack.state()["roles"].values()]
+            assert stack.down() == 0, stack.output()
+            assert not [p for p in pids if alive(p)], "ucm down left processes behind"
+        print(stack.output())
+
+
 @pytest.fixture(scope="session")
 def stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("stack"), default_spec(tiny))
-    try:
-        s.base_url = s.wait_ready()  # type: ignore[attr-defined]
+    with running(Stack(tmp_path_factory.mktemp("stack"), default_spec(tiny))) as s:
         yield s
-    finally:
-        if s.proc.poll() is None:
-            pids = [r["pid"] for r in s.state()["roles"].values()]
-            assert s.down() == 0, s.output()
-            assert not [p for p in pids if alive(p)], "ucm down left processes behind"
-        print(s.output())
 
 
 @pytest.fixture(scope="session")

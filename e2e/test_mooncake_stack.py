@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import Stack, alive
+from e2e.conftest import Stack, running
 from e2e.test_stack import BLOCK, metric, post, text_of
 from ucm.deploy.local import default_spec
 from ucm.testing.prompts import PROMPTS
@@ -21,15 +21,8 @@ pytestmark = pytest.mark.slow
 def mooncake_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     spec = default_spec(tiny)
     spec["store"] = {"type": "mooncake", "mooncake": {"master": {}, "segmentSize": "256Mi"}}
-    s = Stack(tmp_path_factory.mktemp("mooncake"), spec, name="mooncake")
-    try:
-        s.base_url = s.wait_ready()  # type: ignore[attr-defined]
+    with running(Stack(tmp_path_factory.mktemp("mooncake"), spec, name="mooncake")) as s:
         yield s
-    finally:
-        if s.proc.poll() is None:
-            pids = [r["pid"] for r in s.state()["roles"].values()]
-            assert s.down() == 0, s.output()
-            assert not [p for p in pids if alive(p)], "ucm down left processes behind"
 
 
 def test_pd_through_mooncake_equals_plain_vllm(mooncake_stack: Stack, plain: VLLMServer):

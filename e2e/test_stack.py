@@ -15,7 +15,7 @@ import pytest
 
 from e2e.conftest import Stack, kill_role
 from ucm.testing.prompts import PROMPTS
-from ucm.testing.vllm_server import VLLMServer
+from ucm.testing.vllm_server import VLLMServer, metric_totals
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -47,11 +47,7 @@ def stream(url: str, body: dict[str, Any]) -> str:
 
 
 def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") or line.startswith(name + " ")
-    )
+    return metric_totals(url).get(name, 0.0)
 
 
 def text_of(response: dict[str, Any]) -> str:

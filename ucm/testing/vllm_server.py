@@ -129,20 +129,24 @@ class VLLMServer:
         return self.post("/v1/completions", body)
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples summed over labels: {'name': value}."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-        return out
+        return metric_totals(self.url)
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """Prometheus samples at ``url``/metrics, summed over labels: {'name': value}."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def cached_tokens(response: dict[str, Any]) -> int:
