@@ -44,6 +44,16 @@ def _index_name(plural: str) -> str:
     return f"children_{plural}"
 
 
+def _resource(group: str, version: str, plural: str) -> tuple[str, ...]:
+    """A resource as Kopf's decorators take it: the core API group has no name."""
+    return (group, version, plural) if group else (version, plural)
+
+
+def _owner(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the handlers need of a UCMDeployment (an Event's object reference included)."""
+    return {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
+
+
 def children(indexes: Mapping[str, Any], namespace: str, name: str) -> list[Child]:
     out: list[Child] = []
     for _, _, plural in KINDS.values():
@@ -72,7 +82,6 @@ def build_registry(server: str | None = None) -> kopf.OperatorRegistry:
         await api.close()
 
     for group, version, plural in KINDS.values():
-        resource = (version, plural) if not group else (group, version, plural)
 
         def index_child(
             body: kopf.Body, namespace: str, labels: kopf.Labels, annotations: kopf.Annotations, **_: Any
@@ -82,11 +91,13 @@ def build_registry(server: str | None = None) -> kopf.OperatorRegistry:
                 return None
             return {(namespace, instance): child_from(body, labels.get(LABEL_COMPONENT), annotations.get(DESIRED_HASH))}
 
-        kopf.index(*resource, id=_index_name(plural), labels=MANAGED, registry=registry)(index_child)
+        kopf.index(*_resource(group, version, plural), id=_index_name(plural), labels=MANAGED, registry=registry)(
+            index_child
+        )
 
     @kopf.index(GROUP, VERSION, PLURAL, id="owners", registry=registry)
     def owners(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-        return {(namespace, name): {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}}
+        return {(namespace, name): _owner(body)}
 
     # Status is written by one coroutine at a time per object, compared with what was last written
     # (the watch's copy of the object may lag behind our own write).
@@ -166,7 +177,7 @@ def build_registry(server: str | None = None) -> kopf.OperatorRegistry:
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
     async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, **kwargs: Any) -> None:
-        owner = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
+        owner = _owner(body)
         spec, plan, invalid = plan_of(owner)
         if invalid is not None:
             # Nothing is touched: running pods keep serving the last valid spec.
@@ -192,9 +203,9 @@ def build_registry(server: str | None = None) -> kopf.OperatorRegistry:
     async def child_changed(labels: kopf.Labels, namespace: str, **kwargs: Any) -> None:
         await refresh(namespace, labels[LABEL_INSTANCE], kwargs)
 
-    for plural in ("deployments", "persistentvolumeclaims"):
-        group, version, _ = next(v for v in KINDS.values() if v[2] == plural)
-        resource = (version, plural) if not group else (group, version, plural)
+    for kind in ("Deployment", "PersistentVolumeClaim"):  # the children whose status ours depends on
+        group, version, plural = KINDS[kind]
+        resource = _resource(group, version, plural)
         kopf.on.event(*resource, id=f"status_from_{plural}", labels=MANAGED, registry=registry)(child_changed)
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)

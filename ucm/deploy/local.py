@@ -185,8 +185,8 @@ class LocalStack:
         source = spec.model.source
         if source.host_path is not None and not Path(source.host_path).is_dir():
             raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
-        engines = [r for r in self.plan.roles if r.component in ("prefill", "decode")]
-        self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, len(engines))) for r in self.plan.roles]
+        engines = [r.name for r in self.plan.roles if r.component in ("prefill", "decode")]
+        self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
 
     @property
     def proxy(self) -> Process:
@@ -196,7 +196,7 @@ class LocalStack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy.port}/v1"
 
-    def _env(self, role: Role, engines: int) -> dict[str, str]:
+    def _env(self, role: Role, engines: list[str]) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if role.component in ("prefill", "decode"):
             cores = os.cpu_count() or 1
@@ -204,9 +204,8 @@ class LocalStack:
             # holding a core back. Engines get disjoint cores when there are enough: an idle
             # vLLM worker busy-polls for a second after each request, which would steal a shared
             # core from the engine that has work (measured: benchmarks/e2e_serving.py).
-            per = max(1, cores // engines)
-            index = [r.name for r in self.plan.roles if r.component in ("prefill", "decode")].index(role.name)
-            first = (index * per) % cores
+            per = max(1, cores // len(engines))
+            first = (engines.index(role.name) * per) % cores
             env.update(
                 {
                     "VLLM_CPU_KVCACHE_SPACE": "1",

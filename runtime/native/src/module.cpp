@@ -16,6 +16,9 @@
 
 namespace nb = nanobind;
 using SegmentTuple = std::tuple<uintptr_t, int64_t, int64_t, int64_t, int64_t>;
+using MoveFn = void (*)(const std::vector<ucm::Segment>&, const std::vector<int64_t>&, uintptr_t, int64_t, int);
+using FilesFn = std::vector<int64_t> (*)(const std::vector<std::string>&, const std::vector<uintptr_t>&,
+                                         const std::vector<int64_t>&, bool, int);
 
 static std::vector<ucm::Segment> segments_of(const std::vector<SegmentTuple>& in) {
   std::vector<ucm::Segment> out;
@@ -29,26 +32,19 @@ static std::vector<ucm::Segment> segments_of(const std::vector<SegmentTuple>& in
 
 NB_MODULE(ucm_native, m) {
   m.doc() = "UCM's native transfer layer";
-  m.def(
-      "gather",
-      [](const std::vector<SegmentTuple>& segments, const std::vector<int64_t>& blocks, uintptr_t buffer,
-         int64_t row_stride, int threads) {
-        auto segs = segments_of(segments);
-        nb::gil_scoped_release release;
-        ucm::gather(segs, blocks, buffer, row_stride, threads);
-      },
-      nb::arg("segments"), nb::arg("blocks"), nb::arg("buffer"), nb::arg("row_stride"), nb::arg("threads") = 1,
-      "Copy each block's segments, in order, into row i of the buffer.");
-  m.def(
-      "scatter",
-      [](const std::vector<SegmentTuple>& segments, const std::vector<int64_t>& blocks, uintptr_t buffer,
-         int64_t row_stride, int threads) {
-        auto segs = segments_of(segments);
-        nb::gil_scoped_release release;
-        ucm::scatter(segs, blocks, buffer, row_stride, threads);
-      },
-      nb::arg("segments"), nb::arg("blocks"), nb::arg("buffer"), nb::arg("row_stride"), nb::arg("threads") = 1,
-      "Copy row i of the buffer back into block i's segments.");
+  auto def_move = [&m](const char* name, MoveFn move, const char* doc) {
+    m.def(
+        name,
+        [move](const std::vector<SegmentTuple>& segments, const std::vector<int64_t>& blocks, uintptr_t buffer,
+               int64_t row_stride, int threads) {
+          auto segs = segments_of(segments);
+          nb::gil_scoped_release release;
+          move(segs, blocks, buffer, row_stride, threads);
+        },
+        nb::arg("segments"), nb::arg("blocks"), nb::arg("buffer"), nb::arg("row_stride"), nb::arg("threads") = 1, doc);
+  };
+  def_move("gather", ucm::gather, "Copy each block's segments, in order, into row i of the buffer.");
+  def_move("scatter", ucm::scatter, "Copy row i of the buffer back into block i's segments.");
   m.def(
       "memcpy",
       [](uintptr_t dst, uintptr_t src, int64_t bytes, int threads) {
@@ -56,26 +52,20 @@ NB_MODULE(ucm_native, m) {
         ucm::parallel_memcpy(dst, src, bytes, threads);
       },
       nb::arg("dst"), nb::arg("src"), nb::arg("bytes"), nb::arg("threads") = 1);
-  m.def(
-      "read_files",
-      [](const std::vector<std::string>& paths, const std::vector<uintptr_t>& buffers,
-         const std::vector<int64_t>& sizes, bool direct, int threads) {
-        if (paths.size() != buffers.size() || paths.size() != sizes.size())
-          throw std::invalid_argument("paths, buffers and sizes differ in length");
-        nb::gil_scoped_release release;
-        return ucm::read_files(paths, buffers, sizes, direct, threads);
-      },
-      nb::arg("paths"), nb::arg("buffers"), nb::arg("sizes"), nb::arg("direct") = false, nb::arg("threads") = 1);
-  m.def(
-      "write_files",
-      [](const std::vector<std::string>& paths, const std::vector<uintptr_t>& buffers,
-         const std::vector<int64_t>& sizes, bool direct, int threads) {
-        if (paths.size() != buffers.size() || paths.size() != sizes.size())
-          throw std::invalid_argument("paths, buffers and sizes differ in length");
-        nb::gil_scoped_release release;
-        return ucm::write_files(paths, buffers, sizes, direct, threads);
-      },
-      nb::arg("paths"), nb::arg("buffers"), nb::arg("sizes"), nb::arg("direct") = false, nb::arg("threads") = 1);
+  auto def_files = [&m](const char* name, FilesFn io) {
+    m.def(
+        name,
+        [io](const std::vector<std::string>& paths, const std::vector<uintptr_t>& buffers,
+             const std::vector<int64_t>& sizes, bool direct, int threads) {
+          if (paths.size() != buffers.size() || paths.size() != sizes.size())
+            throw std::invalid_argument("paths, buffers and sizes differ in length");
+          nb::gil_scoped_release release;
+          return io(paths, buffers, sizes, direct, threads);
+        },
+        nb::arg("paths"), nb::arg("buffers"), nb::arg("sizes"), nb::arg("direct") = false, nb::arg("threads") = 1);
+  };
+  def_files("read_files", ucm::read_files);
+  def_files("write_files", ucm::write_files);
 #ifdef UCM_WITH_CUDA
   m.attr("cuda") = true;
   m.def(
