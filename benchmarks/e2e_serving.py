@@ -30,10 +30,10 @@ from typing import Any
 
 import aiohttp
 
+from ucm.deploy.demo_model import CORPUS, TINY, ensure_model
 from ucm.deploy.local import LocalStack, default_spec
 from ucm.deploy.spec import UCMDeploymentSpec
-from ucm.testing.models import CORPUS, TINY, ensure_model
-from ucm.testing.vllm_server import VLLMServer, metric_totals
+from ucm_testing.vllm_server import VLLMServer, metric_totals
 
 MODEL = "tiny"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.deploy.spec import GROUP, PLURAL, VERSION
-from ucm_operator.testing import WRITE_VERBS, Call, Driver, emulator
+from ucm_testing.kmock_operator import WRITE_VERBS, Call, Driver, emulator
 
 NS = "bench"
 SPEC = {

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ucm.testing.ports import free_port, wait_for_port
+from ucm.deploy.ports import free_port, wait_for_port
 
 HERE = Path(__file__).resolve().parent
 BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for role in ("prefill", "decode"):
         port = free_port()
         fakes[role] = (
-            spawn([py, "-m", "ucm.testing.fake_vllm", "--port", str(port), "--name", role], "1", work / f"{role}.log"),
+            spawn([py, "-m", "ucm_testing.fake_vllm", "--port", str(port), "--name", role], "1", work / f"{role}.log"),
             port,
         )
     prefill_url, decode_url = (f"http://127.0.0.1:{fakes[r][1]}" for r in ("prefill", "decode"))

@@ -31,7 +31,7 @@ import numpy as np
 os.environ.setdefault("GLOG_minloglevel", "2")
 
 from ucm.store import Store, create_store
-from ucm.testing.mooncake import MooncakeMaster
+from ucm_testing.mooncake import MooncakeMaster
 
 GB = 1e9
 

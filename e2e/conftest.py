@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
+from ucm.deploy.demo_model import TINY, ensure_model
 from ucm.deploy.local import default_spec
-from ucm.testing.models import TINY, ensure_model
-from ucm.testing.vllm_server import VLLMServer
+from ucm_testing.vllm_server import VLLMServer
 
 UCM = str(Path(sys.executable).parent / "ucm")
 

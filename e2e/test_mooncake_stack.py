@@ -11,8 +11,8 @@ import pytest
 from e2e.conftest import Stack, running
 from e2e.test_stack import BLOCK, metric, post, text_of
 from ucm.deploy.local import default_spec
-from ucm.testing.prompts import PROMPTS
-from ucm.testing.vllm_server import VLLMServer
+from ucm_testing.prompts import PROMPTS
+from ucm_testing.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.slow
 

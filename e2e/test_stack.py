@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from e2e.conftest import Stack, kill_role
-from ucm.testing.prompts import PROMPTS
-from ucm.testing.vllm_server import VLLMServer, metric_totals
+from ucm_testing.prompts import PROMPTS
+from ucm_testing.vllm_server import VLLMServer, metric_totals
 
 pytestmark = pytest.mark.slow
 BLOCK = 32

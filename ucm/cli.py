@@ -1,5 +1,5 @@
-"""The ``ucm`` command: store administration, the engines' entrypoint (``ucm serve``), and the
-local stack (``ucm up`` / ``ucm down``)."""
+"""The ``ucm`` command: store administration, the engines' entrypoint (``ucm serve``), the local
+stack (``ucm up`` / ``ucm down``) and the objects the operator would create (``ucm render``)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from ucm.config import ConfigError
+from ucm.config import ConfigError, load_mapping
+from ucm.deploy.render import add_parser as add_render_parser
 from ucm.deploy.up import add_parsers as add_up_parsers
 from ucm.store import StoreError, create_store
 
 
 def _load_store_config(path: str) -> dict[str, Any]:
     """A store configuration file, or any UCM config file with a ``store`` section."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"--config: cannot read {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config: {path} is not valid YAML/JSON: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("store"), dict):
+    data = load_mapping(path, "--config", "a mapping with 'spec' and per-stage options")
+    if isinstance(data.get("store"), dict):
         data = data["store"]
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path} must hold a mapping with 'spec' and per-stage options")
     return data
 
 
@@ -115,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then the vLLM server arguments")
     serve.set_defaults(func=cmd_serve)
     add_up_parsers(sub)
+    add_render_parser(sub)
     return parser
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
@@ -42,3 +44,16 @@ def format_validation_error(exc: ValidationError, where: str = "") -> str:
             msg = msg.removeprefix("Value error, ")
         lines.append(f"{path}: {msg}")
     return "; ".join(lines)
+
+
+def load_mapping(path: str | Path, where: str, what: str = "a mapping of options") -> dict[str, Any]:
+    """A YAML (or JSON) file that must hold a mapping; ``where`` names the flag that gave it."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: {path} is not valid YAML/JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {path} must hold {what}")
+    return data

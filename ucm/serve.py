@@ -19,10 +19,9 @@ from typing import Any
 
 from ucm.config import ConfigError
 from ucm.integration.vllm.config import WHERE, parse_connector_config
-from ucm.store.factory import parse_spec
+from ucm.store.factory import validate_store_config
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-POSIX_LIKE = ("posix", "nfs", "ds3fs")
 
 
 def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -49,12 +48,9 @@ def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> d
 
 
 def check_store_dirs(config: dict[str, Any]) -> None:
-    """Every directory a file-based store writes to exists and takes a file."""
-    store = config["kv_connector_extra_config"]["store"]
-    for stage in parse_spec(store["spec"]):
-        if stage not in POSIX_LIKE:
-            continue
-        for root in store[stage]["roots"]:
+    """Every directory a file-based store writes to (a stage with ``roots``) exists and takes a file."""
+    for stage, options in validate_store_config(config["kv_connector_extra_config"]["store"]):
+        for root in getattr(options, "roots", ()):
             where = f"{WHERE}.store.{stage}.roots: {root}"
             if not os.path.isdir(root):
                 raise ConfigError(f"{where} does not exist (is the store volume mounted?)")

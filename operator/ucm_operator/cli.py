@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import kopf
 import prometheus_client
 
-from ucm_operator.handlers import build_registry
+from ucm_operator.handlers import new_memo, registry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,13 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    registry = build_registry(server=args.server)
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
     try:
         asyncio.run(
             kopf.operator(
                 registry=registry,
+                memo=new_memo(server=args.server),
                 standalone=True,  # one replica (the chart's Recreate strategy): no peering objects to manage
                 clusterwide=not args.namespace,
                 namespaces=args.namespace or (),

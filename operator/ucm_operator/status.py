@@ -1,4 +1,5 @@
-"""A ``UCMDeployment``'s status, computed from its spec and what its children report.
+"""A ``UCMDeployment``'s status, computed from its plan and what its children report, as the typed
+``UCMDeploymentStatus`` model (``ucm.deploy.spec``) and written as its camelCase dump.
 
 ``Ready`` means every role has its ready replicas (the Deployment controller's count), never merely
 that the objects were created. A condition keeps its ``lastTransitionTime`` until its value changes,
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ucm.deploy.plan import Plan
+from ucm.deploy.roles import STORE_COMPONENTS, Plan
+from ucm.deploy.spec import Condition, ReadyReplicas, UCMDeploymentStatus
 
 ROLE_CONDITIONS = {"prefill": "PrefillReady", "decode": "DecodeReady", "proxy": "ProxyReady"}
 
@@ -50,50 +52,63 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def condition(
-    old: Mapping[str, Mapping[str, Any]], type_: str, ok: bool | None, reason: str, message: str, generation: int | None
-) -> dict[str, Any]:
-    status = "Unknown" if ok is None else ("True" if ok else "False")
-    previous = old.get(type_) or {}
-    changed = previous.get("status") != status
-    return {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "lastTransitionTime": now()
-        if changed or not previous.get("lastTransitionTime")
-        else previous["lastTransitionTime"],
-    }
+class Conditions:
+    """Conditions built against the previous status, keeping unchanged transition times."""
+
+    def __init__(self, old_status: Mapping[str, Any], generation: int | None) -> None:
+        self.old = {c.get("type"): c for c in old_status.get("conditions") or []}
+        self.generation = generation
+        self.items: list[Condition] = []
+
+    def add(self, type_: str, ok: bool | None, reason: str, message: str) -> None:
+        status = "Unknown" if ok is None else ("True" if ok else "False")
+        previous = self.old.get(type_) or {}
+        kept = previous.get("status") == status and previous.get("lastTransitionTime")
+        self.items.append(
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                observed_generation=self.generation,
+                last_transition_time=previous["lastTransitionTime"] if kept else now(),
+            )
+        )
+
+
+def _dump(status: UCMDeploymentStatus) -> dict[str, Any]:
+    return status.model_dump(by_alias=True, mode="json")
 
 
 def invalid_status(old_status: Mapping[str, Any], message: str, generation: int | None) -> dict[str, Any]:
-    old = {c["type"]: c for c in old_status.get("conditions") or []}
-    conds = [
-        condition(old, "Ready", False, "InvalidSpec", message, generation),
-        condition(old, "Progressing", False, "InvalidSpec", "nothing is applied until the spec is fixed", generation),
-        condition(old, "Degraded", True, "InvalidSpec", message, generation),
-    ]
-    return {**dict(old_status), "conditions": conds, "observedGeneration": generation}
+    """Ready=False and Degraded=True naming the field; what the children reported is kept."""
+    conds = Conditions(old_status, generation)
+    conds.add("Ready", False, "InvalidSpec", message)
+    conds.add("Progressing", False, "InvalidSpec", "nothing is applied until the spec is fixed")
+    conds.add("Degraded", True, "InvalidSpec", message)
+    return _dump(
+        UCMDeploymentStatus(
+            conditions=conds.items,
+            ready_replicas=ReadyReplicas.model_validate(old_status.get("readyReplicas") or {}),
+            endpoint=old_status.get("endpoint"),
+            observed_generation=generation,
+        )
+    )
 
 
 def computed_status(
     plan: Plan,
     namespace: str,
     proxy_port: int,
-    store_external: str | None,
     children: Iterable[Child],
     old_status: Mapping[str, Any],
     generation: int | None,
     failure: str | None = None,
 ) -> dict[str, Any]:
-    """The status for a valid spec. ``store_external`` explains a store nothing here can watch;
-    ``failure`` is the last apply error, if any."""
+    """The status for a valid spec; ``failure`` is the last apply error, if any."""
     kids = list(children)
     by_component = {c.component: c for c in kids if c.kind == "Deployment"}
-    old = {c["type"]: c for c in old_status.get("conditions") or []}
-    conds = []
+    conds = Conditions(old_status, generation)
     ready_replicas: dict[str, int] = {}
     not_ready: list[str] = []
     for role in plan.roles:
@@ -102,46 +117,41 @@ def computed_status(
         ok = d is not None and d.settled and d.want == role.replicas and ready >= role.replicas
         if role.component in ROLE_CONDITIONS:
             ready_replicas[role.component] = ready
-            msg = f"{ready}/{role.replicas} ready"
-            conds.append(
-                condition(old, ROLE_CONDITIONS[role.component], ok, "Ready" if ok else "Waiting", msg, generation)
+            conds.add(
+                ROLE_CONDITIONS[role.component], ok, "Ready" if ok else "Waiting", f"{ready}/{role.replicas} ready"
             )
         if not ok:
             not_ready.append(role.component)
-    store_ok, store_reason, store_msg = _store(plan, by_component, kids, store_external)
-    conds.append(condition(old, "StoreReady", store_ok, store_reason, store_msg, generation))
+    store_ok, store_reason, store_msg = _store(plan, by_component, kids)
+    conds.add("StoreReady", store_ok, store_reason, store_msg)
     if not store_ok:
         not_ready.append("store")
     ready = not not_ready and failure is None
     waiting = "waiting for " + ", ".join(dict.fromkeys(not_ready)) if not_ready else "all roles ready"
-    conds.append(condition(old, "Ready", ready, "Ready" if ready else "Waiting", waiting, generation))
-    conds.append(condition(old, "Progressing", not ready and failure is None, "Rollout", waiting, generation))
-    conds.append(
-        condition(
-            old, "Degraded", failure is not None, "ApplyFailed" if failure else "AsExpected", failure or "", generation
+    conds.add("Ready", ready, "Ready" if ready else "Waiting", waiting)
+    conds.add("Progressing", not ready and failure is None, "Rollout", waiting)
+    conds.add("Degraded", failure is not None, "ApplyFailed" if failure else "AsExpected", failure or "")
+    return _dump(
+        UCMDeploymentStatus(
+            conditions=conds.items,
+            ready_replicas=ReadyReplicas(**ready_replicas),
+            endpoint=f"http://{plan.name}-proxy.{namespace}.svc:{proxy_port}/v1",
+            observed_generation=generation,
         )
     )
-    return {
-        "conditions": conds,
-        "readyReplicas": ready_replicas,
-        "endpoint": f"http://{plan.name}-proxy.{namespace}.svc:{proxy_port}/v1",
-        "observedGeneration": generation,
-    }
 
 
-def _store(
-    plan: Plan, deployments: Mapping[str | None, Child], kids: list[Child], external: str | None
-) -> tuple[bool, str, str]:
-    if any(r.component == "mooncake-master" for r in plan.roles):
-        master = deployments.get("mooncake-master")
-        ok = master is not None and master.ready >= 1
-        return ok, "Ready" if ok else "Waiting", "Mooncake master " + ("ready" if ok else "not ready yet")
+def _store(plan: Plan, deployments: Mapping[str | None, Child], kids: list[Child]) -> tuple[bool, str, str]:
+    """A store the deployment runs is ready with its servers; one it claims when the claim is
+    bound; one outside it is taken as it is."""
+    servers = [r for r in plan.roles if r.component in STORE_COMPONENTS]
+    if servers:
+        ok = all((d := deployments.get(r.component)) is not None and d.ready >= 1 for r in servers)
+        names = ", ".join(r.name for r in servers)
+        return ok, "Ready" if ok else "Waiting", f"{names} " + ("ready" if ok else "not ready yet")
     if plan.store_claim is not None:
         claim = next((c for c in kids if c.kind == "PersistentVolumeClaim"), None)
         phase = claim.phase if claim else None
-        return (
-            phase == "Bound",
-            "Bound" if phase == "Bound" else "Waiting",
-            f"claim {plan.name}-kv: {phase or 'Pending'}",
-        )
-    return True, "External", external or "external store"
+        bound = phase == "Bound"
+        return bound, "Bound" if bound else "Waiting", f"claim {plan.name}-kv: {phase or 'Pending'}"
+    return True, "External", plan.store_external or "external store"

@@ -1,26 +1,28 @@
-"""The OpenAI-compatible PD proxy.
+"""The OpenAI-compatible PD proxy: the request path and the ASGI app.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` take the hot path: raw ASGI in front of
-FastAPI (no router, middleware or validation models per request), one shared aiohttp session, the client's body bytes
-forwarded to decode with ``kv_transfer_params`` spliced in rather than re-encoded, and stream
-chunks passed through as they arrive. FastAPI serves the rest (models, health, readiness, metrics,
-OpenAPI docs).
+FastAPI (no router, middleware or validation models per request), one shared aiohttp session, the
+client's body bytes forwarded to decode with ``kv_transfer_params`` spliced in rather than
+re-encoded, and stream chunks passed through as they arrive. FastAPI serves the rest (models,
+health, readiness, metrics, OpenAPI docs).
 
 PD mode: the prefill backend gets a copy of the request with ``max_tokens=1``, ``stream=false``
 and ``kv_transfer_params={"do_remote_decode": true}``; the decode backend gets the original
 request plus the ``kv_transfer_params`` prefill returned. Mixed mode sends whole requests.
+
+Request bodies are read and written in ``requests``, errors shaped in ``errors``, upstream
+requests and stream relaying live in ``relay``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -32,27 +34,12 @@ from starlette.responses import JSONResponse, Response
 from ucm_proxy import metrics
 from ucm_proxy.backends import Backend, Pool
 from ucm_proxy.config import ProxyConfig
+from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
+from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
+from ucm_proxy.requests import affinity_key, parse_body, prefill_body, with_params
 
 logger = logging.getLogger("ucm_proxy")
 T = TypeVar("T")
-
-
-class ProxyError(Exception):
-    """An error answered to the client as an OpenAI-style error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "service_unavailable")
-
-    def response(self, request_id: str | None = None) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        headers = {"X-Request-Id": request_id} if request_id else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-class _Retry(Exception):
-    """This backend failed before answering; try another."""
 
 
 class Proxy:
@@ -144,7 +131,7 @@ class Proxy:
         except ProxyError as exc:
             status = exc.status
             return exc.response(request_id)
-        except _Passthrough as p:  # a backend's 4xx about the client's request, as it was
+        except Passthrough as p:  # a backend's 4xx about the client's request, as it was
             status = p.status
             return Response(p.body, p.status, media_type="application/json", headers={"X-Request-Id": request_id})
         finally:
@@ -154,15 +141,15 @@ class Proxy:
     async def _handle(self, request: Request, route: str, request_id: str, started: float) -> Response:
         self._authorize(request)
         raw = await self._read_body(request)
-        body = _parse(raw, route)
+        body = parse_body(raw, route)
         if self.models and body["model"] not in self.models:
             raise ProxyError(404, f"The model `{body['model']}` does not exist.", "model")
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
-        key = _affinity_key(body, route, self.config.routing.prefix_chars)
+        key = affinity_key(body, route, self.config.routing.prefix_chars)
         # One watcher for everything before the response starts (prefill, decode's first chunk).
-        return await _unless_disconnected(request, self._serve(route, raw, body, headers, key, started))
+        return await unless_disconnected(request, self._serve(route, raw, body, headers, key, started))
 
     async def _serve(
         self, route: str, raw: bytes, body: dict[str, Any], headers: dict[str, str], key: bytes, started: float
@@ -171,7 +158,7 @@ class Proxy:
         if self.config.mode == "pd":
             params = await self._prefill(route, body, headers, key)
             if params is not None:
-                decode_body = _with_params(raw, body, params)
+                decode_body = with_params(raw, body, params)
         if body.get("stream"):
             return await self._decode_stream(route, decode_body, headers, key, started)
         return await self._decode(route, decode_body, headers, key, started)
@@ -200,31 +187,24 @@ class Proxy:
 
     async def _prefill(self, route: str, body: dict[str, Any], headers: dict[str, str], key: bytes) -> Any:
         """kv_transfer_params from a prefill backend; None when decode must do it all (fallback)."""
-        pbody = dict(body)
-        pbody["max_tokens"] = 1
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
-        pbody["stream"] = False
-        pbody.pop("stream_options", None)
-        pbody["kv_transfer_params"] = {"do_remote_decode": True}
-        payload = json.dumps(pbody).encode()
+        payload = prefill_body(body)
 
         async def attempt(backend: Backend) -> Any:
             async with self._post(backend, route, payload, headers, self._prefill_timeout) as resp:
                 if resp.status >= 500:
-                    raise _Retry(f"prefill {backend.url} answered {resp.status}")
+                    raise Retry(f"prefill {backend.url} answered {resp.status}")
                 data = await resp.read()
                 if resp.status >= 400:  # the client's request is wrong: say so, don't retry
-                    raise _Passthrough(resp.status, data)
+                    raise Passthrough(resp.status, data)
                 try:
                     params = json.loads(data).get("kv_transfer_params")
                 except (ValueError, AttributeError):
-                    raise _Retry(f"prefill {backend.url} answered a non-JSON body") from None
+                    raise Retry(f"prefill {backend.url} answered a non-JSON body") from None
                 return params or {}
 
         try:
             return await self._with_retries(self.prefill, key, attempt)
-        except _NoBackend:
+        except NoBackend:
             if self.config.fallback_to_decode:
                 metrics.PD_FALLBACKS.inc()
                 return None
@@ -234,16 +214,21 @@ class Proxy:
         self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
     ) -> Response:
         async def attempt(backend: Backend) -> Response:
-            async with self._post(backend, route, payload, headers, self._decode_timeout) as resp:
+            upstream = self._post(backend, route, payload, headers, self._decode_timeout)
+            async with asyncio.timeout(self.config.timeouts.first_byte_s):
+                resp = await upstream.__aenter__()
+            try:
                 if resp.status >= 500:
-                    raise _Retry(f"decode {backend.url} answered {resp.status}")
+                    raise Retry(f"decode {backend.url} answered {resp.status}")
                 data = await resp.read()
-                metrics.TTFB.labels(route).observe(time.perf_counter() - started)
-                return Response(data, resp.status, headers=_response_headers(resp, headers))
+            finally:
+                await upstream.__aexit__(None, None, None)
+            metrics.TTFB.labels(route).observe(time.perf_counter() - started)
+            return Response(data, resp.status, headers=_response_headers(resp, headers))
 
         try:
             return await self._with_retries(self.decode, key, attempt)
-        except _NoBackend:
+        except NoBackend:
             raise ProxyError(503, "No decode backend is available.") from None
 
     async def _decode_stream(
@@ -252,21 +237,22 @@ class Proxy:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
         async def attempt(backend: Backend) -> Response:
-            ctx = self._post(backend, route, payload, headers, self._decode_timeout)
-            resp = await ctx.__aenter__()
+            upstream = self._post(backend, route, payload, headers, self._decode_timeout)
             try:
-                if resp.status >= 500:
-                    raise _Retry(f"decode {backend.url} answered {resp.status}")
-                first = await resp.content.readany()
+                async with asyncio.timeout(self.config.timeouts.first_byte_s):
+                    resp = await upstream.__aenter__()
+                    if resp.status >= 500:
+                        raise Retry(f"decode {backend.url} answered {resp.status}")
+                    first = await resp.content.readany()
                 if not first and resp.status == 200:
-                    raise _Retry(f"decode {backend.url} closed the stream before any data")
+                    raise Retry(f"decode {backend.url} closed the stream before any data")
             except BaseException:
-                await ctx.__aexit__(None, None, None)
+                await upstream.__aexit__(None, None, None)
                 raise
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
-            ctx.hold()  # in flight until the stream ends
-            return _Relay(
-                self._relay(ctx, resp, first),
+            upstream.hold()  # in flight until the stream ends
+            return Relay(
+                relay_chunks(upstream, resp, first),
                 status_code=resp.status,
                 headers=_response_headers(resp, headers),
                 media_type=resp.headers.get("Content-Type", "text/event-stream"),
@@ -274,32 +260,11 @@ class Proxy:
 
         try:
             return await self._with_retries(self.decode, key, attempt)
-        except _NoBackend:
+        except NoBackend:
             raise ProxyError(503, "No decode backend is available.") from None
 
-    async def _relay(self, ctx: _Upstream, resp: aiohttp.ClientResponse, first: bytes) -> AsyncIterator[bytes]:
-        try:
-            yield first
-            async for chunk in resp.content.iter_any():
-                yield chunk
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            # Headers are sent: the only way to tell the client is an error event in the stream.
-            ctx.failed = True
-            logger.warning("decode %s failed mid-stream: %s", ctx.backend.url, exc)
-            error = {
-                "error": {
-                    "message": f"The decode backend failed mid-stream: {type(exc).__name__}",
-                    "type": "service_unavailable",
-                    "param": None,
-                    "code": 502,
-                }
-            }
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            # Also on client disconnect (the task is cancelled): closing aborts the upstream request.
-            await ctx.release()
-
-    async def _with_retries(self, pool: Pool, key: bytes, attempt: Any) -> Any:
+    async def _with_retries(self, pool: Pool, key: bytes, attempt: Callable[[Backend], Awaitable[T]]) -> T:
+        """``attempt`` on one backend after another (up to ``retries`` more) until one answers."""
         exclude: set[str] = set()
         for n in range(self.config.retries + 1):
             backend = pool.pick(key, frozenset(exclude))
@@ -309,196 +274,23 @@ class Proxy:
                 metrics.RETRIES.labels(pool.role).inc()
             try:
                 result = await attempt(backend)
-            except _Passthrough:
+            except Passthrough:
                 pool.record_success(backend)
                 raise
-            except (TimeoutError, _Retry, aiohttp.ClientError) as exc:
+            except (TimeoutError, Retry, aiohttp.ClientError) as exc:
                 logger.warning("%s backend %s failed: %s", pool.role, backend.url, exc or type(exc).__name__)
                 pool.record_failure(backend)
                 exclude.add(backend.url)
                 continue
             pool.record_success(backend)
             return result
-        raise _NoBackend
+        raise NoBackend
 
     def _post(
         self, backend: Backend, route: str, payload: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
-    ) -> _Upstream:
+    ) -> Upstream:
         assert self.session is not None
-        return _Upstream(self.session, backend, route, payload, headers, timeout)
-
-
-class _Relay(Response):
-    """A streamed response relayed chunk by chunk, on the request's own task.
-
-    Starlette's StreamingResponse runs two tasks per response (the stream and a disconnect
-    listener); here one watcher cancels the relaying task when the client goes away, which also
-    aborts the upstream request (the relay's ``finally`` closes it)."""
-
-    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str], media_type: str):
-        self.chunks = chunks
-        self.status_code = status_code
-        self.media_type = media_type
-        self.background = None
-        self.init_headers(headers)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        relaying = asyncio.current_task()
-        assert relaying is not None
-        watcher = asyncio.ensure_future(_disconnected_receive(receive))
-        watcher.add_done_callback(lambda w: None if w.cancelled() else relaying.cancel())
-
-        def client_gone() -> bool:
-            return watcher.done() and not watcher.cancelled()
-
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not client_gone():
-                raise  # cancelled for another reason (shutdown): not ours to swallow
-        finally:
-            watcher.cancel()
-            try:
-                await self.chunks.aclose()
-            except asyncio.CancelledError:
-                # The client left just as the stream ended: its cancellation lands here instead.
-                if not client_gone():
-                    raise
-
-
-class _Passthrough(Exception):
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(status)
-        self.status, self.body = status, body
-
-
-class _NoBackend(Exception):
-    pass
-
-
-class _Upstream:
-    """One upstream POST: counts the backend's in-flight requests from start to release."""
-
-    def __init__(self, session, backend, route, payload, headers, timeout) -> None:  # type: ignore[no-untyped-def]
-        self.backend = backend
-        self.failed = False
-        self._request = session.post(backend.url + route, data=payload, headers=headers, timeout=timeout)
-        self._resp: aiohttp.ClientResponse | None = None
-        self._held = False
-
-    async def __aenter__(self) -> aiohttp.ClientResponse:
-        self.backend.in_flight += 1
-        metrics.IN_FLIGHT.labels(self.backend.url, self.backend.role).inc()
-        try:
-            self._resp = await self._request
-        except BaseException:
-            self._done()
-            raise
-        return self._resp
-
-    async def __aexit__(self, *exc: object) -> None:
-        if not self._held:
-            await self.release()
-
-    def hold(self) -> None:
-        self._held = True
-
-    async def release(self) -> None:
-        if self._resp is not None:
-            if self.failed or not self._resp.content.at_eof():
-                self._resp.close()  # drop the connection: the backend stops working on it
-            self._resp.release()
-            self._resp = None
-            self._done()
-
-    def _done(self) -> None:
-        self.backend.in_flight -= 1
-        metrics.IN_FLIGHT.labels(self.backend.url, self.backend.role).dec()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; if the client goes away first, cancel it (closing the upstream requests)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ProxyError(499, "Client closed the request.")
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    await _disconnected_receive(request.receive)
-
-
-async def _disconnected_receive(receive: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _parse(raw: bytes, route: str) -> dict[str, Any]:
-    if not raw:
-        raise ProxyError(400, "Request body is empty; expected a JSON object.")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProxyError(400, f"Request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, "Request body must be a JSON object.")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ProxyError(400, "'model' is required and must be a non-empty string.", "model")
-    if route.endswith("/chat/completions"):
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ProxyError(400, "'messages' is required and must be a non-empty list of objects.", "messages")
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
-            raise ProxyError(
-                400, "'prompt' is required: a string, or a non-empty list of strings or token ids.", "prompt"
-            )
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ProxyError(400, "'stream' must be a boolean.", "stream")
-    for field in ("max_tokens", "max_completion_tokens"):
-        value = body.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ProxyError(400, f"'{field}' must be a positive integer.", field)
-    if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
-        raise ProxyError(400, "'stream_options' must be an object.", "stream_options")
-    if "kv_transfer_params" in body and not isinstance(body["kv_transfer_params"], (dict, type(None))):
-        raise ProxyError(400, "'kv_transfer_params' must be an object.", "kv_transfer_params")
-    return body
-
-
-def _with_params(raw: bytes, body: dict[str, Any], params: Any) -> bytes:
-    """The client's body plus kv_transfer_params, spliced in without re-encoding the rest."""
-    encoded = json.dumps(params).encode()
-    stripped = raw.rstrip()
-    if "kv_transfer_params" in body or not stripped.endswith(b"}") or len(body) == 0:
-        return json.dumps({**body, "kv_transfer_params": params}).encode()
-    return stripped[:-1] + b',"kv_transfer_params":' + encoded + b"}"
-
-
-def _affinity_key(body: dict[str, Any], route: str, chars: int) -> bytes:
-    if route.endswith("/chat/completions"):
-        text = json.dumps(body.get("messages"), separators=(",", ":"))[:chars]
-    else:
-        prompt = body.get("prompt")
-        text = prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt)[:chars]
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+        return Upstream(self.session, backend, route, payload, headers, timeout)
 
 
 def _response_headers(resp: aiohttp.ClientResponse, sent: dict[str, str]) -> dict[str, str]:

@@ -6,13 +6,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-import yaml
-
-from ucm.config import ConfigError, parse_config
-from ucm_proxy.config import ProxyConfig
+from ucm.config import ConfigError, load_mapping, parse_config
+from ucm_proxy.config import Policy, ProxyConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,26 +20,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["pd", "mixed"])
     p.add_argument("--prefill", action="append", metavar="URL", help="prefill backend (repeatable)")
     p.add_argument("--decode", action="append", metavar="URL", help="decode backend (repeatable)")
-    p.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding", "prefix_affinity"])
-    p.add_argument("--decode-policy", choices=["round_robin", "least_outstanding", "prefix_affinity"])
+    p.add_argument("--prefill-policy", choices=get_args(Policy))
+    p.add_argument("--decode-policy", choices=get_args(Policy))
     p.add_argument("--retries", type=int)
     p.add_argument("--fallback-to-decode", action="store_true", default=None)
     p.add_argument("--api-keys-file", help="file with one accepted API key per line")
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--check", action="store_true", help="validate the configuration (not the files it names), print it, exit"
+    )
     return p
 
 
 def load_config(args: argparse.Namespace) -> ProxyConfig:
-    data: dict[str, Any] = {}
-    if args.config:
-        try:
-            loaded = yaml.safe_load(Path(args.config).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"--config: cannot read {args.config}: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config: {args.config} must hold a mapping of options")
-        data = loaded
+    data: dict[str, Any] = load_mapping(args.config, "--config") if args.config else {}
     flags = {
         "host": args.host,
         "port": args.port,
@@ -70,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args)
+        if args.check:
+            print(config.model_dump_json(indent=2))
+            return 0
         config.accepted_keys()  # an unreadable keys file is a startup error, not a per-request one
     except (ConfigError, OSError) as exc:
         print(f"ucm-proxy: error: {exc}", file=sys.stderr)

@@ -14,8 +14,8 @@ import pytest
 
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import kv_transfer_config
-from ucm.testing.prompts import PROMPTS
-from ucm.testing.vllm_server import ServerFailed, VLLMServer, cached_tokens
+from ucm_testing.prompts import PROMPTS
+from ucm_testing.vllm_server import ServerFailed, VLLMServer, cached_tokens
 
 pytestmark = pytest.mark.slow
 BS = 32

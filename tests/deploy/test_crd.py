@@ -149,4 +149,4 @@ def test_defaults_fill_a_minimal_spec():
     spec = UCMDeploymentSpec.model_validate(BASE)
     assert spec.prefill.replicas == 1 and spec.decode.replicas == 1
     assert spec.model.block_size == 128 and spec.store.hashing.algorithm == "sha256"
-    assert spec.proxy.routing.prefill == "prefix_affinity"
+    assert spec.proxy.config == {}  # the proxy applies its own defaults

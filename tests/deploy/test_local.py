@@ -67,3 +67,10 @@ def test_files_and_state(tmp_path):
     ]
     assert stack.base_url.startswith("http://127.0.0.1:") and stack.base_url.endswith("/v1")
     assert stack.state()["roles"] == {}  # nothing started
+
+
+def test_the_proxy_judges_its_options_before_anything_starts(tmp_path):
+    stack = LocalStack(spec(tmp_path, proxy={"config": {"routing": {"decode": "fastest"}}}), tmp_path / "run")
+    with pytest.raises(StackError, match=r"^proxy.config: ucm-proxy refuses it: proxy.routing.decode: Input should be"):
+        stack.start(lambda *_: None)
+    assert all(p.popen is None for p in stack.processes)

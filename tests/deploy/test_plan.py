@@ -8,8 +8,9 @@ from itertools import count
 import pytest
 import yaml
 
-from ucm.deploy.plan import KV_CONFIG_FILE, PROXY_CONFIG_FILE, PlanError, Site, build_plan
+from ucm.deploy.plan import KV_CONFIG_FILE, PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.quantity import quantity_bytes
+from ucm.deploy.roles import PlanError, Site
 from ucm.deploy.spec import UCMDeploymentSpec
 from ucm.integration.vllm.config import parse_connector_config
 from ucm_proxy.config import ProxyConfig
@@ -62,52 +63,11 @@ def test_local_plan_gives_each_replica_a_port_and_the_proxy_their_urls(tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("store", "spec_str"),
-    [
-        ({"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "1Gi"}, "cache|posix"),
-        ({"type": "nfs", "nfs": {"server": "s", "path": "/p"}}, "nfs"),
-        ({"type": "ds3fs", "ds3fs": {"mountPath": "/3fs"}}, "ds3fs"),
-        ({"type": "mooncake", "mooncake": {"master": {}}}, "mooncake"),
-    ],
-)
-def test_store_types(store, spec_str):
-    plan = plan_for({"store": store})
-    extra = kv(plan)
-    assert extra["store"]["spec"] == spec_str
-    has_master = any(r.component == "mooncake-master" for r in plan.roles)
-    assert has_master == ("master" in (store.get("mooncake") or {}))
-    if spec_str == "cache|posix":
-        assert extra["store"]["cache"]["capacity"] == 1 << 30
-    if spec_str == "mooncake":
-        mc = extra["store"]["mooncake"]
-        assert mc["master_address"] == "demo-mooncake-master:50051"
-        assert mc["local_hostname"] == "${POD_IP}"
-        assert mc["global_segment_size"] == 4 << 30
-
-
-def test_a_created_claim_is_in_the_plan():
-    plan = plan_for({"store": {"type": "posix", "pvc": {"create": {"size": "2Ti", "storageClassName": "cephfs"}}}})
-    assert plan.store_claim == {
-        "accessModes": ["ReadWriteMany"],
-        "resources": {"requests": {"storage": "2Ti"}},
-        "storageClassName": "cephfs",
-    }
-
-
-@pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"store": {"type": "mooncake", "mooncake": {}}}, "store.mooncake: set exactly one of master"),
-        (
-            {"store": {"type": "mooncake", "mooncake": {"master": {}, "address": "m:1"}}},
-            "store.mooncake: set exactly one of master",
-        ),
-        ({"store": {"type": "mooncake", "mooncake": {"address": "m:1"}}}, "store.mooncake.metadataServer: required"),
         ({"store": {"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "lots"}}, "store.cacheSize: 'lots'"),
-        (
-            {"store": {"type": "mooncake", "mooncake": {"master": {}, "segmentSize": "4Gb"}}},
-            "store.mooncake.segmentSize",
-        ),
+        ({"proxy": {"config": {"port": 9}}}, "proxy.config.port: set by the deployment"),
+        ({"proxy": {"config": {"prefill": ["http://x"]}}}, "proxy.config.prefill: set by the deployment"),
     ],
 )
 def test_specs_that_cannot_work_name_the_field(overrides, message):

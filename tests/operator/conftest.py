@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from ucm_operator.testing import Driver, allowed, declare
+from ucm_testing.kmock_operator import Driver, allowed, declare
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ucm-operator"

@@ -13,9 +13,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
-from ucm.testing.ports import free_port
-from ucm_operator.testing import WRITE_VERBS, Driver, Emulator, operator_running, posted_events
+from ucm.deploy.ports import free_port
+from ucm_testing.kmock_operator import WRITE_VERBS, Driver, Emulator, operator_running, posted_events
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 NS = "serving"
@@ -220,17 +221,19 @@ async def test_delete_removes_children_then_the_object(kmock, cluster):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    ("store", "field"),
+    ("change", "field"),
     [
-        ({"type": "mooncake", "mooncake": {}}, "spec.store.mooncake: set exactly one of master"),
-        ({"type": "mooncake", "mooncake": {"address": "m:1"}}, "spec.store.mooncake.metadataServer"),
-        ({"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "lots"}, "spec.store.cacheSize"),
+        ({"store": {"type": "mooncake", "mooncake": {}}}, "spec.store.mooncake: set exactly one of master"),
+        ({"store": {"type": "mooncake", "mooncake": {"address": "m:1"}}}, "spec.store.mooncake.metadataServer"),
+        ({"store": {"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "lots"}}, "spec.store.cacheSize"),
+        ({"proxy": {"config": {"routing": {"prefill": "bogus"}}}}, "spec.proxy.config.routing.prefill"),
+        ({"proxy": {"config": {"port": 1}}}, "spec.proxy.config.port: set by the deployment"),
     ],
 )
-async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, store, field):
+async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, change, field):
     async with operator_running(cluster.url):
         mark = len(kmock.calls)
-        await cluster.apply_ucmd(NS, "bad", {**SPEC, "store": store}, uid="uid-bad")
+        await cluster.apply_ucmd(NS, "bad", {**SPEC, **change}, uid="uid-bad")
 
         async def degraded() -> dict[str, Any]:
             cond = conditions(await cluster.ucmd(NS, "bad"))
@@ -243,6 +246,30 @@ async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, stor
         await asyncio.sleep(0.5)
         assert [c for c in writes(kmock, mark) if not c[1].startswith(("ucmdeployments", "events"))] == []
         assert await cluster.children(NS, "bad") == {}
+
+
+@pytest.mark.asyncio
+async def test_ucm_render_prints_what_the_operator_creates(kmock, cluster, tmp_path):
+    spec = {**SPEC, "store": {"type": "mooncake", "mooncake": {"master": {}}}, "proxy": {"config": {"retries": 2}}}
+    resource = {"apiVersion": "ucm.io/v1alpha1", "kind": "UCMDeployment", "metadata": {"name": "r"}, "spec": spec}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(resource))
+    exe = Path(sys.executable).parent / "ucm"
+    cmd = [str(exe), "render", "-f", str(tmp_path / "r.yaml"), "-n", NS, "--owner-uid", "uid-r"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out)}
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "r", spec, uid="uid-r")
+
+        async def created() -> dict[tuple[str, str], dict[str, Any]]:
+            kids = await cluster.children(NS, "r")
+            assert set(kids) == set(rendered)
+            return kids
+
+        live = await eventually(created)
+    assert ("Deployment", "r-mooncake-master") in live
+    for key, obj in live.items():
+        meta = {k: v for k, v in obj["metadata"].items() if k not in ("uid", "resourceVersion", "generation")}
+        assert {**obj, "metadata": meta} == rendered[key], key
 
 
 @pytest.mark.asyncio

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from tests.operator.conftest import CHART, ROOT, helm
-from ucm.deploy.plan import Site, build_plan
+from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
+from ucm.deploy.plan import build_plan
+from ucm.deploy.roles import Site
 from ucm.deploy.spec import UCMDeploymentSpec
-from ucm_operator.render import DESIRED_HASH, Owner, render
 
 EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
 VARIANTS = {
@@ -133,3 +134,14 @@ def test_chart_values_are_validated(flag, complaint, tmp_path):
         env={**env_home, "PATH": "/usr/bin:/bin"},
     )
     assert r.returncode != 0 and complaint in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_ucm_render_prints_valid_objects_for_every_example(example, tmp_path):
+    exe = Path(sys.executable).parent / "ucm"
+    r = subprocess.run([str(exe), "render", "-f", str(example), "-n", "serving"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = list(yaml.safe_load_all(r.stdout))
+    assert r.stdout.startswith("---\n") and all(d["metadata"]["namespace"] == "serving" for d in docs)
+    assert all("ownerReferences" not in d["metadata"] for d in docs)  # no live resource, no uid to point at
+    validate_strict(docs, tmp_path)

@@ -8,10 +8,10 @@ import pytest
 import uvicorn
 
 from ucm.config import parse_config
-from ucm.testing.fake_vllm import FakeVLLMThread
-from ucm.testing.ports import free_port
+from ucm.deploy.ports import free_port
 from ucm_proxy.app import create_app
 from ucm_proxy.config import ProxyConfig
+from ucm_testing.fake_vllm import FakeVLLMThread
 
 
 class RunningProxy:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucm.testing.fake_vllm import MODEL
+from ucm_testing.fake_vllm import MODEL
 
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
 
@@ -74,7 +74,7 @@ def test_api_keys(fakes, make_proxy, tmp_path):
 
 
 def test_a_backend_4xx_is_passed_to_the_client_not_retried(fakes, make_proxy):
-    from ucm.testing.fake_vllm import Behaviour
+    from ucm_testing.fake_vllm import Behaviour
 
     p = fakes.add("p", Behaviour(fail_next=["400"]))
     other_p, d = fakes.add("p2"), fakes.add("d")
@@ -164,3 +164,14 @@ def test_yaml_config_and_flags(tmp_path):
     )
     assert config.prefill == ["http://p:8000"] and config.port == 9
     assert (config.routing.prefill, config.routing.decode) == ("round_robin", "prefix_affinity")
+
+
+def test_check_validates_without_serving_or_reading_key_files(tmp_path):
+    path = tmp_path / "proxy.yaml"
+    path.write_text("decode: [http://d:8000]\nfallback_to_decode: true\napi_keys_file: /etc/ucm/api-keys/none\n")
+    r = subprocess.run([sys.executable, "-m", "ucm_proxy", "--check", "-c", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["routing"]["decode"] == "least_outstanding"  # the proxy's own defaults
+    path.write_text("decode: [http://d:8000]\nfallback_to_decode: true\nrouting: {decode: fastest}\n")
+    r = subprocess.run([sys.executable, "-m", "ucm_proxy", "--check", "-c", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "proxy.routing.decode: Input should be" in r.stderr

@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from ucm.testing.fake_vllm import MODEL, Behaviour
+from ucm_testing.fake_vllm import MODEL, Behaviour
 
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}
@@ -175,6 +175,28 @@ def test_decode_failure_before_first_byte_is_retried(fakes, make_proxy, failure,
     assert r.status_code == 200
     assert "good" in r.text
     assert len(bad.requests) == 1 and len(good.requests) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_silent_past_first_byte_timeout_is_retried_elsewhere(fakes, make_proxy, stream):
+    p = fakes.add("p")
+    slow, good = fakes.add("slow", Behaviour(fail_next=["hang"])), fakes.add("good")
+    proxy = make_proxy(
+        prefill=[p.url],
+        decode=[slow.url, good.url],
+        routing={"decode": "round_robin"},
+        timeouts={"first_byte_s": 0.5},
+    )
+    started = time.monotonic()
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json={**COMPLETION, "stream": stream})
+    assert r.status_code == 200 and "good" in r.text
+    assert time.monotonic() - started < 5
+    assert len(slow.requests) == 1 and len(good.requests) == 1
+    deadline = time.monotonic() + 5
+    while slow.cancelled == 0 and time.monotonic() < deadline:  # the abandoned request is aborted
+        time.sleep(0.05)
+    assert slow.cancelled == 1
 
 
 def test_decode_dying_mid_stream_ends_with_an_error_event(fakes, make_proxy):

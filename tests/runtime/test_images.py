@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from ucm import __version__
-from ucm.deploy.plan import PROXY_IMAGE, Site, build_plan
+from ucm.deploy.plan import PROXY_IMAGE, build_plan
+from ucm.deploy.ports import free_port
+from ucm.deploy.roles import Site
 from ucm.deploy.spec import ImageSpec, UCMDeploymentSpec
-from ucm.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((ROOT / "runtime").glob("Dockerfile*"))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import os
 import shutil
 import subprocess
 import sys
@@ -72,23 +70,6 @@ def test_bad_buffers_are_refused():
         native.gather(layers, [1, 2], torch.zeros(1, 10, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         native.gather(layers, [1], torch.zeros(1, 10))
-
-
-@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
-def test_files_round_trip(direct, tmp_path):
-    sizes = [4096, 4096 * 3, 1000, 4096 * 2 + 7, 1]
-    data = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
-    paths = [str(tmp_path / f"b{i}") for i in range(len(sizes))]
-    put = ucm_native.write_files(paths, [d.data_ptr() for d in data], sizes, direct, 3)
-    assert put == sizes
-    assert [os.path.getsize(p) for p in paths] == sizes
-    back = [torch.zeros(n + 5, dtype=torch.uint8) for n in sizes]  # misaligned on purpose
-    views = [b[5:] for b in back]
-    got = ucm_native.read_files(paths, [v.data_ptr() for v in views], sizes, direct, 2)
-    assert got == sizes
-    assert all(torch.equal(v, d) for v, d in zip(views, data, strict=True))
-    missing = ucm_native.read_files([str(tmp_path / "nope")], [views[0].data_ptr()], [10], direct, 1)
-    assert missing == [-errno.ENOENT]
 
 
 def test_ucm_works_without_the_extension():

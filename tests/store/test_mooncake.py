@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from ucm.deploy.ports import free_port
 from ucm.store import StoreError, create_store
 from ucm.store.mooncake import MooncakeStore
-from ucm.testing.ports import free_port
 
 from .helpers import blocks
 

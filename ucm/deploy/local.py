@@ -1,10 +1,12 @@
 """The plan (``ucm.deploy.plan``) as local processes: ``ucm up``.
 
 Every role becomes a process on loopback with its own free port and log file; config files go to
-the run directory. Roles start in dependency order (the Mooncake master, then the engines
-together, then the proxy) and each counts as started only when its readiness probe answers. A
-role that dies before it is ready stops the whole stack with its log's tail; one that dies later
-is restarted (as Kubernetes would restart its pod), at most ``MAX_RESTARTS`` times.
+the run directory. Before anything starts, the proxy checks its configuration (``ucm-proxy
+--check``). Roles start in the plan's order (``ucm.deploy.roles.START_ORDER``: a store's own
+servers, then the engines together, then the proxy) and each counts as started only when its
+readiness probe answers. A role that dies before it is ready stops the whole stack with its log's
+tail; one that dies later is restarted (as Kubernetes would restart its pod), at most
+``MAX_RESTARTS`` times.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucm.deploy.plan import Plan, Probe, Role, Site, build_plan
+from pydantic.alias_generators import to_camel
+
+from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
+from ucm.deploy.ports import free_port, port_is_free
+from ucm.deploy.roles import ENGINES, Plan, Probe, Role, Site
 from ucm.deploy.spec import UCMDeploymentSpec
-from ucm.testing.ports import free_port
 
 MAX_RESTARTS = 3
 STOP_GRACE_S = 30.0
-# Roles in a group start together; a group starts when the previous one is ready.
-START_ORDER = (("mooncake-master",), ("prefill", "decode"), ("proxy",))
 
 
 class StackError(RuntimeError):
@@ -53,46 +56,25 @@ def default_spec(model_path: str | Path) -> dict[str, Any]:
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},
         "store": {"type": "posix", "pvc": {"claimName": "local"}},
-        "proxy": {"fallbackToDecode": True},
+        "proxy": {"config": {"fallback_to_decode": True}},
     }
 
 
 def kubernetes_only_fields(spec: UCMDeploymentSpec) -> list[str]:
     """Fields the user set that only mean something in a cluster (ignored locally)."""
-    out = [f"image.{f}" for f in sorted(spec.image.model_fields_set)]
-    for pool_name in ("prefill", "decode"):
+    out = [f"image.{to_camel(f)}" for f in sorted(spec.image.model_fields_set)]
+    for pool_name in ENGINES:
         pool = getattr(spec, pool_name)
         for f in ("resources", "node_selector", "tolerations", "affinity"):
             if f in pool.model_fields_set:
-                out.append(f"{pool_name}.{_camel(f)}")
-    st = spec.store
-    if st.type == "posix" and "pvc" in st.model_fields_set:
-        out.append("store.pvc (blocks go to the run directory)")
-    if st.type == "nfs":
-        out.append("store.nfs (blocks go to the run directory)")
-    if st.mooncake and st.mooncake.master and st.mooncake.master.image:
-        out.append("store.mooncake.master.image")
+                out.append(f"{pool_name}.{to_camel(f)}")
+    out += spec.store.kind.kubernetes_only(spec.store.options)
     for f in ("service", "api_key_secret"):
         if f in spec.proxy.model_fields_set:
-            out.append(f"proxy.{_camel(f)}")
+            out.append(f"proxy.{to_camel(f)}")
     if spec.proxy.replicas > 1:
         out.append("proxy.replicas (one proxy runs locally)")
     return out
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(p.title() for p in rest)
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def resolve(executable: str) -> str:
@@ -175,17 +157,18 @@ class LocalStack:
         self.logs = run_dir / "logs"
         if proxy_port and not port_is_free(proxy_port):
             raise StackError(f"--port: {proxy_port} is in use; choose another (0 picks any free port)")
+        ports: dict[str, int] = {"proxy": proxy_port} if proxy_port else {}
         site = Site(
             "local",
             config_dir=str(run_dir),
             kv_dir=str(run_dir / "kv"),
-            ports=lambda role: proxy_port if role == "proxy" and proxy_port else free_port(),
+            ports=lambda role: ports[role] if role in ports else ports.setdefault(role, free_port()),  # stable per name
         )
         self.plan: Plan = build_plan(name, spec, site)
         source = spec.model.source
         if source.host_path is not None and not Path(source.host_path).is_dir():
             raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
-        engines = [r.name for r in self.plan.roles if r.component in ("prefill", "decode")]
+        engines = [r.name for r in self.plan.roles if r.component in ENGINES]
         self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
 
     @property
@@ -198,7 +181,7 @@ class LocalStack:
 
     def _env(self, role: Role, engines: list[str]) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if role.component in ("prefill", "decode"):
+        if role.component in ENGINES:
             cores = os.cpu_count() or 1
             # vLLM's CPU backend binds its OpenMP threads; explicit binding avoids its default
             # holding a core back. Engines get disjoint cores when there are enough: an idle
@@ -236,10 +219,11 @@ class LocalStack:
     def start(self, progress: Callable[[str, list[Process]], None], timeout: float = 600.0) -> None:
         """Start every role in order; returns when all are ready. On failure stops what started."""
         self.write_files()
+        check_proxy_config(self.run_dir / PROXY_CONFIG_FILE)
         deadline = time.monotonic() + timeout
         try:
-            for stage in START_ORDER:
-                group = [p for p in self.processes if p.role.component in stage]
+            for roles in self.plan.start_groups():
+                group = [p for p in self.processes if p.role in roles]
                 for p in group:
                     p.start()
                     progress(f"starting {p.role.name} on port {p.port} (log: {p.log})", [])
@@ -286,11 +270,22 @@ class LocalStack:
             p.start()
 
     def stop(self) -> None:
-        """Proxy first (no new requests), then engines, then the store's master."""
-        for stage in reversed(START_ORDER):
+        """In the reverse of the start order: proxy first (no new requests), then engines, then the
+        store's own servers."""
+        for roles in reversed(self.plan.start_groups()):
             for p in self.processes:
-                if p.role.component in stage:
+                if p.role in roles:
                     p.stop()
+
+
+def check_proxy_config(path: Path) -> None:
+    """The proxy validates its own configuration (the deployment passes ``proxy.config`` through)."""
+    done = subprocess.run(
+        [resolve("ucm-proxy"), "--check", "--config", str(path)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        message = (done.stderr or done.stdout).strip().removeprefix("ucm-proxy: error: ")
+        raise StackError(f"proxy.config: ucm-proxy refuses it: {message}")
 
 
 def write_state(path: Path, state: dict[str, Any]) -> None:

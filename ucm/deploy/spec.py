@@ -1,48 +1,26 @@
 """The ``UCMDeployment`` resource (``ucm.io/v1alpha1``), defined once.
 
-These models give defaults and validation (for the operator and ``ucm up`` alike) and generate the
-CRD's ``openAPIV3Schema`` (:mod:`ucm.deploy.crd`). Cross-field rules are written twice, on purpose:
-as CEL (``x-kubernetes-validations``, enforced by the API server) and as a Python validator right
-beside it (enforced here, and the only way the rule is tested, since nothing here runs CEL).
-
-Field names are camelCase, as in every Kubernetes API; Python code reads them snake_case.
+These models give defaults and validation (for the operator, ``ucm up`` and ``ucm render`` alike)
+and generate the CRD's ``openAPIV3Schema`` (:mod:`ucm.deploy.crd`). Field names are camelCase, as in
+every Kubernetes API; Python code reads them snake_case. Each store kind's options come from its
+module in :mod:`ucm.deploy.stores`; the proxy's own options are the proxy's (``proxy.config``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, create_model, model_validator
 
 from ucm import __version__
+from ucm.deploy.schema import Quantity, Spec, cel, one_of
+from ucm.deploy.stores import KINDS, StoreKind
 from ucm.hashing import HashAlgorithm
-from ucm_proxy.config import Policy
 
 GROUP = "ucm.io"
 VERSION = "v1alpha1"
 KIND = "UCMDeployment"
 PLURAL = "ucmdeployments"
-
-Quantity = int | str  # Kubernetes quantities: 8, "500m", "16Gi"
-
-
-def cel(*rules: tuple[str, str]) -> ConfigDict:
-    """Model config carrying CEL rules: (expression, message)."""
-    return ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]},
-    )
-
-
-class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
-
-
-def _one_of(model: BaseModel, fields: tuple[str, ...], where: str) -> None:
-    set_ = [f for f in fields if getattr(model, f) is not None]
-    if len(set_) != 1:
-        names = ", ".join(to_camel(f) for f in fields)
-        raise ValueError(f"{where}: exactly one of {names} must be set, got {len(set_)}")
 
 
 class PVCPath(Spec):
@@ -63,7 +41,7 @@ class ModelSource(Spec):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelSource:
-        _one_of(self, ("pvc", "host_path", "hf"), "model.source")
+        one_of(self, ("pvc", "host_path", "hf"), "model.source")
         return self
 
 
@@ -105,75 +83,44 @@ class PoolSpec(Spec):
     extra_args: list[str] = Field(default_factory=list)
 
 
-class NewClaim(Spec):
-    storage_class_name: str | None = None
-    size: Quantity = Field(description="e.g. 2Ti")
-    access_modes: list[Literal["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
-        default_factory=lambda: ["ReadWriteMany"], min_length=1
-    )
-
-
-class ClaimSpec(Spec):
-    model_config = Spec.model_config | cel(
-        ("has(self.claimName) != has(self.create)", "store.pvc: set exactly one of claimName, create"),
-    )
-    claim_name: str | None = Field(None, min_length=1, description="An existing claim (RWX for several pods)")
-    create: NewClaim | None = Field(None, description="A claim the operator creates and owns")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ClaimSpec:
-        _one_of(self, ("claim_name", "create"), "store.pvc")
-        return self
-
-
-class NFSSpec(Spec):
-    server: str = Field(min_length=1)
-    path: str = Field(min_length=1)
-
-
-class DS3FSSpec(Spec):
-    mount_path: str = Field(min_length=1, description="Where the 3FS FUSE mount is on the nodes")
-
-
-class MooncakeMaster(Spec):
-    image: str | None = Field(None, description="Default: the runtime image (it ships mooncake_master)")
-    port: int = Field(50051, ge=1, le=65535)
-    metadata_port: int = Field(8080, ge=1, le=65535)
-
-
-class MooncakeSpec(Spec):
-    master: MooncakeMaster | None = Field(None, description="Run a master in the deployment")
-    address: str | None = Field(None, description="An external master, host:port")
-    metadata_server: str | None = Field(None, description="With address: its metadata URL")
-    segment_size: Quantity = Field("4Gi", description="DRAM each vLLM pod adds to the pool")
-
-
 class HashingSpec(Spec):
     algorithm: HashAlgorithm = "sha256"
     salt: str = ""
 
 
-class StoreSpec(Spec):
+class _StoreSpec(Spec):
+    """Fields shared by every store kind; ``StoreSpec`` adds ``type`` and one options field per kind."""
+
     model_config = Spec.model_config | cel(
-        ("self.type != 'posix' || has(self.pvc)", "store.pvc: required when type is posix"),
-        ("self.type != 'nfs' || has(self.nfs)", "store.nfs: required when type is nfs"),
-        ("self.type != 'ds3fs' || has(self.ds3fs)", "store.ds3fs: required when type is ds3fs"),
-        ("self.type != 'mooncake' || has(self.mooncake)", "store.mooncake: required when type is mooncake"),
+        *(
+            (f"self.type != '{k.name}' || has(self.{k.field})", f"store.{k.field}: required when type is {k.name}")
+            for k in KINDS.values()
+        )
     )
-    type: Literal["posix", "nfs", "ds3fs", "mooncake"]
-    pvc: ClaimSpec | None = None
-    nfs: NFSSpec | None = None
-    ds3fs: DS3FSSpec | None = Field(None, alias="ds3fs")  # to_camel would say ds3Fs
-    mooncake: MooncakeSpec | None = None
-    cache_size: Quantity | None = Field(None, description="A DRAM tier in front of the store, per vLLM pod")
-    hashing: HashingSpec = HashingSpec()
+
+    @property
+    def kind(self) -> StoreKind:
+        return KINDS[self.type]  # type: ignore[attr-defined]
+
+    @property
+    def options(self) -> Any:
+        return getattr(self, self.kind.field)
 
     @model_validator(mode="after")
-    def _backend_options(self) -> StoreSpec:
-        needed = {"posix": "pvc", "nfs": "nfs", "ds3fs": "ds3fs", "mooncake": "mooncake"}[self.type]
-        if getattr(self, needed) is None:
-            raise ValueError(f"store.{needed}: required when type is {self.type}")
+    def _kind_options(self) -> _StoreSpec:
+        if self.options is None:
+            raise ValueError(f"store.{self.kind.field}: required when type is {self.kind.name}")
         return self
+
+
+StoreSpec = create_model(
+    "StoreSpec",
+    __base__=_StoreSpec,
+    type=(Literal[tuple(KINDS)], Field(description="The kind of shared store: " + ", ".join(KINDS))),
+    **{k.field: (k.options | None, Field(None, alias=k.field, description=k.description)) for k in KINDS.values()},
+    cache_size=(Quantity | None, Field(None, description="A DRAM tier in front of the store, per vLLM pod")),
+    hashing=(HashingSpec, HashingSpec()),
+)
 
 
 class SecretKey(Spec):
@@ -186,18 +133,18 @@ class ProxyService(Spec):
     port: int = Field(8000, ge=1, le=65535)
 
 
-class ProxyRouting(Spec):
-    prefill: Policy = "prefix_affinity"
-    decode: Policy = "least_outstanding"
-
-
 class ProxySpec(Spec):
     image: str | None = Field(None, description="Default: ucm/proxy:<this UCM release>")
     replicas: int = Field(1, ge=0)
-    routing: ProxyRouting = ProxyRouting()
     service: ProxyService = ProxyService()
     api_key_secret: SecretKey | None = None
-    fallback_to_decode: bool = False
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="ucm-proxy's own options as in its config file (routing, timeouts, health, retries, "
+        "fallback_to_decode, ...); validated by the proxy. Backends, discovery, host, port and API keys "
+        "come from the deployment.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
 
 
 class UCMDeploymentSpec(Spec):
@@ -205,7 +152,7 @@ class UCMDeploymentSpec(Spec):
     image: ImageSpec = ImageSpec()
     prefill: PoolSpec = PoolSpec()
     decode: PoolSpec = PoolSpec()
-    store: StoreSpec
+    store: StoreSpec  # type: ignore[valid-type]
     proxy: ProxySpec = ProxySpec()
 
 

@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
-from ucm.config import ConfigError, format_validation_error
+from ucm.config import ConfigError
 from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields, write_state
-from ucm.deploy.plan import PlanError
-from ucm.deploy.spec import KIND, UCMDeploymentSpec
+from ucm.deploy.resource import load_resource
+from ucm.deploy.roles import PlanError
+from ucm.deploy.spec import UCMDeploymentSpec
 
 STATE_FILE = "stack.json"
 
@@ -43,24 +41,11 @@ def add_parsers(sub: Any) -> None:
 def load_spec(path: str | None) -> tuple[UCMDeploymentSpec, bool]:
     """The spec, and whether the user gave it (the default needs no warnings)."""
     if path is None:
-        from ucm.testing.models import TINY, ensure_model
+        from ucm.deploy.demo_model import TINY, ensure_model
 
         print("ucm up: preparing the tiny model (generated once, cached in ~/.cache/ucm/models)", flush=True)
         return UCMDeploymentSpec.model_validate(default_spec(ensure_model(TINY))), False
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"-f: cannot read {path}: {exc}") from None
-    if isinstance(doc, dict) and "spec" in doc and "model" not in doc:  # the resource, not just its spec
-        if doc.get("kind", KIND) != KIND:
-            raise ConfigError(f"-f: {path} holds a {doc.get('kind')}, not a {KIND}")
-        doc = doc["spec"]
-    if not isinstance(doc, dict):
-        raise ConfigError(f"-f: {path} must hold a {KIND} (or its spec)")
-    try:
-        return UCMDeploymentSpec.model_validate(doc), True
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, "spec")) from None
+    return load_resource(path).spec, True
 
 
 class Progress:

@@ -1,6 +1,5 @@
 // Python bindings: the work runs with the GIL released.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -9,7 +8,6 @@
 #include <tuple>
 
 #include "copy.h"
-#include "files.h"
 #ifdef UCM_WITH_CUDA
 #include "cuda_copy.h"
 #endif
@@ -17,8 +15,6 @@
 namespace nb = nanobind;
 using SegmentTuple = std::tuple<uintptr_t, int64_t, int64_t, int64_t, int64_t>;
 using MoveFn = void (*)(const std::vector<ucm::Segment>&, const std::vector<int64_t>&, uintptr_t, int64_t, int);
-using FilesFn = std::vector<int64_t> (*)(const std::vector<std::string>&, const std::vector<uintptr_t>&,
-                                         const std::vector<int64_t>&, bool, int);
 
 static std::vector<ucm::Segment> segments_of(const std::vector<SegmentTuple>& in) {
   std::vector<ucm::Segment> out;
@@ -52,20 +48,6 @@ NB_MODULE(ucm_native, m) {
         ucm::parallel_memcpy(dst, src, bytes, threads);
       },
       nb::arg("dst"), nb::arg("src"), nb::arg("bytes"), nb::arg("threads") = 1);
-  auto def_files = [&m](const char* name, FilesFn io) {
-    m.def(
-        name,
-        [io](const std::vector<std::string>& paths, const std::vector<uintptr_t>& buffers,
-             const std::vector<int64_t>& sizes, bool direct, int threads) {
-          if (paths.size() != buffers.size() || paths.size() != sizes.size())
-            throw std::invalid_argument("paths, buffers and sizes differ in length");
-          nb::gil_scoped_release release;
-          return io(paths, buffers, sizes, direct, threads);
-        },
-        nb::arg("paths"), nb::arg("buffers"), nb::arg("sizes"), nb::arg("direct") = false, nb::arg("threads") = 1);
-  };
-  def_files("read_files", ucm::read_files);
-  def_files("write_files", ucm::write_files);
 #ifdef UCM_WITH_CUDA
   m.attr("cuda") = true;
   m.def(

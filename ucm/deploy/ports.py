@@ -1,8 +1,9 @@
-"""Free loopback ports."""
+"""Loopback ports: ``ucm up`` gives every role its own."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -11,9 +12,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(host: str, port: int, timeout: float) -> bool:
-    import time
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -1,4 +1,5 @@
-"""A plan (``ucm.deploy.plan``) as Kubernetes objects.
+"""A plan (``ucm.deploy.plan``) as Kubernetes objects: what the operator applies and ``ucm render``
+prints.
 
 Every object carries the standard labels, an owner reference to its ``UCMDeployment`` (the garbage
 collector removes children with it), and ``ucm.io/desired-hash``: a digest of what the operator
@@ -12,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from ucm.deploy.plan import Plan, Probe, Role
+from ucm.deploy.roles import ENGINES, Plan, Probe, Role
 from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
@@ -23,7 +24,6 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 DESIRED_HASH = "ucm.io/desired-hash"
 CONFIG_HASH = "ucm.io/config-hash"
 CONFIG_DIR_VOLUME = "ucm-config"
-ENGINES = ("prefill", "decode")
 
 
 def digest(data: Any) -> str:
@@ -42,17 +42,20 @@ def selector(name: str, component: str) -> dict[str, str]:
 
 
 class Owner:
-    """The ``UCMDeployment`` the children belong to."""
+    """The ``UCMDeployment`` the children belong to. Without a uid (a resource not yet created,
+    rendered by ``ucm render``) children carry no owner reference."""
 
-    def __init__(self, name: str, namespace: str, uid: str) -> None:
+    def __init__(self, name: str, namespace: str, uid: str | None) -> None:
         self.name, self.namespace, self.uid = name, namespace, uid
 
     def meta(self, suffix: str, component: str | None) -> dict[str, Any]:
-        return {
+        meta: dict[str, Any] = {
             "name": f"{self.name}-{suffix}",
             "namespace": self.namespace,
             "labels": labels(self.name, component),
-            "ownerReferences": [
+        }
+        if self.uid:
+            meta["ownerReferences"] = [
                 {
                     "apiVersion": f"{GROUP}/{VERSION}",
                     "kind": KIND,
@@ -61,8 +64,8 @@ class Owner:
                     "controller": True,
                     "blockOwnerDeletion": True,
                 }
-            ],
-        }
+            ]
+        return meta
 
 
 def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, Any]]:

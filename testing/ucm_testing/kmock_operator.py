@@ -21,7 +21,7 @@ import kopf
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION
 from ucm_operator.api import KINDS
 from ucm_operator.api import path as child_path
-from ucm_operator.handlers import build_registry
+from ucm_operator.handlers import new_memo, registry
 
 DRIVER_HEADER = "X-UCM-Test-Driver"
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
@@ -176,7 +176,8 @@ async def operator_running(url: str) -> AsyncIterator[None]:
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
         kopf.operator(
-            registry=build_registry(server=url),
+            registry=registry,
+            memo=new_memo(server=url),
             standalone=True,
             clusterwide=True,
             stop_flag=stop,

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ucm.testing.ports import free_port, wait_for_port
+from ucm.deploy.ports import free_port, wait_for_port
 
 
 def master_binary() -> str:

@@ -5,7 +5,7 @@ It speaks the parts of vLLM's API the proxy uses: ``/v1/completions`` and
 (``kv_transfer_params.do_remote_decode``) is answered with ``kv_transfer_params`` naming this
 backend, and a decode request's ``kv_transfer_params`` are echoed back, so tests can follow them.
 
-Run standalone (benchmarks): ``python -m ucm.testing.fake_vllm --port P --name decode``.
+Run standalone (benchmarks): ``python -m ucm_testing.fake_vllm --port P --name decode``.
 """
 
 from __future__ import annotations

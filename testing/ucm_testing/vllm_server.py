@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ucm.testing.ports import free_port
+from ucm.deploy.ports import free_port
 
 
 class ServerFailed(RuntimeError):

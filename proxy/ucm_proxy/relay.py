@@ -1,0 +1,153 @@
+"""Upstream requests and relaying their responses: in-flight accounting per backend, streams
+relayed chunk by chunk on the request's own task, and cancellation when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ucm_proxy import metrics
+from ucm_proxy.backends import Backend
+from ucm_proxy.errors import ProxyError, sse_error
+
+logger = logging.getLogger("ucm_proxy")
+T = TypeVar("T")
+
+
+class Upstream:
+    """One upstream POST: counts the backend's in-flight requests from start to release."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        backend: Backend,
+        route: str,
+        payload: bytes,
+        headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout,
+    ) -> None:
+        self.backend = backend
+        self.failed = False
+        self._request = session.post(backend.url + route, data=payload, headers=headers, timeout=timeout)
+        self._resp: aiohttp.ClientResponse | None = None
+        self._held = False
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        self.backend.in_flight += 1
+        metrics.IN_FLIGHT.labels(self.backend.url, self.backend.role).inc()
+        try:
+            self._resp = await self._request
+        except BaseException:
+            self._done()
+            raise
+        return self._resp
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._held:
+            await self.release()
+
+    def hold(self) -> None:
+        """Keep the request open past the ``async with``: a stream being relayed releases it."""
+        self._held = True
+
+    async def release(self) -> None:
+        if self._resp is not None:
+            if self.failed or not self._resp.content.at_eof():
+                self._resp.close()  # drop the connection: the backend stops working on it
+            self._resp.release()
+            self._resp = None
+            self._done()
+
+    def _done(self) -> None:
+        self.backend.in_flight -= 1
+        metrics.IN_FLIGHT.labels(self.backend.url, self.backend.role).dec()
+
+
+async def relay_chunks(upstream: Upstream, resp: aiohttp.ClientResponse, first: bytes) -> AsyncIterator[bytes]:
+    """The stream's chunks as they arrive; an SSE error event if the backend fails mid-stream."""
+    try:
+        yield first
+        async for chunk in resp.content.iter_any():
+            yield chunk
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        # Headers are sent: the only way to tell the client is an error event in the stream.
+        upstream.failed = True
+        logger.warning("decode %s failed mid-stream: %s", upstream.backend.url, exc)
+        yield sse_error(502, f"The decode backend failed mid-stream: {type(exc).__name__}")
+    finally:
+        # Also on client disconnect (the task is cancelled): closing aborts the upstream request.
+        await upstream.release()
+
+
+class Relay(Response):
+    """A streamed response relayed chunk by chunk, on the request's own task.
+
+    Starlette's StreamingResponse runs two tasks per response (the stream and a disconnect
+    listener); here one watcher cancels the relaying task when the client goes away, which also
+    aborts the upstream request (``relay_chunks`` closes it)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str], media_type: str):
+        self.chunks = chunks
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        relaying = asyncio.current_task()
+        assert relaying is not None
+        watcher = asyncio.ensure_future(disconnected(receive))
+        watcher.add_done_callback(lambda w: None if w.cancelled() else relaying.cancel())
+
+        def client_gone() -> bool:
+            return watcher.done() and not watcher.cancelled()
+
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not client_gone():
+                raise  # cancelled for another reason (shutdown): not ours to swallow
+        finally:
+            watcher.cancel()
+            try:
+                await self.chunks.aclose()  # type: ignore[attr-defined]
+            except asyncio.CancelledError:
+                # The client left just as the stream ended: its cancellation lands here instead.
+                if not client_gone():
+                    raise
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; if the client goes away first, cancel it (closing the upstream requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ProxyError(499, "Client closed the request.")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def disconnected(receive: Any) -> None:
+    """Returns when the ASGI server reports that the client went away."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,76 @@
+"""``ucm render``: the operator's objects for a resource file, with the operator's validation."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import yaml
+
+from ucm.cli import main
+from ucm.deploy.kubernetes import DESIRED_HASH
+
+RESOURCE = {
+    "apiVersion": "ucm.io/v1alpha1",
+    "kind": "UCMDeployment",
+    "metadata": {"name": "chat", "namespace": "team-a"},
+    "spec": {
+        "model": {"source": {"hf": "Qwen/Qwen3-0.6B"}},
+        "store": {"type": "posix", "pvc": {"claimName": "kv"}},
+    },
+}
+
+
+def render(tmp_path, resource: dict, *args: str, capsys) -> tuple[int, list[dict], str]:
+    path = tmp_path / "cr.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    code = main(["render", "-f", str(path), *args])
+    out, err = capsys.readouterr()
+    return code, [d for d in yaml.safe_load_all(out) if d] if code == 0 else [], err
+
+
+def test_names_and_namespace_come_from_the_resource_or_flags(tmp_path, capsys):
+    code, docs, _ = render(tmp_path, RESOURCE, capsys=capsys)
+    assert code == 0
+    assert {d["metadata"]["namespace"] for d in docs} == {"team-a"}
+    assert ("Deployment", "chat-decode") in {(d["kind"], d["metadata"]["name"]) for d in docs}
+    _, docs, _ = render(tmp_path, RESOURCE, "-n", "team-b", "--name", "other", capsys=capsys)
+    assert {d["metadata"]["namespace"] for d in docs} == {"team-b"}
+    assert all(d["metadata"]["name"].startswith("other-") for d in docs)
+
+
+def test_the_owner_uid_gives_owner_references_and_changes_the_hash(tmp_path, capsys):
+    _, plain, _ = render(tmp_path, RESOURCE, capsys=capsys)
+    _, owned, _ = render(tmp_path, RESOURCE, "--owner-uid", "1234", capsys=capsys)
+    assert all(d["metadata"]["ownerReferences"][0]["uid"] == "1234" for d in owned)
+    assert plain[0]["metadata"]["annotations"][DESIRED_HASH] != owned[0]["metadata"]["annotations"][DESIRED_HASH]
+    with_uid = {**RESOURCE, "metadata": {**RESOURCE["metadata"], "uid": "1234"}}
+    assert render(tmp_path, with_uid, capsys=capsys)[1] == owned  # read back from the API server
+
+
+def test_standard_input(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump(RESOURCE)))
+    assert main(["render", "-f", "-"]) == 0
+    assert "kind: Deployment" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"metadata": {}}, "--name: required"),
+        ({"spec": {"model": {"source": {}}, "store": RESOURCE["spec"]["store"]}}, "spec.model.source"),
+        ({"kind": "Deployment"}, "not a UCMDeployment"),
+        (
+            {"spec": {**RESOURCE["spec"], "store": {"type": "mooncake", "mooncake": {}}}},
+            "spec.store.mooncake: set exactly one of master",
+        ),
+        (
+            {"spec": {**RESOURCE["spec"], "proxy": {"config": {"routing": {"prefill": "bogus"}}}}},
+            "spec.proxy.config: ucm-proxy refuses it: proxy.routing.prefill: Input should be",
+        ),
+    ],
+)
+def test_what_the_operator_refuses_is_refused_naming_the_field(tmp_path, capsys, change, message):
+    code, _, err = render(tmp_path, {**RESOURCE, **change}, capsys=capsys)
+    assert code == 2
+    assert message in err, err

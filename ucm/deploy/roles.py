@@ -1,0 +1,127 @@
+"""What a plan is made of: roles (what runs, with which command, ports, probes and volumes), the
+site it runs on, and the order roles start and stop in. Both executors read these: the Kubernetes
+renderer (``ucm.deploy.kubernetes``) and the local one (``ucm.deploy.local``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from ucm.deploy.quantity import quantity_bytes as _quantity_bytes
+
+if TYPE_CHECKING:
+    from ucm.deploy.spec import PoolSpec
+
+Component = Literal["prefill", "decode", "proxy", "mooncake-master"]
+ENGINES: tuple[Component, ...] = ("prefill", "decode")
+# Roles start group by group, each when the previous one is ready: what the engines depend on (a
+# store's own servers), the engines, then the proxy. They stop in the reverse order, so clients stop
+# being routed before engines go, and engines go before their store.
+START_ORDER: tuple[tuple[Component, ...], ...] = (("mooncake-master",), ENGINES, ("proxy",))
+STORE_COMPONENTS: tuple[Component, ...] = START_ORDER[0]
+
+
+class PlanError(ValueError):
+    """The spec passed the schema but cannot work; the message starts with the field."""
+
+
+def fail(where: str, what: str) -> PlanError:
+    return PlanError(f"{where}: {what}")
+
+
+def quantity_bytes(value: int | str, where: str) -> int:
+    try:
+        return _quantity_bytes(value, where)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Port:
+    name: str
+    number: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    port: str
+    path: str | None = None  # None: a TCP connect
+    initial_delay_s: int = 0
+    period_s: int = 5
+    failure_threshold: int = 3
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A volume as Kubernetes knows it (``source`` is a volume source, e.g. ``{"nfs": {...}}``)."""
+
+    name: str
+    mount_path: str
+    source: dict[str, Any]
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # unique in the plan; Kubernetes objects are "<deployment>-<name>"
+    component: Component
+    command: list[str]
+    ports: list[Port]
+    replicas: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)  # plan files the role reads (their change restarts it)
+    volumes: list[Volume] = field(default_factory=list)
+    readiness: Probe | None = None
+    liveness: Probe | None = None
+    startup: Probe | None = None
+    pool: PoolSpec | None = None  # scheduling and resources (Kubernetes); engines only
+    image: str | None = None  # None: the deployment's runtime image
+    drain_delay_s: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    roles: list[Role]
+    files: dict[str, str]  # config files by name: a ConfigMap in Kubernetes, a directory locally
+    store_claim: dict[str, Any] | None = None  # a PVC spec the deployment owns, when asked for
+    store_external: str | None = None  # the store nothing here runs or claims, described for status
+
+    def role(self, name: str) -> Role:
+        return next(r for r in self.roles if r.name == name)
+
+    def start_groups(self) -> list[list[Role]]:
+        """Roles by start group (see ``START_ORDER``); stop them in the reverse order."""
+        return [[r for r in self.roles if r.component in group] for group in START_ORDER]
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a plan runs.
+
+    ``kubernetes``: pods behind Services; fixed container ports; roles reach each other by Service
+    name; files and volumes are mounted. ``local``: processes on loopback, each replica its own free
+    port (``ports`` hands them out); paths are this machine's."""
+
+    kind: Literal["kubernetes", "local"]
+    namespace: str = "default"
+    config_dir: str = "/etc/ucm"
+    kv_dir: str = "/var/lib/ucm/kv"  # where file stores keep blocks: a mount in pods, a directory locally
+    ports: Callable[[str], int] | None = None  # local: the port for a role (or "role/port-name")
+
+    @property
+    def local(self) -> bool:
+        return self.kind == "local"
+
+    @property
+    def bind(self) -> str:
+        return "127.0.0.1" if self.local else "0.0.0.0"
+
+    def port(self, role: str, default: int) -> int:
+        if self.ports is None or not self.local:
+            return default
+        return self.ports(role)
+
+    def host(self, deployment: str, role: str) -> str:
+        return "127.0.0.1" if self.local else f"{deployment}-{role}"
