@@ -7,7 +7,7 @@ NATIVE_STAMP := $(VENV)/.ucm-native-stamp
 NATIVE_SOURCES := $(wildcard runtime/native/src/*) runtime/native/CMakeLists.txt runtime/native/pyproject.toml
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: dev test up images lint fmt crds clean
+.PHONY: dev test up images lint fmt crds clean bench-deps
 
 dev: $(STAMP) $(NATIVE_STAMP)
 
@@ -43,6 +43,10 @@ images:
 	docker build -f runtime/Dockerfile -t ucm/runtime:$(VERSION) .
 	docker build -f runtime/Dockerfile.operator -t ucm/operator:$(VERSION) .
 	docker build -f runtime/Dockerfile.proxy -t ucm/proxy:$(VERSION) .
+
+# What benchmarks/sparse_serving.py and sparse_eval.py need for the real model (not make test).
+bench-deps: dev
+	$(BIN)/python -m pip install -q -e '.[bench]'
 
 lint: dev
 	$(BIN)/ruff check .

@@ -1,7 +1,9 @@
 """Sparse attention quality and cost on long contexts: KV attended vs error and mass recall.
 
-No pretrained model can be installed from the registries here, so Q and K come from a generator,
-fixed below and never tuned per algorithm, shaped like long-context attention:
+Two cases. **real**: Q, K and V captured from a pretrained model (SmolLM2-135M-Instruct, see
+benchmarks/real_model.py) reading long real text (Paul Graham's essays): the last positions of a
+long window, in layers spread over the model. **synthetic**: a generator, fixed below and never tuned
+per algorithm, shaped like long-context attention:
 
 - keys: small Gaussian noise; a sink direction on the first 4 tokens; a retrieval direction on 3
   random blocks per KV head; and "recency" features: for length scales of 256..8192 tokens, a
@@ -160,9 +162,101 @@ def smallest(rows: list[dict[str, Any]], key: str, target: float) -> dict[str, A
     return min(ok, key=lambda r: r[key]) if ok else None
 
 
+def captured(tokens: int, layers: int, queries: int) -> list[Case]:
+    """Decode queries and the keys/values before them, captured from SmolLM2-135M-Instruct reading
+    Paul Graham's essays (benchmarks/real_model.py): for ``layers`` layers spread over the model,
+    the last ``queries`` positions of a ``tokens``-token window, each attending to what precedes it."""
+    from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    path = smollm2()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok(essays(), add_special_tokens=False, return_tensors="pt").input_ids[:, :tokens]
+    n_layers = model.config.num_hidden_layers
+    chosen = sorted({round(i * (n_layers - 1) / max(1, layers - 1)) for i in range(layers)})
+    grabbed: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def grab(index: int):  # type: ignore[no-untyped-def]
+        def hook(module, args, kwargs):  # type: ignore[no-untyped-def]
+            h = kwargs["hidden_states"][0]
+            cos, sin = kwargs["position_embeddings"]
+            d = module.head_dim
+            q = module.q_proj(h).view(len(h), -1, d).transpose(0, 1)[None]
+            k = module.k_proj(h).view(len(h), -1, d).transpose(0, 1)[None]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            v = module.v_proj(h).view(len(h), -1, d)
+            grabbed[index] = (q[0].transpose(0, 1), k[0].transpose(0, 1), v)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
+
+        return hook
+
+    handles = [model.model.layers[i].self_attn.register_forward_pre_hook(grab(i), with_kwargs=True) for i in chosen]
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    cases = []
+    for i in chosen:
+        q_all, k_all, v_all = grabbed[i]
+        for pos in range(tokens - queries, tokens):
+            kv = PagedKV.from_dense(k_all[: pos + 1].contiguous(), v_all[: pos + 1].contiguous(), BLOCK)
+            q = q_all[pos].contiguous()
+            t0 = time.perf_counter()
+            dense = dense_attention(q, kv)
+            dense_s = time.perf_counter() - t0
+            cases.append(Case(q, kv, attention_mass(q, kv), dense, dense_s))
+    return cases
+
+
+def evaluation(cases: list[Case], d: int) -> dict[str, Any]:
+    """Every algorithm at its usual settings, then PSA against fixed top-k at equal recall."""
+    results = [
+        evaluate("esa(0.3)", cases, lambda: ESA(ESAConfig(sparse_ratio=0.3))),
+        evaluate("gsa(0.3)", cases, lambda: GSA(GSAConfig(sparse_ratio=0.3))),
+        evaluate("gsa_ondevice(0.3)", cases, lambda: GSAOnDevice(d, GSAOnDeviceConfig(sparse_ratio=0.3))),
+        evaluate("kvstar(0.3,fp32)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3, store_dtype="float32"))),
+        evaluate("kvstar(0.3)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3))),
+        evaluate(
+            "kvstar(0.3,dims=0.25)",
+            cases,
+            lambda: KVStar(KVStarConfig(sparse_ratio=0.3, blk_repre_dim_prune_ratio=0.25)),
+        ),
+        evaluate("psa(eps=0.95)", cases, lambda: PSA(PSAConfig(eps=0.95))),
+    ]
+    # PSA vs fixed top-k in the same block order (GSA's bound): one fraction for all vs adaptive.
+    fractions = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    topk = [evaluate(f"topk({f})", cases, lambda f=f: GSA(GSAConfig(sparse_ratio=f, min_blocks=1))) for f in fractions]
+    epsilons = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
+    psa = [evaluate(f"psa(eps={e})", cases, lambda e=e: PSA(PSAConfig(eps=e))) for e in epsilons]
+    report: dict[str, Any] = {"cases": len(cases), "algorithms": results, "topk_sweep": topk, "psa_sweep": psa}
+    for target, key in ((0.98, "98"), (0.95, "95")):
+        t, p = smallest(topk, "kv_fraction", target), smallest(psa, "kv_fraction", target)
+        report[f"topk_kv_fraction_{key}"] = t["kv_fraction"] if t else None
+        report[f"psa_kv_fraction_{key}"] = p["kv_fraction"] if p else None
+        report[f"psa_vs_topk_kv_ratio_{key}"] = p["kv_fraction"] / t["kv_fraction"] if t and p else None
+    return report
+
+
+def show(title: str, report: dict[str, Any]) -> None:
+    print(f"\n{title}\n{'algorithm':<22}{'KV frac':>9}{'recall':>9}{'rel err':>9}{'time/dense':>12}")
+    for r in report["algorithms"] + report["topk_sweep"] + report["psa_sweep"]:
+        print(
+            f"{r['algorithm']:<22}{r['kv_fraction']:>9.3f}{r['recall']:>9.3f}{r['rel_error']:>9.4f}"
+            f"{r['time_vs_dense']:>12.2f}"
+        )
+    for key in ("98", "95"):
+        t, p = report[f"topk_kv_fraction_{key}"], report[f"psa_kv_fraction_{key}"]
+        print(
+            f"recall >= {key}%: top-k KV {t}, PSA KV {p}, psa_vs_topk_kv_ratio_{key} = "
+            f"{report[f'psa_vs_topk_kv_ratio_{key}']}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-real", action="store_true", help="skip the real model (it needs `make bench-deps`)")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # latency comparisons on one core
@@ -181,48 +275,17 @@ def main() -> int:
         + ", ".join(f"{k}: {v:.0%}" for k, v in dist.items())
         + f" (of {tokens // BLOCK} blocks)"
     )
-
-    results = [
-        evaluate("esa(0.3)", cases, lambda: ESA(ESAConfig(sparse_ratio=0.3))),
-        evaluate("gsa(0.3)", cases, lambda: GSA(GSAConfig(sparse_ratio=0.3))),
-        evaluate("gsa_ondevice(0.3)", cases, lambda: GSAOnDevice(d, GSAOnDeviceConfig(sparse_ratio=0.3))),
-        evaluate("kvstar(0.3,fp32)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3, store_dtype=torch.float32))),
-        evaluate("kvstar(0.3)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3))),
-        evaluate("kvstar(0.3,dims=16)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3, keep_dims=16))),
-        evaluate("psa(eps=0.95)", cases, lambda: PSA(PSAConfig(eps=0.95))),
-    ]
-    # PSA vs fixed top-k in the same block order (GSA's bound): one fraction for all vs adaptive.
-    fractions = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-    topk = [evaluate(f"topk({f})", cases, lambda f=f: GSA(GSAConfig(sparse_ratio=f, min_blocks=1))) for f in fractions]
-    epsilons = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
-    psa = [evaluate(f"psa(eps={e})", cases, lambda e=e: PSA(PSAConfig(eps=e))) for e in epsilons]
-    report: dict[str, Any] = {
-        "blocks_for_95_mass": dist,
-        "tokens": tokens,
-        "block_size": BLOCK,
-        "cases": len(cases),
-        "algorithms": results,
-        "topk_sweep": topk,
-        "psa_sweep": psa,
-    }
-    for target, key in ((0.98, "98"), (0.95, "95")):
-        t, p = smallest(topk, "kv_fraction", target), smallest(psa, "kv_fraction", target)
-        report[f"topk_kv_fraction_{key}"] = t["kv_fraction"] if t else None
-        report[f"psa_kv_fraction_{key}"] = p["kv_fraction"] if p else None
-        report[f"psa_vs_topk_kv_ratio_{key}"] = p["kv_fraction"] / t["kv_fraction"] if t and p else None
-
-    print(f"\n{'algorithm':<22}{'KV frac':>9}{'recall':>9}{'rel err':>9}{'time/dense':>12}")
-    for r in results + topk + psa:
-        print(
-            f"{r['algorithm']:<22}{r['kv_fraction']:>9.3f}{r['recall']:>9.3f}{r['rel_error']:>9.4f}"
-            f"{r['time_vs_dense']:>12.2f}"
-        )
-    for key in ("98", "95"):
-        t, p = report[f"topk_kv_fraction_{key}"], report[f"psa_kv_fraction_{key}"]
-        print(
-            f"recall >= {key}%: top-k KV {t}, PSA KV {p}, psa_vs_topk_kv_ratio_{key} = "
-            f"{report[f'psa_vs_topk_kv_ratio_{key}']}"
-        )
+    report: dict[str, Any] = {"blocks_for_95_mass": dist, "tokens": tokens, "block_size": BLOCK}
+    report |= evaluation(cases, d)
+    show("synthetic", report)
+    if not args.no_real:
+        real_tokens, real_layers, real_queries = (4096, 4, 3) if args.quick else (7168, 8, 6)
+        torch.set_num_threads(2)  # the capture is a forward pass; timings below are again on one core
+        real = captured(real_tokens, real_layers, real_queries)
+        torch.set_num_threads(1)
+        report["real"] = {"model": "SmolLM2-135M-Instruct", "text": "Paul Graham essays", "tokens": real_tokens}
+        report["real"] |= evaluation(real, real[0].kv.keys.shape[-1])
+        show(f"SmolLM2-135M on essays, {real_tokens} tokens", report["real"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -76,3 +76,25 @@ def test_a_bad_config_names_the_field(tmp_path):
     )
     r = serve(config, "--model", "m")
     assert r.returncode == 2 and "store.spec: unknown store 'tape'" in r.stderr
+
+
+def test_a_bad_sparse_section_stops_the_start_naming_the_field(tmp_path):
+    (tmp_path / "kv").mkdir()
+    config = write_config(tmp_path, {"spec": "posix", "posix": {"roots": [str(tmp_path / "kv")]}})
+    data = json.loads(config.read_text())
+    data["kv_connector_extra_config"]["ucm_sparse_config"] = {"ESA": {"sparse_ratio": 3}}
+    config.write_text(json.dumps(data))
+    r = serve(config, "--model", "m")
+    assert r.returncode == 2
+    assert (
+        "kv_connector_extra_config.ucm_sparse_config.ESA.sparse_ratio: Input should be less than or equal to 1"
+        in r.stderr
+    )
+
+
+def test_engine_processes_share_a_fresh_metrics_directory(tmp_path):
+    from ucm.serve import metrics_dir
+
+    first, second = metrics_dir({}), metrics_dir({})
+    assert first != second and Path(first).is_dir() and not list(Path(first).iterdir())
+    assert metrics_dir({"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}) == str(tmp_path)

@@ -71,6 +71,29 @@ STORE_OP_SECONDS = Histogram(
 )
 
 
+SPARSE_REQUESTS = Counter(
+    "ucm_sparse_requests_total",
+    "Requests that started decoding with sparse attention",
+    ["algorithm"],
+)
+SPARSE_BLOCKS_ATTENDED = Counter(
+    "ucm_sparse_blocks_attended_total",
+    "KV blocks sparse decoding attended, summed over requests, layers and steps",
+    ["algorithm"],
+)
+SPARSE_BLOCKS_AVAILABLE = Counter(
+    "ucm_sparse_blocks_available_total",
+    "KV blocks those requests held, summed the same way (attended / available = the fraction read)",
+    ["algorithm"],
+)
+SPARSE_SELECTION_SECONDS = Histogram(
+    "ucm_sparse_selection_seconds",
+    "Time one engine step spent choosing blocks (all layers and sparse requests)",
+    ["algorithm"],
+    buckets=_LATENCY_BUCKETS,
+)
+
+
 def counter_total(counter: Counter) -> float:
     """Sum of a counter over all its label values (in this process)."""
     return sum(

@@ -74,6 +74,13 @@ def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
     ]
 
 
+def metrics_dir(environ: dict[str, str] | os._Environ[str]) -> str:
+    """Where vLLM's processes share Prometheus samples: the engine's workers count UCM's metrics
+    (store I/O, sparse attention) and the API server's ``/metrics`` adds up every process's files.
+    A fresh directory per start unless the environment names one (stale files would count twice)."""
+    return environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="ucm-metrics-")
+
+
 def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
     config = load_kv_config(kv_config)
     check_store_dirs(config)
@@ -81,5 +88,6 @@ def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
     if dry_run:
         print(json.dumps(command))
         return 0
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir(os.environ)
     sys.stdout.flush()
     os.execv(command[0], command)

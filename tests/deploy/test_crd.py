@@ -85,6 +85,15 @@ def test_there_is_an_example_per_store_type():
     assert types == {"posix", "nfs", "ds3fs", "mooncake"}
 
 
+def test_a_bad_sparse_section_fails_the_schema():
+    for bad in ({"algorithm": "quest"}, {"algorithm": "esa", "esa": {"sparse_ratio": 1.5}}, {"esa": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", bad)})
+    jsonschema.Draft4Validator(SCHEMA).validate(
+        {"spec": with_("sparse", {"algorithm": "esa", "esa": {"sparse_ratio": 0.2}})}
+    )
+
+
 def test_unknown_fields_and_bad_values_fail_the_schema():
     doc = yaml.safe_load(EXAMPLES[0].read_text())
     doc["spec"]["prefill"]["replica"] = 2
@@ -126,6 +135,13 @@ CEL_CASES = [
     (
         with_("store", {"type": "posix", "pvc": {"claimName": "a", "create": {"size": "1Ti"}}}),
         "store.pvc: set exactly one of claimName, create",
+    ),
+    *(
+        (
+            with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", name: {}}),
+            f"sparse.{name}: options of another algorithm",
+        )
+        for name in ("esa", "gsa", "gsa_ondevice", "kvstar", "psa")
     ),
 ]
 

@@ -8,7 +8,7 @@ from itertools import count
 import pytest
 import yaml
 
-from ucm.deploy.plan import KV_CONFIG_FILE, PROXY_CONFIG_FILE, build_plan
+from ucm.deploy.plan import KV_CONFIG_FILE, KV_DECODE_CONFIG_FILE, PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.quantity import quantity_bytes
 from ucm.deploy.roles import PlanError, Site
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -95,3 +95,14 @@ def test_quantities(text, value):
 def test_bad_quantities_name_the_field(bad):
     with pytest.raises(ValueError, match=r"^store.cacheSize: "):
         quantity_bytes(bad, "store.cacheSize")
+
+
+def test_sparse_attention_reaches_the_decode_engines_only():
+    plan = plan_for({"sparse": {"algorithm": "kvstar", "kvstar": {"sparse_ratio": 0.2, "retrieval_stride": 8}}})
+    decode, prefill = plan.role("decode"), plan.role("prefill")
+    assert decode.files == [KV_DECODE_CONFIG_FILE] and prefill.files == [KV_CONFIG_FILE]
+    assert decode.command[3].endswith(KV_DECODE_CONFIG_FILE) and prefill.command[3].endswith(KV_CONFIG_FILE)
+    extra = json.loads(plan.files[KV_DECODE_CONFIG_FILE])["kv_connector_extra_config"]
+    assert parse_connector_config(extra).sparse.options.retrieval_stride == 8  # what the engine will run
+    assert "sparse" not in kv(plan)
+    assert KV_DECODE_CONFIG_FILE not in plan_for({}).files

@@ -129,7 +129,7 @@ def test_psa_stops_early_when_attention_is_concentrated():
 
 def test_kvstar_full_budget_is_dense_and_prunes_dimensions():
     q, kv = make_kv(200)
-    star = KVStar(KVStarConfig(sparse_ratio=1.0, min_blocks=1, keep_dims=16, retrieval_stride=2))
+    star = KVStar(KVStarConfig(sparse_ratio=1.0, min_blocks=1, blk_repre_dim_prune_ratio=0.25, retrieval_stride=2))
     meta = BlockMeta.of(kv)
     torch.testing.assert_close(sparse_attention(q, kv, star.select(q, kv, meta, 0)), dense_attention(q, kv))
     star.select(q, kv, meta, 1)

@@ -26,6 +26,7 @@ from ucm.integration.vllm.config import kv_transfer_config
 
 PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it with the release
 KV_CONFIG_FILE = "kv-transfer-config.json"
+KV_DECODE_CONFIG_FILE = "kv-transfer-config-decode.json"  # with spec.sparse: what decode engines read
 PROXY_CONFIG_FILE = "proxy.yaml"
 API_KEYS_DIR = "/etc/ucm/api-keys"
 MODEL_MOUNT = "/models"
@@ -46,8 +47,12 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     files: dict[str, str] = {}
     model_path, model_volumes = _model(spec, site)
     store_volumes = kind.volumes(opts, name, site)
-    files[KV_CONFIG_FILE] = json.dumps(_kv_config(spec, kind.connector(opts, name, site)), indent=2, sort_keys=True)
-    files[KV_CONFIG_FILE] += "\n"
+    stage = kind.connector(opts, name, site)
+    files[KV_CONFIG_FILE] = _json(_kv_config(spec, stage))
+    kv_files = {"prefill": KV_CONFIG_FILE, "decode": KV_CONFIG_FILE}
+    if spec.sparse is not None:  # decoding is where sparse attention pays; prefill stays dense
+        files[KV_DECODE_CONFIG_FILE] = _json(_kv_config(spec, stage, sparse=True))
+        kv_files["decode"] = KV_DECODE_CONFIG_FILE
     engines: dict[str, list[str]] = {}
     for component, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
         instances = (
@@ -56,7 +61,10 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         for role_name, replicas in instances:
             port = site.port(role_name, VLLM_PORT)
             volumes = [*model_volumes, *store_volumes]
-            roles.append(_engine(role_name, component, replicas, port, pool, spec, site, model_path, volumes))
+            role = _engine(
+                role_name, component, replicas, port, pool, spec, site, model_path, volumes, kv_files[component]
+            )
+            roles.append(role)
             engines.setdefault(component, []).append(f"http://{site.host(name, role_name)}:{port}")
     proxy_port = site.port("proxy", PROXY_PORT)
     files[PROXY_CONFIG_FILE] = _proxy_config(name, spec, site, proxy_port, engines)
@@ -88,13 +96,21 @@ def _model(spec: UCMDeploymentSpec, site: Site) -> tuple[str, list[Volume]]:
     return path, [volume]
 
 
-def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any]) -> dict[str, Any]:
-    """The connector's kv-transfer-config: the kind's store stage, behind a DRAM tier if asked."""
+def _json(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any], sparse: bool = False) -> dict[str, Any]:
+    """The connector's kv-transfer-config: the kind's store stage, behind a DRAM tier if asked;
+    with ``sparse``, the deployment's sparse attention settings too."""
     (backend,) = stage
     store: dict[str, Any] = {"spec": backend, **stage}
     if spec.store.cache_size is not None:
         store["spec"] = f"cache|{backend}"
         store["cache"] = {"capacity": quantity_bytes(spec.store.cache_size, "store.cacheSize")}
+    extra: dict[str, Any] = {}
+    if sparse and spec.sparse is not None:
+        extra["sparse"] = spec.sparse.model_dump(mode="json", exclude_unset=True)
     try:
         return kv_transfer_config(
             store,
@@ -103,6 +119,7 @@ def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any]) -> dict[str, Any]
             salt=spec.store.hashing.salt,
             # Same id on every pod, whatever path the model is mounted at: blocks are shared.
             model_id=spec.model.served_name or _source_id(spec),
+            **extra,
         )
     except ConfigError as exc:
         raise fail("store", str(exc)) from None
@@ -128,6 +145,7 @@ def _engine(
     site: Site,
     model_path: str,
     volumes: list[Volume],
+    kv_file: str,
 ) -> Role:
     m = spec.model
     vllm = ["--model", model_path, "--served-model-name", m.served_name or _source_id(spec)]
@@ -143,7 +161,7 @@ def _engine(
         vllm += ["--max-model-len", str(m.max_model_len)]
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
     vllm += [*m.extra_args, *pool.extra_args]
-    command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{KV_CONFIG_FILE}", "--", *vllm]
+    command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
     return Role(
         name=role_name,
         component=component,
@@ -151,7 +169,7 @@ def _engine(
         ports=[Port("http", port)],
         replicas=replicas,
         env={e.name: e.value for e in pool.env},
-        files=[KV_CONFIG_FILE],
+        files=[kv_file],
         volumes=volumes,
         readiness=Probe("http", "/health", period_s=5),
         liveness=Probe("http", "/health", period_s=10, failure_threshold=6),

@@ -16,6 +16,7 @@ from ucm import __version__
 from ucm.deploy.schema import Quantity, Spec, cel, one_of
 from ucm.deploy.stores import KINDS, StoreKind
 from ucm.hashing import HashAlgorithm
+from ucm.sparse.config import OPTIONS, SparseConfig
 
 GROUP = "ucm.io"
 VERSION = "v1alpha1"
@@ -147,6 +148,18 @@ class ProxySpec(Spec):
     )
 
 
+class SparseSpec(SparseConfig):
+    """Sparse attention for the engines that decode (prefill stays dense): ``ucm.sparse``'s settings,
+    with UCM's parameter names (``sparse_ratio``, ``init_window_sz``, ...) as in its documentation."""
+
+    model_config = SparseConfig.model_config | cel(
+        *(
+            (f"!has(self.{name}) || self.algorithm == '{name}'", f"sparse.{name}: options of another algorithm")
+            for name in OPTIONS
+        )
+    )
+
+
 class UCMDeploymentSpec(Spec):
     model: ModelSpec
     image: ImageSpec = ImageSpec()
@@ -154,6 +167,7 @@ class UCMDeploymentSpec(Spec):
     decode: PoolSpec = PoolSpec()
     store: StoreSpec  # type: ignore[valid-type]
     proxy: ProxySpec = ProxySpec()
+    sparse: SparseSpec | None = Field(None, description="Sparse attention for long decodes (decode engines)")
 
 
 class Condition(Spec):

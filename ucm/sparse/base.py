@@ -19,12 +19,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+from pydantic import Field
+
+from ucm.config import StrictModel
 
 
 @dataclass
 class PagedKV:
-    keys: torch.Tensor  # (P, B, Hkv, D)
-    values: torch.Tensor  # (P, B, Hkv, D)
+    keys: torch.Tensor | BlockReader  # (P, B, Hkv, D)
+    values: torch.Tensor | BlockReader  # (P, B, Hkv, D)
     block_table: torch.Tensor  # (n,) long
     num_tokens: int
 
@@ -54,11 +57,36 @@ class PagedKV:
         return cls(k, v, torch.arange(blocks, device=keys.device), n)
 
 
+class BlockReader:
+    """Blocks of a paged cache stored in another layout, read as ``(P, B, Hkv, D)``.
+
+    ``storage`` is ``(P, Hkv, B*D)``: each block's tokens for one head in some order, which
+    ``positions`` undoes (``positions[t*D + d]`` is where token ``t``, channel ``d`` lies). Indexing
+    reads only the blocks asked for, in logical layout, so the selectors (which index the first
+    dimension with block ids, then slice the rest) work on it as on a tensor."""
+
+    def __init__(self, storage: torch.Tensor, positions: torch.Tensor, block_size: int, head_dim: int) -> None:
+        self.storage, self.positions = storage, positions
+        self.shape = torch.Size((storage.shape[0], block_size, storage.shape[1], head_dim))
+        self.device, self.dtype = storage.device, storage.dtype
+
+    def blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), B, Hkv, D)."""
+        _, b, hkv, d = self.shape
+        return self.storage[ids][:, :, self.positions].view(len(ids), hkv, b, d).transpose(1, 2)
+
+    def __getitem__(self, key: object) -> torch.Tensor:
+        index = key if isinstance(key, tuple) else (key,)
+        unique, inverse = torch.unique(torch.as_tensor(index[0], device=self.device), return_inverse=True)
+        return self.blocks(unique)[(inverse, *index[1:])]
+
+
 class BlockMeta:
     """Per-block key statistics, kept current as blocks fill: mean, elementwise min and max, and
     radius (the largest distance of a key from the block's mean)."""
 
     def __init__(self, hkv: int, d: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
         self.mean = torch.empty(0, hkv, d, device=device, dtype=dtype)
         self.kmin = torch.empty(0, hkv, d, device=device, dtype=dtype)
         self.kmax = torch.empty(0, hkv, d, device=device, dtype=dtype)
@@ -77,21 +105,25 @@ class BlockMeta:
         n = kv.num_blocks
         full = kv.num_tokens // kv.block_size
         first = self.full_blocks
-        rows = [self._stats(kv.block_keys(i)) for i in range(first, n)]
-        keep = slice(0, first)
-        if rows:
-            mean, kmin, kmax, radius = (torch.stack(c) for c in zip(*rows, strict=True))
-            self.mean = torch.cat([self.mean[keep], mean])
-            self.kmin = torch.cat([self.kmin[keep], kmin])
-            self.kmax = torch.cat([self.kmax[keep], kmax])
-            self.radius = torch.cat([self.radius[keep], radius])
-        self.updates += len(rows)
+        parts = []
+        if full > first:  # the newly full blocks, in one batch
+            parts.append(self._stats(kv.keys[kv.block_table[first:full]].to(self.dtype), dim=1))
+        if n > full:  # the partial tail
+            parts.append(tuple(t[None] for t in self._stats(kv.block_keys(full).to(self.dtype), dim=0)))
+        if parts:
+            mean, kmin, kmax, radius = (torch.cat(c) for c in zip(*parts, strict=True))
+            self.mean = torch.cat([self.mean[:first], mean])
+            self.kmin = torch.cat([self.kmin[:first], kmin])
+            self.kmax = torch.cat([self.kmax[:first], kmax])
+            self.radius = torch.cat([self.radius[:first], radius])
+        self.updates += n - first
         self.full_blocks = full
 
     @staticmethod
-    def _stats(k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        mean = k.mean(0)
-        return mean, k.amin(0), k.amax(0), (k - mean).norm(dim=-1).amax(0)
+    def _stats(k: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        """Mean, min, max and radius over the token dimension ``dim`` of keys (..., Hkv, D)."""
+        mean = k.mean(dim)
+        return mean, k.amin(dim), k.amax(dim), (k - mean.unsqueeze(dim)).norm(dim=-1).amax(dim)
 
 
 def group_query(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -112,8 +144,8 @@ def block_logits(q: torch.Tensor, kv: PagedKV, selected: torch.Tensor) -> tuple[
     qg = group_query(q, hkv)
     phys = kv.block_table[selected.clamp(min=0)]  # (Hkv, k)
     heads = torch.arange(hkv, device=q.device)[:, None]
-    k_sel = kv.keys[phys, :, heads, :].reshape(hkv, -1, d)  # (Hkv, k*B, D)
-    v_sel = kv.values[phys, :, heads, :].reshape(hkv, -1, d)
+    k_sel = kv.keys[phys, :, heads, :].reshape(hkv, -1, d).to(q.dtype)  # (Hkv, k*B, D)
+    v_sel = kv.values[phys, :, heads, :].reshape(hkv, -1, d).to(q.dtype)
     logits = torch.einsum("hgd,htd->hgt", qg, k_sel) / math.sqrt(d)
     pos = selected[:, :, None] * b + torch.arange(b, device=q.device)
     invalid = ((pos >= kv.num_tokens) | (selected[:, :, None] < 0)).reshape(hkv, 1, -1)
@@ -142,8 +174,11 @@ class BlockSelector:
 
     Algorithms that choose blocks up front implement ``select``; one that decides as it goes
     (PSA) overrides ``attend``. ``step`` is the decode step (algorithms may reuse a selection
-    between retrievals); ``meta`` is kept current by the algorithms themselves.
+    between retrievals); ``meta`` is kept current by the algorithms themselves. ``shared``: one
+    selection for all KV heads (every row of ``select``'s result is the same), as serving needs.
     """
+
+    shared: bool = False
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} attends progressively; call attend()")
@@ -172,20 +207,34 @@ def topk_with_windows(scores: torch.Tensor, k: int, init_blocks: int, local_bloc
     return torch.topk(boosted, k, dim=-1).indices.sort(dim=-1).values
 
 
-@dataclass(frozen=True)
-class TopKConfig:
-    """A fixed budget: ``sparse_ratio`` of the blocks (at least ``min_blocks``), always including the
-    ``init_window_sz`` first blocks (attention sinks) and the ``local_window_sz`` last ones."""
+class TopKConfig(StrictModel):
+    """A fixed budget per request and layer: ``sparse_ratio`` of the blocks (at least
+    ``min_blocks``), always including the first ``init_window_sz`` blocks (attention sinks) and the
+    last ``local_window_sz`` (recent context)."""
 
-    sparse_ratio: float = 0.3
-    min_blocks: int = 4
-    init_window_sz: int = 1
-    local_window_sz: int = 2
+    sparse_ratio: float = Field(0.3, gt=0, le=1, description="Share of the blocks attended")
+    min_blocks: int = Field(4, ge=1)
+    init_window_sz: int = Field(1, ge=0, description="First blocks always attended (attention sinks)")
+    local_window_sz: int = Field(2, ge=0, description="Last blocks always attended (recent context)")
 
-    def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """The budget's best blocks by ``scores`` (Hkv, n), per KV head."""
-        k = blocks_for_ratio(scores.shape[1], self.sparse_ratio, self.min_blocks)
-        return topk_with_windows(scores, k, self.init_window_sz, self.local_window_sz)
+    def budget(self, n: int, block_size: int) -> int:
+        """Blocks to attend out of ``n``."""
+        return blocks_for_ratio(n, self.sparse_ratio, self.min_blocks)
+
+    def windows(self, block_size: int) -> tuple[int, int]:
+        """(sink blocks, local blocks)."""
+        return self.init_window_sz, self.local_window_sz
+
+    def choose(self, scores: torch.Tensor, block_size: int, shared: bool = False) -> torch.Tensor:
+        """The budget's best blocks by ``scores`` (Hkv, n), per KV head. ``shared``: one selection
+        for every KV head (scores summed over heads), what a paged attention kernel with one block
+        table per request can attend."""
+        hkv, n = scores.shape
+        if shared:
+            scores = scores.sum(0, keepdim=True)
+        sink, local = self.windows(block_size)
+        chosen = topk_with_windows(scores, self.budget(n, block_size), sink, local)
+        return chosen.expand(hkv, -1) if shared else chosen
 
 
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:

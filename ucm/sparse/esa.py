@@ -11,17 +11,16 @@ the next selection off the critical path from the current query, and the one aft
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
+from pydantic import Field
 
 from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query, pad_rows
 
 
-@dataclass(frozen=True)
 class ESAConfig(TopKConfig):
-    retrieval_stride: int = 1
-    background: bool = False
+    retrieval_stride: int = Field(1, ge=1, description="Decode steps a selection is reused for")
+    background: bool = Field(False, description="Retrieve on a worker thread, one query behind (offline only)")
 
 
 def mean_scores(q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
@@ -31,8 +30,9 @@ def mean_scores(q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
 
 
 class ESA(BlockSelector):
-    def __init__(self, config: ESAConfig = ESAConfig()) -> None:
-        self.config = config
+    def __init__(self, config: ESAConfig | None = None, shared: bool = False) -> None:
+        self.config = config or ESAConfig()
+        self.shared = shared
         self._selection: torch.Tensor | None = None
         self._pending: Future[torch.Tensor] | None = None
         self._worker = (
@@ -40,9 +40,9 @@ class ESA(BlockSelector):
         )
         self.retrievals = 0
 
-    def _retrieve(self, q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    def _retrieve(self, q: torch.Tensor, means: torch.Tensor, block_size: int) -> torch.Tensor:
         self.retrievals += 1
-        return self.config.choose(mean_scores(q, means))
+        return self.config.choose(mean_scores(q, means), block_size, self.shared)
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
         c = self.config
@@ -54,13 +54,15 @@ class ESA(BlockSelector):
                 self._selection = self._pending.result()
                 self._pending = None
             if due and self._pending is None:
-                self._pending = self._worker.submit(self._retrieve, q.clone(), meta.mean.clone())
+                self._pending = self._worker.submit(self._retrieve, q.clone(), meta.mean.clone(), kv.block_size)
             if self._selection is None:
-                self._selection = self._pending.result() if self._pending else self._retrieve(q, meta.mean)
+                self._selection = (
+                    self._pending.result() if self._pending else self._retrieve(q, meta.mean, kv.block_size)
+                )
                 self._pending = None
         elif due:
-            self._selection = self._retrieve(q, meta.mean)
-        return with_recent(self._selection, n, c.local_window_sz)
+            self._selection = self._retrieve(q, meta.mean, kv.block_size)
+        return with_recent(self._selection, n, c.windows(kv.block_size)[1])
 
     def close(self) -> None:
         if self._worker is not None:

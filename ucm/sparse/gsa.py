@@ -14,7 +14,6 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -23,18 +22,18 @@ from ucm.sparse.psa import upper_bounds
 from ucm.store import Store
 
 
-@dataclass(frozen=True)
 class GSAConfig(TopKConfig):
     pass
 
 
 class GSA(BlockSelector):
-    def __init__(self, config: GSAConfig = GSAConfig()) -> None:
-        self.config = config
+    def __init__(self, config: GSAConfig | None = None, shared: bool = False) -> None:
+        self.config = config or GSAConfig()
+        self.shared = shared
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
         meta.update(kv)
-        return self.config.choose(upper_bounds(q, meta).amax(1))
+        return self.config.choose(upper_bounds(q, meta).amax(1), kv.block_size, self.shared)
 
 
 class PrefetchEngine:

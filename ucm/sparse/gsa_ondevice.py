@@ -10,19 +10,39 @@ computed once per token, as blocks fill (the hash cache), so selection costs XOR
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field, model_validator
 
 from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
 
 
-@dataclass(frozen=True)
 class GSAOnDeviceConfig(TopKConfig):
-    hash_bits: int | None = None  # default: head_dim (a rotation has at most that many bits)
+    """UCM's token budgets (``hash_topk_tokens``, ``sink_token``, ``recent_token``) replace the block
+    ones when given; they are rounded up to whole blocks, so at least those tokens are attended."""
+
+    hash_bits: int | None = Field(None, ge=8, description="Sign bits per key and query; default and maximum: head_dim")
     seed: int = 0
+    hash_topk_tokens: int | None = Field(None, ge=1, description="A fixed budget in tokens instead of sparse_ratio")
+    sink_token: int | None = Field(None, ge=0, description="Sink window in tokens (instead of init_window_sz)")
+    recent_token: int | None = Field(None, ge=0, description="Local window in tokens (instead of local_window_sz)")
+
+    @model_validator(mode="after")
+    def _bits(self) -> GSAOnDeviceConfig:
+        if self.hash_bits is not None and self.hash_bits % 8:
+            raise ValueError(f"hash_bits: must be a multiple of 8 (bits are packed in bytes), got {self.hash_bits}")
+        return self
+
+    def budget(self, n: int, block_size: int) -> int:
+        if self.hash_topk_tokens is None:
+            return super().budget(n, block_size)
+        return min(n, max(self.min_blocks, -(-self.hash_topk_tokens // block_size)))
+
+    def windows(self, block_size: int) -> tuple[int, int]:
+        sink = self.init_window_sz if self.sink_token is None else -(-self.sink_token // block_size)
+        local = self.local_window_sz if self.recent_token is None else -(-self.recent_token // block_size)
+        return sink, local
 
 
 def haar_orthogonal(d: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -46,28 +66,33 @@ def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class GSAOnDevice(BlockSelector):
-    def __init__(self, head_dim: int, config: GSAOnDeviceConfig = GSAOnDeviceConfig(), device: str = "cpu") -> None:
+    def __init__(
+        self, head_dim: int, config: GSAOnDeviceConfig | None = None, device: str = "cpu", shared: bool = False
+    ) -> None:
+        config = config or GSAOnDeviceConfig()
         bits = config.hash_bits or head_dim
         if bits % 8 or not 8 <= bits <= head_dim:
-            raise ValueError(f"hash_bits: must be a multiple of 8 in [8, head_dim={head_dim}], got {bits}")
-        self.config = config
+            raise ValueError(
+                f"hash_bits: must be a multiple of 8 in [8, head_dim={head_dim}] (a rotation of head_dim "
+                f"dimensions gives at most head_dim sign bits), got {bits}"
+            )
+        self.config = config or GSAOnDeviceConfig()
+        self.shared = shared
         self.projection = haar_orthogonal(head_dim, config.seed, device)[:, :bits]
         self._key_hashes = torch.empty(0, dtype=torch.uint8)  # (tokens, Hkv, bytes), the hash cache
         self.hashed_tokens = 0
 
     def hash(self, x: torch.Tensor) -> torch.Tensor:
-        return pack_signs(x @ self.projection)
+        return pack_signs(x.to(self.projection.dtype) @ self.projection)
 
     def update(self, kv: PagedKV) -> torch.Tensor:
         """Hash the keys of tokens added since the last call; returns all key hashes (N, Hkv, bytes)."""
-        b = kv.block_size
-        new = []
-        for t in range(self.hashed_tokens, kv.num_tokens, b):
-            block, offset = divmod(t, b)
-            upto = min(b, kv.num_tokens - block * b)
-            new.append(self.hash(kv.keys[kv.block_table[block], offset:upto]))
-        if new:
-            self._key_hashes = torch.cat([self._key_hashes.to(new[0].device), *new])
+        if kv.num_tokens > self.hashed_tokens:
+            b = kv.block_size
+            first, offset = divmod(self.hashed_tokens, b)
+            keys = kv.keys[kv.block_table[first : kv.num_blocks]].flatten(0, 1)  # (tokens, Hkv, D)
+            new = self.hash(keys[offset : offset + kv.num_tokens - self.hashed_tokens])
+            self._key_hashes = torch.cat([self._key_hashes.to(new.device), new])
             self.hashed_tokens = kv.num_tokens
         return self._key_hashes
 
@@ -85,4 +110,4 @@ class GSAOnDevice(BlockSelector):
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta | None = None, step: int = 0) -> torch.Tensor:
         # Its own metadata is the key-hash cache; block statistics are not needed.
-        return self.config.choose(-self.block_distances(q, kv).float())
+        return self.config.choose(-self.block_distances(q, kv).float(), kv.block_size, self.shared)

@@ -1,27 +1,32 @@
 """KVStar: multi-step retrieval with pruned, compressed block representations.
 
 Retrieval (top-k of mean-key scores, as ESA) runs every ``retrieval_stride`` steps and its result
-is reused in between. Representations are shrunk twice: only the ``keep_dims`` channels whose
-block means vary most (per KV head) take part in scores, since near-constant channels add the
-same to every block; and they are stored in ``store_dtype`` (float16 by default). Both cut the
-cost of scoring; benchmarks/sparse_eval.py measures what they cost in recall.
+is reused in between. Representations are shrunk twice: only the share
+``blk_repre_dim_prune_ratio`` of channels (UCM's name and meaning: 0.5 keeps half) whose block means
+vary most (per KV head) take part in scores, since near-constant channels add the same to every
+block; and they are stored in ``store_dtype`` (float16 by default). Both cut the cost of scoring;
+benchmarks/sparse_eval.py measures what they cost in recall.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
 from ucm.sparse.esa import with_recent
 
 
-@dataclass(frozen=True)
 class KVStarConfig(TopKConfig):
-    retrieval_stride: int = 4
-    keep_dims: int | None = None  # None: every channel
-    store_dtype: torch.dtype = torch.float16
+    retrieval_stride: int = Field(4, ge=1, description="Decode steps a selection is reused for")
+    blk_repre_dim_prune_ratio: float = Field(1.0, gt=0, le=1, description="Share of key channels kept in scores")
+    store_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+
+    def keep_dims(self, head_dim: int) -> int | None:
+        """Channels kept, None for all."""
+        return None if self.blk_repre_dim_prune_ratio >= 1 else max(1, round(head_dim * self.blk_repre_dim_prune_ratio))
 
 
 def pruned_representation(
@@ -37,8 +42,9 @@ def pruned_representation(
 
 
 class KVStar(BlockSelector):
-    def __init__(self, config: KVStarConfig = KVStarConfig()) -> None:
-        self.config = config
+    def __init__(self, config: KVStarConfig | None = None, shared: bool = False) -> None:
+        self.config = config or KVStarConfig()
+        self.shared = shared
         self._selection: torch.Tensor | None = None
         self.retrievals = 0
 
@@ -47,10 +53,11 @@ class KVStar(BlockSelector):
         meta.update(kv)
         n = kv.num_blocks
         if self._selection is None or step % c.retrieval_stride == 0:
-            channels, rep = pruned_representation(meta.mean, c.keep_dims, c.store_dtype)
+            keep = c.keep_dims(meta.mean.shape[2])
+            channels, rep = pruned_representation(meta.mean, keep, getattr(torch, c.store_dtype))
             qg = group_query(q, rep.shape[1]).sum(1)  # (Hkv, D)
             q_r = torch.gather(qg, 1, channels)  # (Hkv, r)
             scores = torch.einsum("hr,nhr->hn", q_r.float(), rep.float())
-            self._selection = c.choose(scores)
+            self._selection = c.choose(scores, kv.block_size, self.shared)
             self.retrievals += 1
-        return with_recent(self._selection, n, c.local_window_sz)
+        return with_recent(self._selection, n, c.windows(kv.block_size)[1])

@@ -22,15 +22,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+from pydantic import Field
 
+from ucm.config import StrictModel
 from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, group_query
 
 
-@dataclass(frozen=True)
-class PSAConfig:
-    eps: float = 0.95
-    microbatch: int = 4
-    init_window_sz: int = 1  # sinks are attended first, whatever their bound
+class PSAConfig(StrictModel):
+    eps: float = Field(0.95, gt=0, le=1, description="Attention mass to reach before stopping (1: every block)")
+    microbatch: int = Field(4, ge=1, description="Blocks attended between two stopping checks")
+    init_window_sz: int = Field(1, ge=0, description="First blocks attended first, whatever their bound")
 
 
 @dataclass
@@ -77,8 +78,8 @@ def upper_bounds(q: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
 
 
 class PSA(BlockSelector):
-    def __init__(self, config: PSAConfig = PSAConfig()) -> None:
-        self.config = config
+    def __init__(self, config: PSAConfig | None = None) -> None:
+        self.config = config or PSAConfig()
 
     def attend(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Output (H, D) and the number of blocks each KV head attended (Hkv,)."""
@@ -101,8 +102,8 @@ class PSA(BlockSelector):
             blocks = order[:, start : start + c.microbatch]  # (Hkv, m)
             m = blocks.shape[1]
             phys = kv.block_table[blocks]
-            k_sel = kv.keys[phys, :, heads, :].reshape(hkv, m * b, d)
-            v_sel = kv.values[phys, :, heads, :].reshape(hkv, m * b, d)
+            k_sel = kv.keys[phys, :, heads, :].reshape(hkv, m * b, d).to(q.dtype)
+            v_sel = kv.values[phys, :, heads, :].reshape(hkv, m * b, d).to(q.dtype)
             logits = torch.einsum("hgd,htd->hgt", qg, k_sel) * scale
             pos = (blocks[:, :, None] * b + torch.arange(b, device=q.device)).reshape(hkv, 1, -1)
             logits = logits.masked_fill(pos >= kv.num_tokens, float("-inf"))

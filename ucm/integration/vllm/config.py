@@ -10,6 +10,7 @@ from pydantic import Field
 
 from ucm.config import ConfigError, StrictModel, parse_config
 from ucm.hashing import HASH_ALGORITHMS, HashAlgorithm
+from ucm.sparse.config import SparseConfig, from_ucm
 from ucm.store import validate_store_config
 from ucm.store.factory import parse_spec
 
@@ -40,13 +41,30 @@ class ConnectorConfig(StrictModel):
     pd_wait_timeout_s: float = Field(
         30.0, ge=0, description="A consumer waits this long for blocks a producer promised, then recomputes"
     )
+    sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
 
 
 def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
-    config = parse_config(ConnectorConfig, extra, WHERE)
+    config = parse_config(ConnectorConfig, with_sparse_translated(extra or {}, WHERE), WHERE)
     with prefixed_errors():
         validate_store_config(config.store)
     return config
+
+
+def with_sparse_translated(options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``options`` with UCM's ``ucm_sparse_config`` (if any) turned into our ``sparse`` section."""
+    out = dict(options)
+    if "ucm_sparse_config" in out:
+        if "sparse" in out:
+            raise ConfigError(f"{where}: give sparse or ucm_sparse_config, not both")
+        out["sparse"] = from_ucm(out.pop("ucm_sparse_config"), f"{where}.ucm_sparse_config")
+    return out
+
+
+def sparse_config(options: Mapping[str, Any] | None, where: str) -> SparseConfig | None:
+    """The sparse section of a mapping (``sparse`` or UCM's ``ucm_sparse_config``), validated."""
+    section = with_sparse_translated(options or {}, where).get("sparse")
+    return None if section is None else parse_config(SparseConfig, section, f"{where}.sparse")
 
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
