@@ -33,10 +33,10 @@ class ESA(BlockSelector):
     def __init__(self, config: ESAConfig | None = None, shared: bool = False) -> None:
         self.config = config or ESAConfig()
         self.shared = shared
-        self._selection: torch.Tensor | None = None
+        self._reuse = Reused()
         self._pending: Future[torch.Tensor] | None = None
         self._worker = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="esa-retrieval") if config.background else None
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="esa-retrieval") if self.config.background else None
         )
         self.retrievals = 0
 
@@ -46,27 +46,45 @@ class ESA(BlockSelector):
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
         c = self.config
-        meta.update(kv)
-        n = kv.num_blocks
-        due = self._selection is None or step % c.retrieval_stride == 0
+        reuse = self._reuse
+        due = reuse.selection is None or step % c.retrieval_stride == 0
         if self._worker is not None:
             if self._pending is not None and self._pending.done():
-                self._selection = self._pending.result()
+                reuse.set(self._pending.result())
                 self._pending = None
             if due and self._pending is None:
+                meta.update(kv)
                 self._pending = self._worker.submit(self._retrieve, q.clone(), meta.mean.clone(), kv.block_size)
-            if self._selection is None:
-                self._selection = (
-                    self._pending.result() if self._pending else self._retrieve(q, meta.mean, kv.block_size)
-                )
+            if reuse.selection is None:
+                reuse.set(self._pending.result() if self._pending else self._retrieve(q, meta.mean, kv.block_size))
                 self._pending = None
         elif due:
-            self._selection = self._retrieve(q, meta.mean, kv.block_size)
-        return with_recent(self._selection, n, c.windows(kv.block_size)[1])
+            meta.update(kv)  # metadata is needed only when retrieving
+            reuse.set(self._retrieve(q, meta.mean, kv.block_size))
+        return reuse.with_recent(kv.num_blocks, c.windows(kv.block_size)[1])
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+class Reused:
+    """A selection kept between retrievals; with the blocks that became local since, computed once
+    per length (between retrievals a step then costs no tensor work at all)."""
+
+    def __init__(self) -> None:
+        self.selection: torch.Tensor | None = None
+        self._n = -1
+        self._current: torch.Tensor | None = None
+
+    def set(self, selection: torch.Tensor) -> None:
+        self.selection, self._n = selection, -1
+
+    def with_recent(self, n: int, local: int) -> torch.Tensor:
+        assert self.selection is not None
+        if n != self._n or self._current is None:
+            self._current, self._n = with_recent(self.selection, n, local), n
+        return self._current
 
 
 def with_recent(selection: torch.Tensor, n: int, local: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
-from ucm.sparse.esa import with_recent
+from ucm.sparse.esa import Reused
 
 
 class KVStarConfig(TopKConfig):
@@ -45,19 +45,18 @@ class KVStar(BlockSelector):
     def __init__(self, config: KVStarConfig | None = None, shared: bool = False) -> None:
         self.config = config or KVStarConfig()
         self.shared = shared
-        self._selection: torch.Tensor | None = None
+        self._reuse = Reused()
         self.retrievals = 0
 
     def select(self, q: torch.Tensor, kv: PagedKV, meta: BlockMeta, step: int = 0) -> torch.Tensor:
         c = self.config
-        meta.update(kv)
-        n = kv.num_blocks
-        if self._selection is None or step % c.retrieval_stride == 0:
+        if self._reuse.selection is None or step % c.retrieval_stride == 0:
+            meta.update(kv)  # metadata is needed only when retrieving
             keep = c.keep_dims(meta.mean.shape[2])
             channels, rep = pruned_representation(meta.mean, keep, getattr(torch, c.store_dtype))
             qg = group_query(q, rep.shape[1]).sum(1)  # (Hkv, D)
             q_r = torch.gather(qg, 1, channels)  # (Hkv, r)
             scores = torch.einsum("hr,nhr->hn", q_r.float(), rep.float())
-            self._selection = c.choose(scores, kv.block_size, self.shared)
+            self._reuse.set(c.choose(scores, kv.block_size, self.shared))
             self.retrievals += 1
-        return with_recent(self._selection, n, c.windows(kv.block_size)[1])
+        return self._reuse.with_recent(kv.num_blocks, c.windows(kv.block_size)[1])

@@ -34,8 +34,18 @@ from ucm.sparse.psa import PSA
 @dataclass
 class Selection:
     blocks: torch.Tensor  # logical block indices, ascending; the last is the block being written
+    physical: torch.Tensor  # the same blocks' ids in the paged cache
     output: torch.Tensor | None = None  # PSA attends as it selects: its output (H, D); blocks is then
     # only the block being written (the kernel's row must end there; its result is replaced)
+
+
+@dataclass
+class LayerState:
+    selector: BlockSelector
+    meta: BlockMeta
+    chose: torch.Tensor | None = None  # what the selector returned last
+    last: Selection | None = None  # and what it became
+    last_blocks: int = 0  # the request's length in blocks then
 
 
 @dataclass
@@ -44,7 +54,7 @@ class RequestState:
 
     seq_len: int
     steps: int = 0
-    layers: dict[str, tuple[BlockSelector, BlockMeta]] = field(default_factory=dict)
+    layers: dict[str, LayerState] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +71,8 @@ class SparseRuntime:
         self.config = config
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self._requests: dict[int, RequestState] = {}  # by the physical block each request writes into
+        # Between retrievals a selection stands as it is until a new block appears (ESA, KVStar).
+        self.stride = getattr(config.options, "retrieval_stride", 1)
         self.stats = StepStats()
         self.totals = StepStats()  # since start, for tests and benchmarks
         self._selector()  # fail at startup, not at the first long request (e.g. hash_bits > head_dim)
@@ -119,29 +131,39 @@ class SparseRuntime:
         """Blocks one request attends in one layer. ``q``: (H, D); ``keys``/``values``: the layer's
         cache as (P, B, Hkv, D); ``block_ids``: the request's physical blocks, in order."""
         started = time.perf_counter()
-        if layer not in state.layers:
-            state.layers[layer] = (self._selector(), BlockMeta(self.num_kv_heads, self.head_dim, q.device))
-        selector, meta = state.layers[layer]
+        layer_state = state.layers.get(layer)
+        if layer_state is None:
+            meta = BlockMeta(self.num_kv_heads, self.head_dim, q.device)
+            layer_state = state.layers[layer] = LayerState(self._selector(), meta)
+        selector = layer_state.selector
         kv = PagedKV(keys, values, block_ids, state.seq_len)
         n = kv.num_blocks
-        q = q.float()
-        if isinstance(selector, PSA):  # its own exact attention, each KV head over its own blocks
-            output, used = selector.attend(q, kv, meta)
+        if layer_state.last is not None and layer_state.last_blocks == n and state.steps % self.stride:
+            chosen = layer_state.last  # no retrieval due and no new block: the same blocks
+            attended = len(chosen.blocks)
+        elif isinstance(selector, PSA):  # its own exact attention, each KV head over its own blocks
+            output, used = selector.attend(q.float(), kv, layer_state.meta)
             blocks = torch.tensor([n - 1])
+            chosen = Selection(blocks, block_ids[blocks], output)
             attended = float(used.float().mean())
         else:
-            output = None
-            row = selector.select(q, kv, meta, state.steps)[0]
-            blocks = row[row >= 0]
-            if int(blocks[-1]) != n - 1:  # windows guarantee it; a selection must end where attention does
-                blocks = torch.unique(torch.cat([blocks, torch.tensor([n - 1])]))
-            attended = len(blocks)
+            rows = selector.select(q.float(), kv, layer_state.meta, state.steps)
+            if rows is layer_state.chose and layer_state.last is not None:
+                chosen = layer_state.last  # a reused selection (retrieval_stride): nothing to redo
+            else:
+                blocks = rows[0][rows[0] >= 0]
+                if int(blocks[-1]) != n - 1:  # windows guarantee it; a selection must end where attention does
+                    blocks = torch.unique(torch.cat([blocks, torch.tensor([n - 1])]))
+                chosen = Selection(blocks, block_ids[blocks])
+                layer_state.chose, layer_state.last = rows, chosen
+            layer_state.last_blocks = n
+            attended = len(chosen.blocks)
         stats = self.stats
         stats.attended += attended
         stats.available += n
         stats.selections += 1
         stats.seconds += time.perf_counter() - started
-        return Selection(blocks, output)
+        return chosen
 
     def _flush(self) -> None:
         """Publish the last step's counts (once per step: per-layer updates would cost more than

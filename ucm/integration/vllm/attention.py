@@ -83,6 +83,9 @@ class UCMAttentionMetadata(CPUAttentionMetadata):
     sparse: SparseRuntime | None = None
     sparse_rows: list[RequestState | None] | None = None  # per row: its state when it decodes sparsely
     sparse_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # see learn_layout
+    # The kernel's scheduler metadata for narrowed lengths, shared by the step's layers (most
+    # layers narrow the rows to the same lengths).
+    sparse_schedules: dict[tuple[int, ...], torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -163,26 +166,29 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
             token = int(starts[i])
             q = query[token].view(self.num_heads, self.head_size)
             chosen = md.sparse.select(layer.layer_name, state, q, keys, values, block_ids)
-            k = len(chosen.blocks)
-            table[i, :k] = block_ids[chosen.blocks].to(table.dtype)
+            k = len(chosen.physical)
+            table[i, :k] = chosen.physical
             seq_lens[i] = (k - 1) * block_size + seq - (n - 1) * block_size
             if chosen.output is not None:
                 replaced.append((token, chosen.output))
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(md.sparse_rows),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size,
-            seq_lens=seq_lens,
-            dtype=query.dtype,
-            query_start_loc=starts,
-            causal=md.causal,
-            sliding_window_size=self.sliding_window,
-            isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=md.dynamic_causal,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+        lengths = tuple(seq_lens.tolist())
+        scheduler_metadata = md.sparse_schedules.get(lengths)
+        if scheduler_metadata is None:
+            scheduler_metadata = md.sparse_schedules[lengths] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(md.sparse_rows),
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size,
+                seq_lens=seq_lens,
+                dtype=query.dtype,
+                query_start_loc=starts,
+                causal=md.causal,
+                sliding_window_size=self.sliding_window,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=md.dynamic_causal,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
         narrowed = dataclasses.replace(
             md,
             block_table=table,
