@@ -36,7 +36,7 @@ from ucm_proxy.backends import Backend, Pool
 from ucm_proxy.config import ProxyConfig
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
-from ucm_proxy.requests import affinity_key, parse_body, prefill_body, with_params
+from ucm_proxy.requests import affinity_key, parse_body, prefill_body, with_params, without_params
 
 logger = logging.getLogger("ucm_proxy")
 T = TypeVar("T")
@@ -154,7 +154,7 @@ class Proxy:
     async def _serve(
         self, route: str, raw: bytes, body: dict[str, Any], headers: dict[str, str], key: bytes, started: float
     ) -> Response:
-        decode_body = raw
+        decode_body = without_params(raw, body)
         if self.config.mode == "pd":
             params = await self._prefill(route, body, headers, key)
             if params is not None:
@@ -224,7 +224,8 @@ class Proxy:
             finally:
                 await upstream.__aexit__(None, None, None)
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
-            return Response(data, resp.status, headers=_response_headers(resp, headers))
+            media_type = resp.headers.get("Content-Type", "application/json")
+            return Response(data, resp.status, headers=_response_headers(resp, headers), media_type=media_type)
 
         try:
             return await self._with_retries(self.decode, key, attempt)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from ucm_proxy.errors import ProxyError
+
+# A \uD800-\uDFFF escape: valid JSON, but alone it is no character and cannot be encoded.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def parse_body(raw: bytes, route: str) -> dict[str, Any]:
@@ -18,8 +22,15 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProxyError(400, f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProxyError(400, "Request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "Request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then pay for the check
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ProxyError(400, "Request body has a lone UTF-16 surrogate escape (\\uD800-\\uDFFF).") from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ProxyError(400, "'model' is required and must be a non-empty string.", "model")
@@ -56,6 +67,14 @@ def prefill_body(body: dict[str, Any]) -> bytes:
     pbody.pop("stream_options", None)
     pbody["kv_transfer_params"] = {"do_remote_decode": True}
     return json.dumps(pbody).encode()
+
+
+def without_params(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The client's body, minus any ``kv_transfer_params`` it carried: only a prefill's answer may
+    tell decode where KV comes from (a client's would make decode wait for blocks nobody writes)."""
+    if "kv_transfer_params" not in body:
+        return raw
+    return json.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"}).encode()
 
 
 def with_params(raw: bytes, body: dict[str, Any], params: Any) -> bytes:

@@ -47,6 +47,8 @@ def proxy(fakes, make_proxy):
         ),
         ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
         ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, 413, None),
+        ("/v1/completions", b'{"model": "fake-model", "prompt": "\\ud800 hello"}', 400, None),
+        ("/v1/chat/completions", b'{"model": "fake-model", "messages": [{"content": "a\\udfff"}]}', 400, None),
     ],
 )
 def test_bad_requests(proxy, route, body, status, param):
@@ -85,8 +87,10 @@ def test_a_backend_4xx_is_passed_to_the_client_not_retried(fakes, make_proxy):
     assert other_p.requests == [] and d.requests == []
 
 
+# Any code point, lone surrogates included (json.dumps escapes them as \\udXXX).
+any_text = st.text(st.characters(exclude_categories=()), max_size=20)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=10,
 )
@@ -94,7 +98,7 @@ fields = st.fixed_dictionaries(
     {},
     optional={
         "model": st.sampled_from([MODEL, "", "other"]) | json_values,
-        "prompt": st.text(max_size=50) | json_values,
+        "prompt": any_text | json_values,
         "messages": st.lists(
             st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=20)}), max_size=2
         )
@@ -116,6 +120,15 @@ def test_fuzzed_bodies_never_get_a_proxy_5xx(proxy, body, chat):
     with proxy.client() as c:
         r = c.post(route, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert r.status_code < 500, (body, r.status_code, r.text)
+
+
+def test_deeply_nested_json_is_a_400(fakes, make_proxy):
+    running = make_proxy(prefill=[fakes.add("p").url], decode=[fakes.add("d").url])
+    body = b'{"model": "fake-model", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    with running.client() as c:
+        r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "nested too deeply" in r.json()["error"]["message"]
 
 
 def test_openai_client_unchanged(proxy):

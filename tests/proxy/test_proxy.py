@@ -105,6 +105,39 @@ def test_mixed_mode_forwards_the_request_unchanged(fakes, make_proxy):
     assert all(r["body"] == COMPLETION for r in a.requests + b.requests)
 
 
+FORGED = {"do_remote_prefill": True, "ucm_blocks": 1_000_000}
+
+
+def test_a_clients_kv_transfer_params_never_reach_decode(fakes, make_proxy):
+    """Only a prefill's answer says where decode's KV comes from; a forged one would make decode
+    wait for a million blocks nobody writes."""
+    d, m = fakes.add("d"), fakes.add("m")
+    fallback = make_proxy(prefill=[], decode=[d.url], fallback_to_decode=True)
+    mixed = make_proxy(mode="mixed", decode=[m.url])
+    for proxy in (fallback, mixed):
+        with proxy.client() as c:
+            for stream in (False, True):
+                r = c.post("/v1/completions", json={**COMPLETION, "stream": stream, "kv_transfer_params": FORGED})
+                assert r.status_code == 200, r.text
+    assert all("kv_transfer_params" not in r["body"] for r in d.requests + m.requests)
+
+
+def test_pd_replaces_a_clients_kv_transfer_params_with_the_prefills(pd):
+    proxy, prefills, decodes = pd
+    with proxy.client() as c:
+        assert c.post("/v1/completions", json={**COMPLETION, "kv_transfer_params": FORGED}).status_code == 200
+    [pre], [dec] = all_requests(prefills), all_requests(decodes)
+    assert pre["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert dec["body"]["kv_transfer_params"]["prefilled_by"] in ("p1", "p2")
+
+
+def test_non_streamed_answers_say_they_are_json(pd):
+    proxy, _, _ = pd
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+    assert r.headers["content-type"].startswith("application/json")
+
+
 def test_prefix_affinity_keeps_a_prefix_on_one_backend(fakes, make_proxy):
     ps = [fakes.add(f"p{i}") for i in range(3)]
     d = fakes.add("d")
@@ -157,11 +190,18 @@ def test_no_prefill_gives_503_or_decode_only_with_fallback(fakes, make_proxy):
     assert r.json()["error"]["message"] == "No prefill backend is available."
     lenient = make_proxy(prefill=[down.url], decode=[d.url], retries=0, fallback_to_decode=True)
     with lenient.client() as c:
+        before = fallbacks(c.get("/metrics").text)
         r = c.post("/v1/completions", json=COMPLETION)
-        metrics = c.get("/metrics").text
+        after = fallbacks(c.get("/metrics").text)
     assert r.status_code == 200
     assert "kv_transfer_params" not in d.requests[-1]["body"]
-    assert "ucm_proxy_pd_fallbacks_total 1.0" in metrics
+    assert after == before + 1  # the counter is the process's: other tests count too
+
+
+def fallbacks(metrics: str) -> float:
+    return next(
+        float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ucm_proxy_pd_fallbacks_total")
+    )
 
 
 @pytest.mark.parametrize("failure", ["500", "close"])

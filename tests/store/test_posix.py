@@ -227,6 +227,59 @@ def test_eviction_keeps_the_store_under_capacity_and_evicts_lru_first(tmp_path):
     store.close()
 
 
+def test_an_entry_that_will_not_go_does_not_stop_eviction(tmp_path, monkeypatch):
+    block = 16 << 10
+    capacity = 8 * (block + TRAILER.size)
+    filler = posix(tmp_path)  # no capacity while filling: nothing is evicted before the test's pass
+    ids, data = blocks(12, block)
+    filler.wait(filler.dump(ids, data))
+    for i, block_id in enumerate(ids):  # oldest first
+        os.utime(filler._path(block_id), (1000 + i, 1000 + i))
+    filler.close()
+    store = posix(tmp_path, capacity=capacity, eviction_interval_s=3600)
+    stuck = {store._path(ids[0]): errno.EBUSY, store._path(ids[1]): errno.EACCES, store._path(ids[2]): errno.ESTALE}
+    unlink = os.unlink
+
+    def failing(path, *args, **kwargs):
+        if path in stuck:
+            raise OSError(stuck[path], os.strerror(stuck[path]), path)
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", failing)
+    store.enforce_capacity()
+    remaining = {b.block_id for b in store.scan()}
+    assert set(ids[:3]) <= remaining  # the three that would not go are still there...
+    assert sum(b.size for b in store.scan()) <= capacity * store.config.evict_to + 3 * (block + TRAILER.size)
+    assert ids[3] not in remaining and ids[-1] in remaining  # ...and the pass went on past them
+    store.close()
+
+
+def test_what_is_not_a_block_is_skipped_by_scan_and_the_admin_commands(tmp_path):
+    store = posix(tmp_path)
+    ids, data = blocks(3, 1024)
+    store.wait(store.dump(ids, data))
+    shard = store._path(ids[0]).rsplit("/", 1)[0]
+    Path(shard, "README").write_text("not a block")
+    Path(shard, "zz" * 32).write_text("not hex")
+    Path(shard, "ab" * 32).mkdir()  # a directory with a block's name
+    os.symlink("/etc/hostname", Path(shard, "cd" * 32))
+    (tmp_path / "xx").mkdir()
+    assert sorted(b.block_id for b in store.scan()) == sorted(ids)
+    assert store.verify() == []
+    config = tmp_path / "store.yaml"
+    config.write_text(f"spec: posix\nposix: {{roots: [{tmp_path}]}}\n")
+    for action in (["stats"], ["verify"], ["gc", "--target", "0"]):
+        r = subprocess.run(
+            [str(Path(sys.executable).parent / "ucm"), "store", *action, "-c", str(config)],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+    assert store.lookup(ids) == [False] * 3  # gc to 0 removed the blocks, and only them
+    assert Path(shard, "README").exists() and Path(shard, "ab" * 32).is_dir()
+    store.close()
+
+
 def test_background_eviction_runs_without_being_asked(tmp_path):
     block = 32 << 10
     capacity = 20 * (block + TRAILER.size)

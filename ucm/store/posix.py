@@ -338,6 +338,9 @@ class PosixStore(PerBlockStore):
                 os.unlink(e.path)
             except FileNotFoundError:
                 pass  # another process evicted it first
+            except OSError as exc:  # one entry that will not go (EBUSY, EACCES, ESTALE) stops nothing
+                logger.warning("%s: cannot evict %s: %s", self.backend, e.path, exc.strerror or exc)
+                continue
             freed += e.size
             n += 1
         if n:
@@ -351,25 +354,32 @@ class PosixStore(PerBlockStore):
             yield BlockInfo(bytes.fromhex(e.name), e.size, e.mtime)
 
     def _scan_entries(self) -> Iterator[_Entry]:
-        """Every block file; stale temporary files met on the way are removed."""
+        """Every block file (regular files named by a block id); stale temporary files met on the
+        way are removed. Anything else — other names, directories, links, entries that cannot be
+        read — is skipped, so one odd entry never stops eviction or the admin commands."""
         now = time.time()
         for root in self._roots:
             for shard in _subdirs(root):
                 try:
                     it = os.scandir(shard)
-                except FileNotFoundError:
+                except OSError as exc:
+                    if not isinstance(exc, FileNotFoundError):
+                        logger.warning("%s: cannot list %s: %s", self.backend, shard, exc.strerror or exc)
                     continue
                 with it:
                     for entry in it:
                         try:
-                            st = entry.stat()
-                        except FileNotFoundError:
+                            if not entry.is_file(follow_symlinks=False):
+                                continue
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:
                             continue
                         if entry.name.endswith(TMP_SUFFIX):
                             if now - st.st_mtime > STALE_TMP_S:
                                 _unlink_quietly(entry.path)
                             continue
-                        yield _Entry(entry.path, entry.name, st.st_size, st.st_mtime)
+                        if _is_block_name(entry.name):
+                            yield _Entry(entry.path, entry.name, st.st_size, st.st_mtime)
 
     def verify(self, repair: bool = False) -> list[bytes]:
         corrupt = []
@@ -449,6 +459,14 @@ def _subdirs(path: str) -> list[str]:
             return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_block_name(name: str) -> bool:
+    """A block id in hex (what ``_path`` names files)."""
+    return len(name) >= 2 and len(name) % 2 == 0 and all(c in _HEX for c in name)
 
 
 def _unlink_quietly(path: str) -> None:
