@@ -58,7 +58,10 @@ class Proxy:
         self._tasks: list[asyncio.Task[None]] = []
         t = config.timeouts
         self._prefill_timeout = aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s)
-        self._decode_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.idle_s)
+        # Streams: idle_s bounds each silence. A whole answer arrives at once, after generation: only
+        # first_byte_s bounds it (an idle limit would retry a long generation on another backend).
+        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.idle_s)
+        self._whole_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -214,7 +217,7 @@ class Proxy:
         self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
     ) -> Response:
         async def attempt(backend: Backend) -> Response:
-            upstream = self._post(backend, route, payload, headers, self._decode_timeout)
+            upstream = self._post(backend, route, payload, headers, self._whole_timeout)
             async with asyncio.timeout(self.config.timeouts.first_byte_s):
                 resp = await upstream.__aenter__()
             try:
@@ -238,7 +241,7 @@ class Proxy:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
         async def attempt(backend: Backend) -> Response:
-            upstream = self._post(backend, route, payload, headers, self._decode_timeout)
+            upstream = self._post(backend, route, payload, headers, self._stream_timeout)
             try:
                 async with asyncio.timeout(self.config.timeouts.first_byte_s):
                     resp = await upstream.__aenter__()
@@ -253,6 +256,7 @@ class Proxy:
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
             upstream.hold()  # in flight until the stream ends
             return Relay(
+                upstream,
                 relay_chunks(upstream, resp, first),
                 status_code=resp.status,
                 headers=_response_headers(resp, headers),

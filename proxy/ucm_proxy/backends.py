@@ -2,7 +2,10 @@
 
 Health is active (a periodic GET of each backend's health path) and passive (a request that fails
 to connect or gets a 5xx counts against its backend): ``eject_after`` consecutive failures eject
-a backend for a backoff that doubles with each ejection; a passing health check brings it back.
+a backend for a backoff that doubles with each ejection. An ejection lasts its whole backoff — a
+backend whose ``/health`` answers while its requests fail is not let back early — and the backoff
+starts over only once the backend serves a request again. A failing health check takes a backend
+out until one passes.
 """
 
 from __future__ import annotations
@@ -49,9 +52,13 @@ class Pool:
         self.set_urls(urls)
 
     def set_urls(self, urls: Iterable[str]) -> None:
-        """Replace the member list (discovery), keeping the state of backends that stay."""
+        """Replace the member list (discovery), keeping the state of backends that stay; the
+        metric series of backends that left go with them."""
         current = {b.url: b for b in self.backends}
         self.backends = [current.get(u) or Backend(u, self.role) for u in dict.fromkeys(urls)]
+        kept = {b.url for b in self.backends}
+        for url in set(current) - kept:
+            metrics.forget_backend(url, self.role)
         for b in self.backends:
             metrics.BACKEND_HEALTHY.labels(b.url, self.role).set(1 if b.healthy else 0)
 
@@ -75,6 +82,7 @@ class Pool:
     # -- passive health --------------------------------------------------------------------------
     def record_success(self, backend: Backend) -> None:
         backend.consecutive_failures = 0
+        backend.ejections = 0  # it serves again: the next ejection starts from the first backoff
 
     def record_failure(self, backend: Backend) -> None:
         backend.consecutive_failures += 1
@@ -87,11 +95,5 @@ class Pool:
 
     # -- active health ---------------------------------------------------------------------------
     def record_check(self, backend: Backend, ok: bool) -> None:
-        if ok:
-            backend.healthy = True
-            backend.ejected_until = 0.0
-            backend.ejections = 0
-            backend.consecutive_failures = 0
-        else:
-            backend.healthy = False
+        backend.healthy = ok
         metrics.BACKEND_HEALTHY.labels(backend.url, self.role).set(1 if backend.healthy else 0)

@@ -18,3 +18,12 @@ EJECTIONS = Counter(
 )
 RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])
 PD_FALLBACKS = Counter("ucm_proxy_pd_fallbacks_total", "PD requests served by decode alone (no prefill backend)")
+
+
+def forget_backend(url: str, role: str) -> None:
+    """Drop a departed backend's series (a pod that is gone must not stay healthy=1 forever)."""
+    for metric in (IN_FLIGHT, BACKEND_HEALTHY, EJECTIONS):
+        try:
+            metric.remove(url, role)
+        except KeyError:
+            pass  # it never had that series

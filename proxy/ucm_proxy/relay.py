@@ -93,8 +93,15 @@ class Relay(Response):
     listener); here one watcher cancels the relaying task when the client goes away, which also
     aborts the upstream request (``relay_chunks`` closes it)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str], media_type: str):
-        self.chunks = chunks
+    def __init__(
+        self,
+        upstream: Upstream,
+        chunks: AsyncIterator[bytes],
+        status_code: int,
+        headers: dict[str, str],
+        media_type: str,
+    ):
+        self.upstream, self.chunks = upstream, chunks
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -121,6 +128,8 @@ class Relay(Response):
             watcher.cancel()
             try:
                 await self.chunks.aclose()  # type: ignore[attr-defined]
+                # A stream never started never ran its own cleanup: release here (idempotent).
+                await self.upstream.release()
             except asyncio.CancelledError:
                 # The client left just as the stream ended: its cancellation lands here instead.
                 if not client_gone():

@@ -289,16 +289,72 @@ def test_ready_reflects_backend_health(fakes, make_proxy):
         assert c.get("/ready").status_code == 200
 
 
-def test_client_disconnect_cancels_upstream(fakes, make_proxy):
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_upstream(fakes, make_proxy, stream):
     p = fakes.add("p")
     hanging = fakes.add("d", Behaviour(fail_next=["hang"]))
     proxy = make_proxy(prefill=[p.url], decode=[hanging.url])
     with proxy.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
-        c.post("/v1/completions", json=COMPLETION)
+        c.post("/v1/completions", json={**COMPLETION, "stream": stream})
     deadline = time.monotonic() + 5
     while hanging.cancelled == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert hanging.cancelled == 1
+    backend = proxy.proxy.decode.backends[0]
+    while backend.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.in_flight == 0  # nothing leaked when the stream never started
+
+
+def test_an_ejection_lasts_its_backoff_through_passing_health_checks(fakes, make_proxy):
+    """/health answers but requests fail: the backend stays out for its whole backoff, and the
+    next ejection is twice as long."""
+    flaky = fakes.add("flaky", Behaviour(fail_next=["500"] * 100))
+    steady = fakes.add("steady")
+    proxy = make_proxy(
+        mode="mixed",
+        decode=[flaky.url, steady.url],
+        routing={"decode": "round_robin"},
+        health={"interval_s": 0.05, "eject_after": 1, "backoff_s": 1.0},
+        retries=1,
+    )
+
+    def traffic_to_flaky(seconds: float) -> int:
+        before, end = len(flaky.requests), time.monotonic() + seconds
+        while time.monotonic() < end:
+            assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+            time.sleep(0.02)
+        return len(flaky.requests) - before
+
+    with proxy.client() as c:
+        traffic_to_flaky(0.2)  # meets flaky once: ejected for 1 s
+        assert traffic_to_flaky(0.7) == 0  # while 14 health checks pass
+        time.sleep(0.4)
+        assert traffic_to_flaky(0.5) == 1  # back after 1 s, fails once more: ejected for 2 s
+        assert traffic_to_flaky(1.3) == 0
+
+
+def test_a_long_whole_answer_is_not_retried_on_another_decode(fakes, make_proxy):
+    slow = fakes.add("slow", Behaviour(delay_s=1.0))
+    other = fakes.add("other")
+    proxy = make_proxy(
+        mode="mixed", decode=[slow.url, other.url], routing={"decode": "round_robin"}, timeouts={"idle_s": 0.3}
+    )
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 200 and r.json()["served_by"] == "slow"
+    assert len(other.requests) == 0  # generated once, not twice
+
+
+def test_departed_backends_leave_the_metrics():
+    from ucm_proxy import metrics
+    from ucm_proxy.backends import Pool
+    from ucm_proxy.config import HealthConfig, RoutingConfig
+
+    pool = Pool("decode", ["http://a:1", "http://b:1"], "round_robin", RoutingConfig(), HealthConfig())
+    pool.set_urls(["http://b:1"])
+    series = {s.labels["backend"] for m in metrics.BACKEND_HEALTHY.collect() for s in m.samples}
+    assert "http://b:1" in series and "http://a:1" not in series
 
 
 def test_client_disconnect_mid_stream_cancels_upstream(fakes, make_proxy):
