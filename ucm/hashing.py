@@ -16,7 +16,7 @@ import json
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class HashContext:
     tp_size: int = 1
     salt: str = ""
     algorithm: HashAlgorithm = "sha256"
+    weights: str = ""  # a fingerprint of the weights (ucm.integration.vllm.identity): same name, other weights
+    pp_size: int = 1  # pipeline stages: each holds other layers, so the layout differs
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -64,10 +66,12 @@ class HashContext:
             raise ValueError(f"block_size: must be a positive number of tokens, got {self.block_size}")
         if self.tp_size <= 0:
             raise ValueError(f"tp_size: must be a positive integer, got {self.tp_size}")
+        if self.pp_size <= 0:
+            raise ValueError(f"pp_size: must be a positive integer, got {self.pp_size}")
         _digest_fn(self.algorithm)  # validates the name (and blake3's availability) early
 
     def with_salt(self, salt: str) -> HashContext:
-        return HashContext(self.model, self.dtype, self.block_size, self.tp_size, salt, self.algorithm)
+        return replace(self, salt=salt)
 
 
 class BlockHasher:

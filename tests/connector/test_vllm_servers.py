@@ -14,6 +14,7 @@ import pytest
 
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import kv_transfer_config
+from ucm.integration.vllm.identity import weights_fingerprint
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import ServerFailed, VLLMServer, cached_tokens
 
@@ -64,7 +65,9 @@ def prompt_ids(tiny_model, text: str) -> list[int]:
 
 def block_file(store_dir: Path, tiny_model, prompt: str, index: int) -> Path:
     """The file of the prompt's block ``index``: ids computed as the connector computes them."""
-    context = HashContext(model=str(tiny_model), dtype="float32", block_size=BS)
+    context = HashContext(
+        model=str(tiny_model), dtype="float32", block_size=BS, weights=weights_fingerprint(str(tiny_model))
+    )
     block_id = BlockHasher(context).block_ids(prompt_ids(tiny_model, prompt))[index].hex()
     return store_dir / block_id[:2] / block_id
 

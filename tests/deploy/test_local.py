@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +81,69 @@ def test_the_proxy_judges_its_options_before_anything_starts(tmp_path):
     with pytest.raises(StackError, match=r"^proxy.config: ucm-proxy refuses it: proxy.routing.decode: Input should be"):
         stack.start(lambda *_: None)
     assert all(p.popen is None for p in stack.processes)
+
+
+def test_ucm_down_signals_only_the_processes_it_started(tmp_path):
+    """A PID named in stack.json may belong to anything once its process ended: ucm down checks
+    the start time before signalling."""
+    from ucm.deploy.local import start_time
+    from ucm.deploy.up import STATE_FILE, cmd_down
+
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    ours = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        run = tmp_path / "e2e"
+        run.mkdir()
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        state = {
+            "pid": dead.pid,
+            "start": 1,
+            "roles": {
+                "decode-0": {"pid": stranger.pid, "start": start_time(stranger.pid) - 1},  # a reused PID
+                "prefill-0": {"pid": ours.pid, "start": start_time(ours.pid)},
+            },
+        }
+        (run / STATE_FILE).write_text(json.dumps(state))
+        assert cmd_down(argparse.Namespace(run_dir=str(tmp_path), name="e2e")) == 0
+        assert ours.wait(10) == -signal.SIGKILL
+        assert stranger.poll() is None  # untouched
+        assert not (run / STATE_FILE).exists()
+    finally:
+        stranger.kill()
+        ours.kill()
+
+
+def test_roles_die_with_their_launcher(tmp_path):
+    """However ucm up ends (SIGKILL included), what it started does not outlive it."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from ucm.deploy.local import Process\n"
+        "from ucm.deploy.roles import Role\n"
+        "p = Process(Role('x', 'proxy', ['sleep', '60'], []), Path(sys.argv[1]), {})\n"
+        "p.start(); print(p.popen.pid, flush=True); time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "x.log")], stdout=subprocess.PIPE, text=True
+    )
+    child = int(launcher.stdout.readline())
+    assert Path(f"/proc/{child}").exists()
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+
+
+def test_state_is_written_as_each_role_starts(tmp_path, monkeypatch):
+    """A launcher killed while engines start leaves a stack.json that names them."""
+    monkeypatch.setattr("ucm.deploy.local.resolve", lambda _: "/bin/false")  # every role "exits at once"
+    monkeypatch.setattr("ucm.deploy.local.check_proxy_config", lambda _: None)
+    state_path = tmp_path / "stack.json"
+    stack = LocalStack(spec(tmp_path), tmp_path / "run", 0, state_path=state_path)
+    with pytest.raises(StackError, match="exited with code 1 before it was ready"):
+        stack.start(lambda *_: None)
+    roles = json.loads(state_path.read_text())["roles"]
+    assert set(roles) == {"prefill-0", "decode-0"} and all(r["pid"] and "start" in r for r in roles.values())

@@ -11,6 +11,7 @@ tail; one that dies later is restarted (as Kubernetes would restart its pod), at
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -106,7 +107,12 @@ class Process:
         command = [resolve(self.role.command[0]), *self.role.command[1:]]
         with open(self.log, "ab") as log:
             self.popen = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # it only calls prctl between fork and exec
             )
         self.ready = False
         self.started_at = time.monotonic()
@@ -151,8 +157,16 @@ class Process:
 
 
 class LocalStack:
-    def __init__(self, spec: UCMDeploymentSpec, run_dir: Path, proxy_port: int = 0, name: str = "local") -> None:
+    def __init__(
+        self,
+        spec: UCMDeploymentSpec,
+        run_dir: Path,
+        proxy_port: int = 0,
+        name: str = "local",
+        state_path: Path | None = None,
+    ) -> None:
         self.spec, self.name = spec, name
+        self.state_path = state_path  # written whenever a process starts: `ucm down` finds them all
         self.run_dir = run_dir
         self.logs = run_dir / "logs"
         if proxy_port and not port_is_free(proxy_port):
@@ -206,15 +220,26 @@ class LocalStack:
             (self.run_dir / filename).write_text(text)
 
     def state(self) -> dict[str, Any]:
+        """What `ucm down` needs: each process with its start time, so a reused PID is not ours."""
         return {
             "pid": os.getpid(),
+            "start": start_time(os.getpid()),
             "base_url": self.base_url,
             "roles": {
-                p.role.name: {"pid": p.popen.pid, "url": f"http://127.0.0.1:{p.port}", "restarts": p.restarts}
+                p.role.name: {
+                    "pid": p.popen.pid,
+                    "start": start_time(p.popen.pid),
+                    "url": f"http://127.0.0.1:{p.port}",
+                    "restarts": p.restarts,
+                }
                 for p in self.processes
                 if p.popen is not None
             },
         }
+
+    def save_state(self) -> None:
+        if self.state_path is not None:
+            write_state(self.state_path, self.state())
 
     def start(self, progress: Callable[[str, list[Process]], None], timeout: float = 600.0) -> None:
         """Start every role in order; returns when all are ready. On failure stops what started."""
@@ -226,6 +251,7 @@ class LocalStack:
                 group = [p for p in self.processes if p.role in roles]
                 for p in group:
                     p.start()
+                    self.save_state()
                     progress(f"starting {p.role.name} on port {p.port} (log: {p.log})", [])
                 self._wait_ready(group, deadline, progress)
         except BaseException:
@@ -268,6 +294,7 @@ class LocalStack:
             p.restarts += 1
             report(f"{p.role.name} exited with code {code}; restarting ({p.restarts}/{MAX_RESTARTS})")
             p.start()
+            self.save_state()
 
     def stop(self) -> None:
         """In the reverse of the start order: proxy first (no new requests), then engines, then the
@@ -289,4 +316,29 @@ def check_proxy_config(path: Path) -> None:
 
 
 def write_state(path: Path, state: dict[str, Any]) -> None:
-    path.write_text(json.dumps(state, indent=2))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone.
+    A PID is reused once its process ends; the pair (pid, start time) is not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def same_process(pid: int, start: int | None) -> bool:
+    return start is not None and start_time(pid) == start
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when `ucm up` dies, however it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.config import ConfigError
-from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields, write_state
+from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields, same_process
 from ucm.deploy.resource import load_resource
 from ucm.deploy.roles import PlanError
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -76,7 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         spec, given = load_spec(args.file)
         run_dir = Path(args.run_dir).resolve() / args.name
-        stack = LocalStack(spec, run_dir, args.port, args.name)
+        stack = LocalStack(spec, run_dir, args.port, args.name, state_path=run_dir / STATE_FILE)
     except (ConfigError, PlanError, StackError) as exc:
         print(f"ucm up: error: {exc}", file=sys.stderr)
         return 2
@@ -87,18 +87,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     def stop_signal(signum: int, _frame: object) -> None:
         raise _Stop(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, stop_signal)
-    signal.signal(signal.SIGINT, stop_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal went away
+        signal.signal(sig, stop_signal)
     progress = Progress()
     state_file = run_dir / STATE_FILE
     try:
         stack.start(progress, timeout=args.timeout)
-        write_state(state_file, stack.state())
         _announce(stack, progress)
         while True:
             time.sleep(1.0)
             stack.supervise(lambda m: progress(m, []))
-            write_state(state_file, stack.state())
     except _Stop as why:
         print(f"\nucm up: {why}: stopping", flush=True)
         stack.stop()
@@ -127,24 +125,23 @@ def cmd_down(args: argparse.Namespace) -> int:
     except (OSError, ValueError):
         print(f"ucm down: no stack named {args.name!r} is running (no {state_file})")
         return 0
-    _signal(state["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + 90
-    while _alive(state["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in [state["pid"], *(r["pid"] for r in state["roles"].values())]:  # what outlived a stuck `ucm up`
-        if _alive(pid):
-            _signal(-pid if pid != state["pid"] else pid, signal.SIGKILL)
+    launcher = (state["pid"], state.get("start"))
+    if same_process(*launcher):
+        _signal(state["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        while same_process(*launcher) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # What outlived a stuck `ucm up`, and only if it is still the process that was started (a PID
+    # whose process ended may belong to anything now).
+    for name, role in state["roles"].items():
+        if same_process(role["pid"], role.get("start")):
+            print(f"ucm down: {name} (pid {role['pid']}) outlived ucm up; killing it")
+            _signal(-role["pid"], signal.SIGKILL)
+    if same_process(*launcher):
+        _signal(state["pid"], signal.SIGKILL)
     state_file.unlink(missing_ok=True)
     print(f"ucm down: stopped {args.name}")
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -101,6 +101,22 @@ def prefixed_errors() -> Iterator[None]:
         raise ConfigError(f"{WHERE}.{exc}") from None
 
 
+# Parallel layouts whose KV a worker's key cannot name yet: a context-parallel worker holds only
+# some tokens of each block.
+UNSUPPORTED_PARALLEL = ("decode_context_parallel_size", "prefill_context_parallel_size")
+
+
+def check_parallel_layout(parallel: Any) -> None:
+    """Refuse layouts the store keys cannot tell apart (tensor and pipeline parallel are bound)."""
+    for name in UNSUPPORTED_PARALLEL:
+        size = getattr(parallel, name, 1) or 1
+        if size > 1:
+            raise ConfigError(
+                f"UCMConnector: {name}={size} is not supported: a context-parallel worker holds only some "
+                "tokens of each block, which its store key cannot name yet. Run with it at 1."
+            )
+
+
 def check_vllm_version(version: str) -> None:
     parts = version.split("+")[0].split(".")
     try:

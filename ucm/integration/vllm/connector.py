@@ -29,11 +29,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.hashing import HashContext
 from ucm.integration.vllm.config import (
+    check_parallel_layout,
     check_vllm_version,
     parse_connector_config,
     prefixed_errors,
     scheduler_store_config,
 )
+from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
@@ -67,14 +69,18 @@ class UCMConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         cache = vllm_config.cache_config
         kv_dtype = str(model.dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else str(cache.cache_dtype)
-        self._tp_size = parallel.tensor_parallel_size
+        check_parallel_layout(parallel)
+        # Each worker (TP rank x pipeline stage) keeps its own share of a block under its own key.
+        self._tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         context = HashContext(
             model=config.model_id or str(model.model),
             dtype=kv_dtype,
             block_size=cache.block_size,
-            tp_size=self._tp_size,
+            tp_size=parallel.tensor_parallel_size,
             salt=config.salt,
             algorithm=config.hash_algorithm,
+            weights=weights_fingerprint(str(model.model), model.revision),
+            pp_size=parallel.pipeline_parallel_size,
         )
         self._stats = StatsRecorder()
         self._scheduler: SchedulerSide | None = None
@@ -95,11 +101,12 @@ class UCMConnector(KVConnectorBase_V1):
                 tp_size=self._tp_size,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+            rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size + get_tensor_model_parallel_rank()
             self._worker = WorkerSide(
                 store,
-                rank=get_tensor_model_parallel_rank(),
+                rank=rank,
                 tp_size=self._tp_size,
                 load_mode=config.load_mode,
                 save_mode=config.save_mode,

@@ -24,7 +24,9 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
 
 def store_keys(block_ids: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
-    """Each tensor-parallel rank stores its own heads under its own key; one rank needs no suffix."""
+    """Each worker — a tensor-parallel rank of a pipeline stage, ``rank`` of ``tp_size`` such
+    shares — stores its share of a block (its heads of its layers) under its own key; one worker
+    needs no suffix."""
     if tp_size == 1:
         return list(block_ids)
     suffix = rank.to_bytes(2, "little")

@@ -1,0 +1,71 @@
+"""Block ids name the weights, not only the model's name: other weights under the same name (or
+at the same path) never share blocks; the same weights at another path do. Parallel layouts are
+bound into keys, or refused."""
+
+from __future__ import annotations
+
+import shutil
+import types
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from ucm.config import ConfigError
+from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.config import check_parallel_layout
+from ucm.integration.vllm.identity import weights_fingerprint
+from ucm.integration.vllm.metadata import rank_keys, store_keys
+
+TOKENS = list(range(64))
+
+
+def ids(weights: str = "", **context) -> list[bytes]:
+    return BlockHasher(HashContext("served-name", "bfloat16", 32, weights=weights, **context)).block_ids(TOKENS)
+
+
+@pytest.fixture
+def model(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+def test_the_same_weights_at_another_path_fingerprint_the_same(tiny_model, model):
+    assert weights_fingerprint(str(model)) == weights_fingerprint(str(tiny_model))
+
+
+def test_a_fine_tune_of_the_same_shape_fingerprints_differently(tiny_model, model):
+    """Same names, sizes and config: only the numbers differ, as after fine-tuning."""
+    path = model / "model.safetensors"
+    tensors = {k: v * 1.01 for k, v in load_file(path).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == (tiny_model / "model.safetensors").stat().st_size
+    assert weights_fingerprint(str(model)) != weights_fingerprint(str(tiny_model))
+    assert ids(weights_fingerprint(str(model))) != ids(weights_fingerprint(str(tiny_model)))
+
+
+def test_a_config_change_fingerprints_differently(tiny_model, model):
+    config = model / "config.json"
+    config.write_text(config.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    assert weights_fingerprint(str(model)) != weights_fingerprint(str(tiny_model))
+
+
+def test_a_hub_id_is_named_by_its_revision():
+    assert weights_fingerprint("org/model", "abc123") == "revision:abc123"
+    assert weights_fingerprint("org/model", None) == "revision:unpinned"
+
+
+def test_pipeline_stages_store_under_their_own_keys():
+    block = ids()[:1]
+    tp, pp = 2, 2
+    keys = {store_keys(block, pp_rank * tp + tp_rank, tp * pp)[0] for pp_rank in range(pp) for tp_rank in range(tp)}
+    assert len(keys) == 4  # no two workers share a key
+    rank0 = store_keys(block, 0, tp * pp)
+    assert rank_keys(rank0, 3, tp * pp) == store_keys(block, 3, tp * pp)
+    assert ids(pp_size=2) != ids()  # and the layout is in the seed
+
+
+def test_context_parallel_layouts_are_refused():
+    check_parallel_layout(types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    with pytest.raises(ConfigError, match="decode_context_parallel_size=2 is not supported"):
+        check_parallel_layout(types.SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))

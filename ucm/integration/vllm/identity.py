@@ -1,0 +1,55 @@
+"""What a model *is*, for block ids: a fingerprint of its weights, not just its name or path.
+
+Two deployments serving different weights under one served name, or weights replaced at the same
+path, would otherwise compute identical block ids and load each other's KV — wrong tokens that
+every checksum passes. Reading whole checkpoints at startup would cost minutes for large models, so
+the fingerprint samples them: the config, then per weight file its name, size, and bytes at fixed
+places (its first and last MiB and eight spread 64 KiB windows). A fine-tune changes every tensor,
+so samples differ; a copy of the same files at another path fingerprints the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+EDGE = 1 << 20
+WINDOW = 64 << 10
+WINDOWS = 8
+
+
+def weights_fingerprint(model: str, revision: str | None = None) -> str:
+    """A short hex digest of a local model directory's weights; for a hub id, the id's revision."""
+    path = Path(model)
+    if not path.is_dir():
+        if revision is None:
+            logger.warning(
+                "model %s: no local directory and no pinned revision; block ids cannot tell two "
+                "versions of it apart (pin --revision, or serve from a directory)",
+                model,
+            )
+        return f"revision:{revision or 'unpinned'}"
+    h = hashlib.sha256(b"ucm-weights/v1\0")
+    config = path / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+        size = file.stat().st_size
+        h.update(f"\0{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            for offset, length in _samples(size):
+                f.seek(offset)
+                h.update(f.read(length))
+    return h.hexdigest()[:32]
+
+
+def _samples(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes read from a file of ``size`` bytes: all of a small one."""
+    if size <= 2 * EDGE + WINDOWS * WINDOW:
+        return [(0, size)]
+    inner = [(EDGE + (size - 2 * EDGE - WINDOW) * i // (WINDOWS - 1), WINDOW) for i in range(WINDOWS)]
+    return [(0, EDGE), *inner, (size - EDGE, EDGE)]
