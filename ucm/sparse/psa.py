@@ -7,7 +7,8 @@ the ball bound ``q . mean + |q| * radius`` (keys within ``radius`` of the block 
 :class:`BlockMeta`. In many dimensions the box bound is loose and noisy; the ball bound's slack is
 nearly the same for every block, so it orders blocks by ``q . mean``.
 
-Blocks are taken in decreasing bound order, ``m`` at a time; partial outputs merge with the exact
+Blocks are taken in decreasing bound order — the sink and local windows first, whatever their
+bound (recent context carries a language model) — ``m`` at a time; partial outputs merge with the exact
 online-softmax rule (running max, rescaled sums). After each microbatch, with ``AS_acc`` the score
 mass attended so far and ``AS_min`` the smallest block mass met so far, a query head is done when
 ``AS_acc / (AS_acc + AS_min * N_left) >= eps``: even if every remaining block were as heavy as the
@@ -32,6 +33,7 @@ class PSAConfig(StrictModel):
     eps: float = Field(0.95, gt=0, le=1, description="Attention mass to reach before stopping (1: every block)")
     microbatch: int = Field(4, ge=1, description="Blocks attended between two stopping checks")
     init_window_sz: int = Field(1, ge=0, description="First blocks attended first, whatever their bound")
+    local_window_sz: int = Field(2, ge=0, description="Last blocks attended first too (recent context)")
 
 
 @dataclass
@@ -91,7 +93,11 @@ class PSA(BlockSelector):
         n = kv.num_blocks
         bounds = upper_bounds(q, meta).amax(1)  # (Hkv, n): a block's bound for its most eager query head
         bounds[:, : min(c.init_window_sz, n)] = float("inf")
+        if c.local_window_sz:
+            bounds[:, max(0, n - c.local_window_sz) :] = float("inf")
         order = torch.argsort(bounds, dim=-1, descending=True)  # (Hkv, n)
+        # The windows are attended whatever their mass: they say nothing about the blocks left.
+        forced = torch.gather(torch.isinf(bounds), 1, order)  # (Hkv, n), in attention order
         state = OnlineSoftmax.empty(hkv, g, d, q.device, q.dtype)
         acc_min = torch.full((hkv, g), float("inf"), device=q.device, dtype=q.dtype)
         active = torch.ones(hkv, dtype=torch.bool, device=q.device)
@@ -109,8 +115,12 @@ class PSA(BlockSelector):
             logits = logits.masked_fill(pos >= kv.num_tokens, float("-inf"))
             logits = logits.masked_fill(~active[:, None, None], float("-inf"))  # finished heads take nothing
             rescale = state.add(logits, v_sel)
-            # Block masses in the current (rescaled) units, for the stopping rule.
+            # Block masses in the current (rescaled) units, for the stopping rule; a partly filled block
+            # counted as if full, and the forced windows not at all.
             block_mass = torch.exp(logits - state.m[..., None]).view(hkv, g, m, b).sum(-1)  # (Hkv, G, m)
+            filled = (pos < kv.num_tokens).view(hkv, m, b).sum(-1).clamp(min=1)  # (Hkv, m)
+            block_mass = block_mass * (b / filled)[:, None, :]
+            block_mass = block_mass.masked_fill(forced[:, None, start : start + m], float("inf"))
             lightest = block_mass.amin(-1)
             # (the first merge rescales by 0: inf * 0 would be NaN and the rule would never stop)
             acc_min = torch.where(torch.isinf(acc_min), lightest, torch.minimum(acc_min * rescale, lightest))
