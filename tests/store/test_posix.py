@@ -425,3 +425,28 @@ def test_without_checksum_verification_damage_to_the_frame_is_still_caught(tmp_p
     assert store.wait(store.load(ids, [bytearray(4096), bytearray(4096)])) == [True, False]
     assert store.verify() == [ids[0]]  # the offline check still hashes
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_what_sits_at_a_blocks_path_and_is_no_file_is_a_prompt_miss(tmp_path, kind):
+    """A FIFO at a block's path used to block the load (and the engine's step) forever."""
+    store = posix(tmp_path)
+    ids, data = blocks(2, 1024)
+    store.wait(store.dump(ids[1:], data[1:]))
+    path = Path(store._path(ids[0]))
+    path.parent.mkdir(exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        path.symlink_to(store._path(ids[1]))  # even a link to a good block is not followed
+    else:
+        path.mkdir()
+    result: list[list[bool]] = []
+    loader = threading.Thread(target=lambda: result.append(store.wait(store.load(ids[:1], [bytearray(1024)]))))
+    loader.start()
+    loader.join(10)
+    assert not loader.is_alive(), "the load hung"
+    assert result == [[False]]
+    if kind != "directory":
+        assert not path.exists() and not path.is_symlink()  # removed, so a dump can write the block
+    store.close()

@@ -25,6 +25,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -151,10 +152,22 @@ class PosixStore(PerBlockStore):
     def _read_block(self, path: str, block_id: bytes, buffer: Blob) -> bool:
         size = blob_size(buffer)
         expected = size + TRAILER.size
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.config.direct_io else 0)
-        fd = os.open(path, flags)
+        # Never follow a link out of the store, and never wait on something that is not a file (a
+        # FIFO at a block's path would block the open, and the engine step with it).
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        flags |= os.O_DIRECT if self.config.direct_io else 0
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            self._quarantine(path, "a symbolic link")
+            return False
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._quarantine(path, "not a regular file")
+                return False
             if st.st_size != expected:
                 return self._reject_size(path, block_id, st.st_size, expected)
             if self.config.direct_io:
