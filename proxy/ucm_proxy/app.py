@@ -181,11 +181,15 @@ class Proxy:
         if length is not None and length.isdigit() and int(length) > limit:
             raise ProxyError(413, f"Request body is larger than {limit} bytes.")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ProxyError(413, f"Request body is larger than {limit} bytes.")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.config.timeouts.body_s):  # a stalled upload holds nothing long
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ProxyError(413, f"Request body is larger than {limit} bytes.")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ProxyError(408, f"Request body not received within {self.config.timeouts.body_s} s.") from None
         return b"".join(chunks)
 
     async def _prefill(self, route: str, body: dict[str, Any], headers: dict[str, str], key: bytes) -> Any:
@@ -314,16 +318,28 @@ class ProxyApp:
     def __init__(self, proxy: Proxy, api: FastAPI) -> None:
         self.proxy = proxy
         self.api = api
+        self.in_flight = 0  # client requests being handled, streams until their last byte
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in self.HOT_ROUTES and scope["method"] == "POST":
-            request = Request(scope, receive, send)
+            if self.in_flight >= self.proxy.config.max_in_flight:
+                metrics.REQUESTS.labels(scope["path"], "429").inc()
+                busy = ProxyError(
+                    429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"}
+                )
+                await busy.response()(scope, receive, send)
+                return
+            self.in_flight += 1
             try:
-                response = await self.proxy.handle(request, scope["path"])
-            except Exception:
-                logger.exception("unexpected error on %s", scope["path"])
-                response = ProxyError(500, "Internal proxy error.", None, "internal_error").response()
-            await response(scope, receive, send)
+                request = Request(scope, receive, send)
+                try:
+                    response = await self.proxy.handle(request, scope["path"])
+                except Exception:
+                    logger.exception("unexpected error on %s", scope["path"])
+                    response = ProxyError(500, "Internal proxy error.", None, "internal_error").response()
+                await response(scope, receive, send)
+            finally:
+                self.in_flight -= 1
             return
         await self.api(scope, receive, send)
 

@@ -23,6 +23,7 @@ class RoutingConfig(StrictModel):
 
 class TimeoutsConfig(StrictModel):
     connect_s: float = Field(5.0, gt=0)
+    body_s: float = Field(30.0, gt=0, description="Until the client's request body is read (slower: 408)")
     prefill_s: float = Field(600.0, gt=0, description="Whole prefill request")
     first_byte_s: float = Field(600.0, gt=0, description="Until the decode backend's response starts")
     idle_s: float = Field(600.0, gt=0, description="Longest silence inside a streamed response")
@@ -63,6 +64,9 @@ class ProxyConfig(StrictModel):
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth")
     api_keys_file: Path | None = Field(None, description="File with one accepted key per line (a Secret)")
     max_body_bytes: int = Field(4 << 20, gt=0, description="Larger request bodies get 413")
+    max_in_flight: int = Field(
+        1024, ge=1, description="Client requests handled at once (streams until they end); more get 429"
+    )
 
     @field_validator("prefill", "decode")
     @classmethod

@@ -22,12 +22,20 @@ def sse_error(status: int, message: str) -> bytes:
 class ProxyError(Exception):
     """An error answered to the client as an OpenAI-style error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
 
     def response(self, request_id: str | None = None) -> JSONResponse:
-        headers = {"X-Request-Id": request_id} if request_id else None
+        headers = {**self.headers, **({"X-Request-Id": request_id} if request_id else {})}
         body = error_body(self.status, self.message, self.kind, self.param)
         return JSONResponse(body, status_code=self.status, headers=headers)
 

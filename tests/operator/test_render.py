@@ -145,3 +145,11 @@ def test_ucm_render_prints_valid_objects_for_every_example(example, tmp_path):
     assert r.stdout.startswith("---\n") and all(d["metadata"]["namespace"] == "serving" for d in docs)
     assert all("ownerReferences" not in d["metadata"] for d in docs)  # no live resource, no uid to point at
     validate_strict(docs, tmp_path)
+
+
+def test_the_proxy_pod_has_bounded_resources():
+    model = UCMDeploymentSpec.model_validate(specs()[0][1])
+    objects = render(Owner("demo", "serving", "uid"), model, build_plan("demo", model, Site("kubernetes")))
+    proxy = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-proxy")
+    resources = proxy["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["memory"] and resources["limits"]["memory"]

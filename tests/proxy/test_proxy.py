@@ -1,6 +1,8 @@
 """The PD proxy against fake vLLM backends over real HTTP: the request path, routing, failures."""
 
+import concurrent.futures
 import json
+import socket
 import time
 
 import httpx
@@ -392,3 +394,33 @@ def test_openapi_docs_are_served(pd):
     with proxy.client() as c:
         paths = c.get("/openapi.json").json()["paths"]
     assert {"/v1/models", "/health", "/ready", "/metrics"} <= set(paths)
+
+
+def test_over_the_in_flight_limit_requests_get_429_with_retry_after(fakes, make_proxy):
+    slow = fakes.add("slow", Behaviour(delay_s=1.0))
+    proxy = make_proxy(mode="mixed", decode=[slow.url], max_in_flight=2)
+
+    def call():
+        with proxy.client() as c:
+            return c.post("/v1/completions", json=COMPLETION)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: call(), range(4)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200, 200, 429, 429]
+    busy = next(r for r in answers if r.status_code == 429)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == 429
+    assert call().status_code == 200  # capacity is given back
+
+
+def test_a_stalled_upload_is_cut_off(fakes, make_proxy):
+    proxy = make_proxy(mode="mixed", decode=[fakes.add("d").url], timeouts={"body_s": 0.5})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )  # one byte of a hundred, then nothing
+        started = time.monotonic()
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3

@@ -107,7 +107,14 @@ def _probe(p: Probe | None) -> dict[str, Any] | None:
     }
 
 
+# The proxy's own default: its memory per request is bounded (max_body_bytes, max_in_flight), so a
+# limit protects the node without starving it; CPU is left unlimited (throttling adds latency).
+PROXY_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+
+
 def _resources(role: Role) -> dict[str, Any]:
+    if role.component == "proxy":
+        return {k: dict(v) for k, v in PROXY_RESOURCES.items()}
     if role.pool is None:
         return {}
     r = role.pool.resources
