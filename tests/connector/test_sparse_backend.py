@@ -9,17 +9,14 @@ import types
 
 import pytest
 import torch
+from vllm import _custom_ops as ops
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
 
-vllm = pytest.importorskip("vllm")
-
-from vllm import _custom_ops as ops  # noqa: E402
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa  # noqa: E402
-
-from ucm.integration.vllm.attention import UCMAttentionImpl, UCMAttentionMetadata, learn_layout  # noqa: E402
-from ucm.sparse.base import BlockReader  # noqa: E402
-from ucm.sparse.config import SparseConfig  # noqa: E402
-from ucm.sparse.serving import SparseRuntime  # noqa: E402
+from ucm.integration.vllm.attention import UCMAttentionImpl, UCMAttentionMetadata, learn_layout
+from ucm.sparse.base import BlockReader
+from ucm.sparse.config import SparseConfig
+from ucm.sparse.serving import SparseRuntime
 
 H, HKV, D, B = 4, 2, 64, 32
 POOL = 40
