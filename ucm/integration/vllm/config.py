@@ -41,6 +41,15 @@ class ConnectorConfig(StrictModel):
     pd_wait_timeout_s: float = Field(
         30.0, ge=0, description="A consumer waits this long for blocks a producer promised, then recomputes"
     )
+    load_timeout_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="A load not done by then is abandoned and its blocks recomputed; loads are then staged (an "
+        "abandoned read must not land in cache memory vLLM reuses). null: no deadline, CPU loads in place",
+    )
+    lookup_timeout_s: float = Field(
+        2.0, gt=0, description="A store lookup not answered by then counts as a miss (vLLM's scheduler never waits)"
+    )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
 
 

@@ -99,6 +99,7 @@ class UCMConnector(KVConnectorBase_V1):
                 pd_wait_timeout_s=config.pd_wait_timeout_s,
                 stats=self._stats,
                 tp_size=self._tp_size,
+                lookup_timeout_s=config.lookup_timeout_s,
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -111,6 +112,7 @@ class UCMConnector(KVConnectorBase_V1):
                 load_mode=config.load_mode,
                 save_mode=config.save_mode,
                 stats=self._stats,
+                load_timeout_s=config.load_timeout_s,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])

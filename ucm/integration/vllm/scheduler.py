@@ -18,6 +18,7 @@ from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, store_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import Store
+from ucm.store.deadline import Deadlined
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class SchedulerSide:
         stats: StatsRecorder,
         tp_size: int = 1,
         clock: Any = time.monotonic,
+        lookup_timeout_s: float = 2.0,
     ) -> None:
         self._context = context
         self._hashers: dict[str, BlockHasher] = {}
@@ -71,6 +73,7 @@ class SchedulerSide:
         self._clock = clock
         self._requests: dict[str, _RequestState] = {}
         self.block_size = context.block_size
+        self._lookups = Deadlined(lookup_timeout_s, "UCM lookup")
 
     def _hasher(self, salt: str) -> BlockHasher:
         hasher = self._hashers.get(salt)
@@ -95,7 +98,9 @@ class SchedulerSide:
         state.load = None
         if not state.ids:
             return 0, False
-        state.stored = self._store.lookup_prefix(state.ids)
+        timeouts = self._lookups.timeouts
+        state.stored = self._lookups.call(lambda: self._store.lookup_prefix(state.ids), 0)
+        self._stats.add("lookup_timeouts", self._lookups.timeouts - timeouts)
         state.next_save = state.stored
         if not self._can_load:
             return 0, False

@@ -25,6 +25,8 @@ COUNTERS: dict[str, str] = {
     "save_failed_blocks": "Blocks whose save failed (a later request recomputes them)",
     "external_hit_tokens": "Prompt tokens served from the store instead of computed",
     "pd_wait_timeouts": "Consumer requests that stopped waiting for a producer's blocks and recomputed",
+    "load_timeouts": "Loads abandoned at their deadline (their blocks recomputed)",
+    "lookup_timeouts": "Store lookups answered as misses because the store did not answer in time",
     "store_corrupt_blocks": "Stored blocks that failed their integrity check in this engine's workers",
     "store_evicted_blocks": "Blocks evicted by this engine's workers to keep stores under capacity",
 }

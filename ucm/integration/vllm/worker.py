@@ -1,9 +1,11 @@
 """The worker half of the connector: bytes between the paged KV cache and the store.
 
-Loads start when the step starts (``start_load``). On the CPU the store reads each block straight
-into the paged cache, one segment per layer (no staging, no copy); where that is impossible (GPU
-memory, non-contiguous layouts) blocks are staged in host memory and copied into each layer just
-before that layer's attention runs (``load_mode: layer``) or all at once (``step``). Saves copy each layer's
+Loads start when the step starts (``start_load``). Blocks are staged in host memory and copied into
+each layer just before that layer's attention runs (``load_mode: layer``) or all at once
+(``step``). A load has a deadline (``load_timeout_s``): past it, its blocks are recomputed and the
+read is abandoned — into staging, which the pending read keeps alive, never into cache memory vLLM
+may reuse. Without a deadline, on the CPU the store reads each block straight into the paged cache,
+one segment per layer (no staging, no copy). Saves copy each layer's
 new blocks into host staging as the layer finishes (``save_mode: layer``) or at the step's end,
 then the store writes them in the background: the step waits for the copies, not for the I/O.
 Staging is the connector's own memory, so vLLM may free or reuse the blocks right after the step.
@@ -46,10 +48,13 @@ class WorkerSide:
         load_mode: str,
         save_mode: str,
         stats: StatsRecorder,
+        load_timeout_s: float | None = None,
         in_place_loads: bool | None = None,
     ) -> None:
         self._store = store
-        self._in_place_option = in_place_loads  # None: whenever the layout allows it
+        self._load_timeout_s = load_timeout_s
+        # None: whenever the layout allows it and no deadline can abandon a read in flight
+        self._in_place_option = in_place_loads
         self._rank = rank
         self._tp_size = tp_size
         self._load_mode = load_mode
@@ -79,7 +84,7 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layout = KVLayout(kv_caches, num_blocks)
-        allowed = self.layout.in_place
+        allowed = self.layout.in_place and self._load_timeout_s is None
         self._in_place = allowed if self._in_place_option is None else self._in_place_option and allowed
         logger.info(
             "UCM: %d layers, %d bytes per block payload, %d blocks, loads %s",
@@ -130,7 +135,20 @@ class WorkerSide:
                 self.layout.scatter_layer(layer, [load.transfer.block_ids[i] for i in good], rows)
 
     def _finish_load(self, load: _Load) -> None:
-        load.ok = load.task.wait()
+        try:
+            remaining = None
+            if self._load_timeout_s is not None:
+                remaining = max(0.0, load.started + self._load_timeout_s - time.perf_counter())
+            load.ok = load.task.wait(remaining)
+        except TimeoutError:
+            logger.warning(
+                "UCM: request %s: load of %d blocks not done after %.1f s; recomputing them",
+                load.transfer.req_id,
+                len(load.transfer.block_ids),
+                self._load_timeout_s,
+            )
+            self._stats.add("load_timeouts", 1)
+            load.ok = [False] * len(load.transfer.block_ids)
         n_ok = sum(load.ok)
         failed = [b for b, ok in zip(load.transfer.block_ids, load.ok, strict=True) if not ok]
         if failed:

@@ -1,0 +1,54 @@
+"""Store calls with a deadline, for callers that must never wait on a stuck store (vLLM's scheduler
+loop): an NFS hard mount during an outage, a stuck FUSE mount or a stalled RPC would block a
+``stat()`` forever.
+
+Calls run on one worker thread. A call that misses its deadline gives the caller the fallback
+answer (a miss) and keeps running in the background; while it is still stuck, later calls get the
+fallback at once instead of queueing behind it, and ``stuck`` says so. When it returns, calls go to
+the store again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Deadlined:
+    def __init__(self, timeout_s: float, name: str) -> None:
+        self.timeout_s = timeout_s
+        self.name = name
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-deadlined")
+        self._stuck: Future[object] | None = None
+        self._lock = threading.Lock()
+        self.timeouts = 0  # calls answered with the fallback because the store was too slow
+
+    @property
+    def stuck(self) -> bool:
+        with self._lock:
+            return self._stuck is not None and not self._stuck.done()
+
+    def call(self, fn: Callable[[], T], fallback: T) -> T:
+        if self.stuck:
+            self.timeouts += 1
+            return fallback
+        future = self._pool.submit(fn)
+        try:
+            return future.result(self.timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._stuck = future  # type: ignore[assignment]
+            self.timeouts += 1
+            logger.warning("%s: no answer from the store in %.1f s; treating it as a miss", self.name, self.timeout_s)
+            future.add_done_callback(lambda _: logger.warning("%s: the store answers again", self.name))
+            return fallback
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
