@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ByteSize, Field
 
 from ucm.config import ConfigError, StrictModel, parse_config
 from ucm.hashing import HASH_ALGORITHMS, HashAlgorithm
@@ -46,6 +46,11 @@ class ConnectorConfig(StrictModel):
         gt=0,
         description="A load not done by then is abandoned and its blocks recomputed; loads are then staged (an "
         "abandoned read must not land in cache memory vLLM reuses). null: no deadline, CPU loads in place",
+    )
+    load_staging: ByteSize = Field(
+        ByteSize(128 << 20),
+        description="Host memory for staged loads, allocated and touched at startup so a first load pays no "
+        "page faults (a larger load allocates more)",
     )
     lookup_timeout_s: float = Field(
         2.0, gt=0, description="A store lookup not answered by then counts as a miss (vLLM's scheduler never waits)"

@@ -113,6 +113,7 @@ class UCMConnector(KVConnectorBase_V1):
                 save_mode=config.save_mode,
                 stats=self._stats,
                 load_timeout_s=config.load_timeout_s,
+                staging_bytes=int(config.load_staging),
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])
