@@ -6,6 +6,7 @@ small one reuses the credentials Kopf logged in with (``kopf.ConnectionInfo``)."
 from __future__ import annotations
 
 import base64
+import json
 import ssl
 import tempfile
 from typing import Any
@@ -29,9 +30,18 @@ KINDS: dict[str, tuple[str, str, str]] = {
 
 
 class ApiError(Exception):
+    """A call that failed: an error answer (``status``), or no answer at all (``status`` 0:
+    a timeout or a connection error)."""
+
     def __init__(self, status: int, method: str, path: str, message: str) -> None:
-        super().__init__(f"{method} {path}: {status} {message}")
+        super().__init__(f"{method} {path}: {status or 'no answer'} {message}".rstrip())
         self.status = status
+
+    @property
+    def permanent(self) -> bool:
+        """The API server refuses the request itself (400, 403, 422, ...): asking again changes
+        nothing until the spec does. Conflicts, throttling and timeouts are worth retrying."""
+        return 400 <= self.status < 500 and self.status not in (408, 409, 429)
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:
@@ -95,14 +105,22 @@ class Api:
         return self._session
 
     async def call(self, method: str, url: str, body: Any = None, content_type: str = "application/json") -> Any:
-        async with self._http().request(
-            method, url.lstrip("/"), json=body, headers={"Content-Type": content_type}
-        ) as r:
-            data = await r.json(content_type=None) if r.content_length != 0 else None
-            if r.status >= 400:
-                message = data.get("message", "") if isinstance(data, dict) else ""
-                raise ApiError(r.status, method, url, message)
-            return data
+        try:
+            async with self._http().request(
+                method, url.lstrip("/"), json=body, headers={"Content-Type": content_type}
+            ) as r:
+                text = await r.text()
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ApiError(0, method, url, f"{type(exc).__name__}: {exc}") from None
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            data = None  # an error page from a proxy in front of the API server, say
+        if status >= 400:
+            message = data.get("message", "") if isinstance(data, dict) else text[:200]
+            raise ApiError(status, method, url, message)
+        return data
 
     async def create(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]

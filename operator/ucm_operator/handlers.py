@@ -14,6 +14,7 @@ State shared by the handlers (the API client, what status was last written) live
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ from ucm_proxy.config import ProxyConfig
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 RETRY_DELAY_S = 15
+DELETE_WAIT_S = 60  # per group of children (the pods' own grace periods are longer than that)
+
+logger = logging.getLogger(__name__)
 
 registry = kopf.OperatorRegistry()
 
@@ -201,18 +205,21 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
         return
     spec, plan = planned
     desired = render(Owner(name, namespace, uid), spec, plan)
-    failure = None
+    failure, failed = None, None
     with RECONCILE_SECONDS.time():
         try:
             await apply(state.api, desired, children(kwargs, namespace, name))
         except ApiError as exc:
-            failure = str(exc)
+            failure, failed = str(exc), exc
     RECONCILES.labels("failed" if failure else "ok").inc()
     if failure is None:
         state.failures.pop((namespace, name), None)
     else:
         state.failures[(namespace, name)] = failure
     await refresh(state, namespace, name, kwargs)
+    if failed is not None and failed.permanent:
+        # Refused (e.g. 422 for an invalid env name): retrying changes nothing until the spec does.
+        raise kopf.PermanentError(failure)
     if failure is not None:
         raise kopf.TemporaryError(failure, delay=RETRY_DELAY_S)
 
@@ -230,13 +237,32 @@ for _kind in ("Deployment", "PersistentVolumeClaim"):  # the children whose stat
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
 async def remove(name: str, namespace: str, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Children go in the reverse of the start order, then the rest (config, claim)."""
+    """Children go group by group in the reverse of the start order — each group gone (as the
+    watches report) before the next is deleted, so clients stop being routed before engines go —
+    then the rest (config, claim)."""
     state: State = memo.ucm
     kids = children(kwargs, namespace, name)
-    ordered = [c for group in reversed(START_ORDER) for component in group for c in kids if c.component == component]
-    for c in ordered + [c for c in kids if c not in ordered]:
-        await state.api.delete(c.kind, namespace, c.name)
+    for group in reversed(START_ORDER):
+        stage = [c for c in kids if c.component in group]
+        for c in stage:
+            await state.api.delete(c.kind, namespace, c.name)
+        await _gone(kwargs, namespace, name, {(c.kind, c.name) for c in stage})
+    for c in kids:
+        if not any(c.component in group for group in START_ORDER):
+            await state.api.delete(c.kind, namespace, c.name)
     state.forget((namespace, name))
+
+
+async def _gone(indexes: Mapping[str, Any], namespace: str, name: str, objects: set[tuple[str, str]]) -> None:
+    """Until the watches no longer see ``objects`` (at most DELETE_WAIT_S: deletion goes on)."""
+    deadline = asyncio.get_running_loop().time() + DELETE_WAIT_S
+    while objects & {(c.kind, c.name) for c in children(indexes, namespace, name)}:
+        if asyncio.get_running_loop().time() > deadline:
+            logger.warning(
+                "%s/%s: %s still present after %d s; deleting the rest", namespace, name, objects, DELETE_WAIT_S
+            )
+            return
+        await asyncio.sleep(0.2)
 
 
 async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child]) -> int:

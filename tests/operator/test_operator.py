@@ -296,3 +296,36 @@ async def test_the_console_script_runs_the_operator_with_a_liveness_endpoint(kmo
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         log.close()
+
+
+@pytest.mark.asyncio
+async def test_a_permanent_refusal_is_degraded_and_not_retried_forever(kmock, cluster, monkeypatch):
+    """422 (say, an env name the API server rejects) is reported, not retried every 15 s."""
+    monkeypatch.setattr("ucm_operator.handlers.RETRY_DELAY_S", 0.2)
+    refused = (
+        kmock["post"][lambda req: req.url.path.endswith("/deployments")]
+        << 422
+        << {
+            "kind": "Status",
+            "message": "spec.template.spec.containers[0].env[0].name: Invalid value",
+        }
+    )
+    assert refused is not None
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "r", SPEC, uid="uid-r")
+
+        async def degraded() -> dict[str, Any]:
+            cond = conditions(await cluster.ucmd(NS, "r"))
+            assert cond["Degraded"]["status"] == "True", cond
+            return cond
+
+        cond = await eventually(degraded)
+        assert "422" in cond["Degraded"]["message"] and "env[0].name" in cond["Degraded"]["message"]
+        await asyncio.sleep(0.5)
+        before = deployment_posts(kmock)
+        await asyncio.sleep(1.5)  # a temporary error would have been retried ~7 more times by now
+        assert deployment_posts(kmock) == before <= 3  # once per Kopf cause (create/resume/update), then no more
+
+
+def deployment_posts(kmock) -> int:
+    return sum(1 for c in kmock.calls if c.verb == "create" and c.resource == "deployments")
