@@ -27,6 +27,10 @@ class Req:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.extra)
 
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.extra
+
 
 class Clock:
     def __init__(self) -> None:
@@ -43,7 +47,7 @@ def store(tmp_path):
     s.close()
 
 
-def side(store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_size=1) -> SchedulerSide:
+def side(store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_size=1, decode_save=0) -> SchedulerSide:
     return SchedulerSide(
         CTX,
         store,
@@ -53,6 +57,7 @@ def side(store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_siz
         stats=StatsRecorder(),
         tp_size=tp_size,
         clock=clock or Clock(),
+        decode_save_blocks=decode_save,
     )
 
 
@@ -222,3 +227,19 @@ def test_multimodal_requests_bypass_the_store(store):
     assert s.num_new_matched_tokens(req, 0) == (0, False)
     s.after_alloc(req, [1, 2, 3, 4, 5], 0)
     assert s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 0)], scheduled={"r": 18})).saves == []
+
+
+def test_blocks_filled_while_decoding_are_saved_too_up_to_the_limit(store):
+    """A chat's next turn starts with the assistant's answer: its full blocks are worth keeping."""
+    s = side(store, decode_save=2)
+    req = Req("r", TOKENS, kv_transfer_params={"do_remote_decode": True})  # 18 tokens: 4 full blocks + 2
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    s.after_alloc(req, [0, 1, 2, 3, 4], 0)
+    first = s.build_meta(step(new=[("r", [0, 1, 2, 3, 4], 0)], scheduled={"r": 18}))
+    assert [t.block_ids for t in first.saves] == [[0, 1, 2, 3]]
+    req.extra = list(range(500, 510))  # 10 tokens generated: 28 in all, 7 full blocks
+    decoded = s.build_meta(step(cached=[("r", [5, 6], 27)], scheduled={"r": 1}))
+    [save] = decoded.saves
+    assert save.block_ids == [4, 5]  # blocks 4 and 5; block 6 is past the limit of 2
+    assert save.store_ids == BlockHasher(CTX).block_ids(req.all_token_ids)[4:6]
+    assert s.finished(req)[PARAM_BLOCKS] == 4  # what a PD consumer waits for: the prompt's blocks

@@ -52,6 +52,9 @@ class ConnectorConfig(StrictModel):
         description="Host memory for staged loads, allocated and touched at startup so a first load pays no "
         "page faults (a larger load allocates more)",
     )
+    decode_save_blocks: int = Field(
+        64, ge=0, description="Blocks filled while decoding that are saved too, per request (0: prompt blocks only)"
+    )
     lookup_timeout_s: float = Field(
         2.0, gt=0, description="A store lookup not answered by then counts as a miss (vLLM's scheduler never waits)"
     )

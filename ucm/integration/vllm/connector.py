@@ -100,6 +100,7 @@ class UCMConnector(KVConnectorBase_V1):
                 stats=self._stats,
                 tp_size=self._tp_size,
                 lookup_timeout_s=config.lookup_timeout_s,
+                decode_save_blocks=config.decode_save_blocks,
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank

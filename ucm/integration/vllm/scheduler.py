@@ -31,6 +31,7 @@ class RequestLike(Protocol):
 
     request_id: str
     prompt_token_ids: Sequence[int] | None
+    all_token_ids: Sequence[int]  # prompt and generated so far (vLLM appends to it in place)
     num_tokens: int
     kv_transfer_params: dict[str, Any] | None
     cache_salt: str | None
@@ -38,13 +39,15 @@ class RequestLike(Protocol):
 
 @dataclass
 class _RequestState:
-    ids: list[bytes]  # store ids of the prompt's full blocks (rank 0)
+    request: RequestLike  # vLLM's live request: its tokens grow as it decodes
+    hashes: list[bytes]  # block ids of its full blocks so far (prompt, then decoded)
+    ids: list[bytes]  # the same as store keys (rank 0)
     num_prompt_tokens: int
     stored: int = 0  # leading blocks present in the store at the last lookup
     load: tuple[int, int] | None = None  # blocks [start, end) to load once vLLM allocated them
     load_tokens: int = 0  # tokens those blocks give vLLM (one less than the blocks on a full hit)
     blocks: list[int] = field(default_factory=list)  # vLLM block ids of the request
-    next_save: int = 0  # first prompt block not yet handed to workers for saving
+    next_save: int = 0  # first block not yet handed to workers for saving
     wait_started: float | None = None
 
 
@@ -61,6 +64,7 @@ class SchedulerSide:
         tp_size: int = 1,
         clock: Any = time.monotonic,
         lookup_timeout_s: float = 2.0,
+        decode_save_blocks: int = 0,
     ) -> None:
         self._context = context
         self._hashers: dict[str, BlockHasher] = {}
@@ -74,6 +78,7 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self.block_size = context.block_size
         self._lookups = Deadlined(lookup_timeout_s, "UCM lookup")
+        self._decode_save_blocks = decode_save_blocks
 
     def _hasher(self, salt: str) -> BlockHasher:
         hasher = self._hashers.get(salt)
@@ -89,7 +94,8 @@ class SchedulerSide:
             # blocks are not named by its tokens, so it bypasses the store entirely.
             multimodal = bool(getattr(request, "mm_features", None))
             ids = [] if multimodal else self._hasher(request.cache_salt or "").block_ids(prompt)
-            state = self._requests[request.request_id] = _RequestState(store_keys(ids, 0, self._tp_size), len(prompt))
+            state = _RequestState(request, ids, store_keys(ids, 0, self._tp_size), len(prompt))
+            self._requests[request.request_id] = state
         return state
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------------
@@ -182,10 +188,26 @@ class SchedulerSide:
         if not self._can_save:
             return
         full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.ids))
+        if computed_after > state.num_prompt_tokens and self._decode_save_blocks and state.ids:
+            full = self._decoded_blocks(state, computed_after)
         if full > state.next_save:
             lo = state.next_save
             meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full]))
             state.next_save = full
+
+    def _decoded_blocks(self, state: _RequestState, computed_after: int) -> int:
+        """Full blocks so far, blocks filled while decoding included (up to ``decode_save_blocks``
+        of them): the next turn of a chat starts with them. Their ids are hashed as they fill."""
+        prompt_blocks = state.num_prompt_tokens // self.block_size
+        tokens = state.request.all_token_ids
+        full = min(computed_after, len(tokens)) // self.block_size
+        full = min(full, prompt_blocks + self._decode_save_blocks)
+        if full > len(state.hashes):
+            hasher = self._hasher(state.request.cache_salt or "")
+            known = len(state.hashes)
+            state.hashes = hasher.extend(list(tokens[: full * self.block_size]), state.hashes)
+            state.ids += store_keys(state.hashes[known:], 0, self._tp_size)
+        return full
 
     # -- vLLM: request_finished ------------------------------------------------------------------
     def finished(self, request: RequestLike) -> dict[str, Any] | None:
@@ -194,4 +216,5 @@ class SchedulerSide:
         if state is None or not self._can_save or not params.get("do_remote_decode"):
             return None
         # A consumer given these waits until this many leading blocks are visible in the store.
-        return {"do_remote_prefill": True, PARAM_BLOCKS: state.next_save}
+        prompt_blocks = state.num_prompt_tokens // self.block_size
+        return {"do_remote_prefill": True, PARAM_BLOCKS: min(state.next_save, prompt_blocks)}
