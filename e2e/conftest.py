@@ -101,7 +101,11 @@ def running(stack: Stack) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running(Stack(tmp_path_factory.mktemp("stack"), default_spec(tiny))) as s:
+    run_dir = tmp_path_factory.mktemp("stack")
+    spec = default_spec(tiny)
+    # Where decode's scheduler records a stuck store (ucm serve picks a fresh file otherwise).
+    spec["decode"]["env"] = [{"name": "UCM_STORE_HEALTH_FILE", "value": str(run_dir / "decode-store.json")}]
+    with running(Stack(run_dir, spec)) as s:
         yield s
 
 

@@ -121,6 +121,29 @@ def test_the_openai_client_works_unchanged(stack: Stack):
     assert "max_tokens" in str(err.value)
 
 
+def test_a_decode_whose_store_stays_stuck_leaves_service_until_it_answers(stack: Stack):
+    """The file is what decode's scheduler writes when a lookup has been stuck since ``since``
+    (written here: a real stuck store is shown by the unit test with a held store and by
+    benchmarks/fault_serving.py with a stalled FUSE mount); this checks the real engine's /health
+    and the proxy act on it."""
+    roles = stack.state()["roles"]
+    decode, proxy = roles["decode-0"]["url"], roles["proxy"]["url"]
+    marker = stack.run_dir / "decode-store.json"
+    marker.write_text(json.dumps({"since": time.time() - 60, "unhealthy_after_s": 30}))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(decode + "/health", timeout=10)
+        assert err.value.code == 503
+        assert "the KV store has not answered for 60 s (limit 30 s)" in err.value.read().decode()
+        deadline = time.monotonic() + 30
+        while metric(proxy, "ucm_proxy_backend_healthy") >= 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert metric(proxy, "ucm_proxy_backend_healthy") < 2  # the proxy took decode out
+    finally:
+        marker.unlink()
+    wait_served(stack)
+
+
 def wait_served(stack: Stack, timeout: float = 240.0) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

@@ -6,6 +6,8 @@ missing=()
 dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
 # wrk: the load generator of benchmarks/proxy_overhead.py.
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+# libfuse 3: the stalled store mount of benchmarks/fault_serving.py (ucm_testing.stallfs).
+dpkg -s libfuse3-3 >/dev/null 2>&1 || missing+=(fuse3)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "system-deps: please install: ${missing[*]} (needs root and apt-get)" >&2

@@ -37,6 +37,8 @@ def test_dry_run_prints_the_vllm_command_with_the_config(tmp_path):
     passed = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert passed["kv_connector"] == "UCMConnector"
     assert passed["kv_connector_extra_config"]["store"]["posix"]["roots"] == [str(tmp_path / "kv")]
+    # /health turns 503 while the store is stuck (ucm.integration.vllm.health)
+    assert command[command.index("--middleware") + 1] == "ucm.integration.vllm.health.StoreHealthMiddleware"
 
 
 def test_a_missing_store_directory_stops_the_start(tmp_path):

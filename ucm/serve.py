@@ -19,6 +19,7 @@ from typing import Any
 
 from ucm.config import ConfigError
 from ucm.integration.vllm.config import WHERE, parse_connector_config
+from ucm.integration.vllm.health import HEALTH_FILE_ENV, MIDDLEWARE
 from ucm.store.factory import validate_store_config
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -69,6 +70,8 @@ def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
         "-m",
         "vllm.entrypoints.openai.api_server",
         *vllm_args,
+        "--middleware",
+        MIDDLEWARE,
         "--kv-transfer-config",
         json.dumps(config, separators=(",", ":")),
     ]
@@ -89,5 +92,8 @@ def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
         print(json.dumps(command))
         return 0
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir(os.environ)
+    health = os.environ.get(HEALTH_FILE_ENV) or os.path.join(tempfile.mkdtemp(prefix="ucm-health-"), "stuck.json")
+    Path(health).unlink(missing_ok=True)  # left by a stuck store before a restart: not this start's state
+    os.environ[HEALTH_FILE_ENV] = health
     sys.stdout.flush()
     os.execv(command[0], command)

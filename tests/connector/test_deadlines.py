@@ -9,12 +9,18 @@ until the test releases them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 
+import pytest
+
 from tests.connector.test_scheduler import CTX, Req, put, side
 from tests.connector.test_worker import IDS, NB, kv_caches, run_step, worker
+from ucm.integration.vllm.health import HEALTH_FILE_ENV, StoreHealth, StoreHealthMiddleware, stuck_for
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import PARAM_BLOCKS
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import Task, create_store
@@ -103,3 +109,72 @@ def test_a_stuck_lookup_is_a_miss_and_later_lookups_do_not_queue_behind_it(tmp_p
     time.sleep(0.1)
     assert s.num_new_matched_tokens(Req("c", tokens), 0) == (4 * CTX.block_size - 1, False)  # answering again
     real.close()
+
+
+def asgi_get(app, path: str) -> tuple[int, bytes]:  # type: ignore[no-untyped-def]
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app({"type": "http", "path": path, "method": "GET"}, None, send))
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def vllm_app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_a_store_stuck_past_its_limit_turns_health_503_until_it_answers(tmp_path, monkeypatch):
+    real = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    tokens = list(range(16))
+    stalled = Stalled(real)
+    path = tmp_path / "stuck.json"
+    s = side(stalled, health=StoreHealth(30.0, environ={HEALTH_FILE_ENV: str(path)}))
+    s._lookups.timeout_s = 0.3
+    started = time.time()
+    assert s.num_new_matched_tokens(Req("a", tokens), 0) == (0, False)
+    assert path.exists()  # written by the scheduler's process, read by the API server's
+
+    since = json.loads(path.read_text())["since"]
+    assert started - 0.1 <= since <= started + 0.1
+    assert stuck_for(path, now=since + 29) is None  # a short stall keeps the engine in service
+    assert stuck_for(path, now=since + 31) == (pytest.approx(31), 30)
+
+    monkeypatch.setenv(HEALTH_FILE_ENV, str(path))
+    app = StoreHealthMiddleware(vllm_app)
+    assert asgi_get(app, "/health")[0] == 200  # stuck for less than 30 s
+    path.write_text(json.dumps({"since": since - 40, "unhealthy_after_s": 30}))
+    status, body = asgi_get(app, "/health")
+    assert status == 503 and b"the KV store has not answered for 40 s (limit 30 s)" in body
+    assert asgi_get(app, "/v1/models")[0] == 200  # only /health changes
+
+    stalled.release()
+    deadline = time.monotonic() + 5
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not path.exists()
+    assert asgi_get(app, "/health")[0] == 200
+    real.close()
+
+
+def test_without_ucm_serve_nothing_is_written(tmp_path):
+    health = StoreHealth(30.0, environ={})
+    health.stuck(time.time())
+    health.answered()
+    assert health.path is None
+    assert StoreHealth(None, environ={HEALTH_FILE_ENV: str(tmp_path / "x")}).path is None  # null: never unhealthy
+
+
+def test_a_consumer_does_not_wait_for_promised_blocks_from_a_store_that_is_stuck(tmp_path):
+    stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
+    s = side(stalled, timeout=30.0)
+    s._lookups.timeout_s = 0.3
+    pd = Req("r", list(range(16)), kv_transfer_params={"do_remote_prefill": True, PARAM_BLOCKS: 4})
+    started = time.monotonic()
+    assert s.num_new_matched_tokens(pd, 0) == (0, False)  # recompute now, not after 30 s of asking again
+    assert time.monotonic() - started < 1
+    assert s._stats.take().data["pd_wait_timeouts"] == 1
+    stalled.release()
+    stalled.store.close()

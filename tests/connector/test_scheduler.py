@@ -47,7 +47,9 @@ def store(tmp_path):
     s.close()
 
 
-def side(store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_size=1, decode_save=0) -> SchedulerSide:
+def side(
+    store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_size=1, decode_save=0, health=None
+) -> SchedulerSide:
     return SchedulerSide(
         CTX,
         store,
@@ -58,6 +60,7 @@ def side(store, *, can_load=True, can_save=True, clock=None, timeout=5.0, tp_siz
         tp_size=tp_size,
         clock=clock or Clock(),
         decode_save_blocks=decode_save,
+        health=health,
     )
 
 

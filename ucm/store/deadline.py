@@ -5,13 +5,15 @@ loop): an NFS hard mount during an outage, a stuck FUSE mount or a stalled RPC w
 Calls run on one worker thread. A call that misses its deadline gives the caller the fallback
 answer (a miss) and keeps running in the background; while it is still stuck, later calls get the
 fallback at once instead of queueing behind it, and ``stuck`` says so. When it returns, calls go to
-the store again.
+the store again. ``on_stuck`` hears when a stuck call started (wall time) and ``on_answer`` when it
+returned: the engine's ``/health`` turns 503 when the store stays stuck (``health.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,9 +24,17 @@ T = TypeVar("T")
 
 
 class Deadlined:
-    def __init__(self, timeout_s: float, name: str) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        name: str,
+        on_stuck: Callable[[float], None] | None = None,
+        on_answer: Callable[[], None] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.name = name
+        self._on_stuck = on_stuck
+        self._on_answer = on_answer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-deadlined")
         self._stuck: Future[object] | None = None
         self._lock = threading.Lock()
@@ -39,6 +49,7 @@ class Deadlined:
         if self.stuck:
             self.timeouts += 1
             return fallback
+        started = time.time()
         future = self._pool.submit(fn)
         try:
             return future.result(self.timeout_s)
@@ -47,8 +58,15 @@ class Deadlined:
                 self._stuck = future  # type: ignore[assignment]
             self.timeouts += 1
             logger.warning("%s: no answer from the store in %.1f s; treating it as a miss", self.name, self.timeout_s)
-            future.add_done_callback(lambda _: logger.warning("%s: the store answers again", self.name))
+            if self._on_stuck is not None:
+                self._on_stuck(started)
+            future.add_done_callback(lambda _: self._answered())
             return fallback
+
+    def _answered(self) -> None:
+        logger.warning("%s: the store answers again", self.name)
+        if self._on_answer is not None:
+            self._on_answer()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -58,6 +58,12 @@ class ConnectorConfig(StrictModel):
     lookup_timeout_s: float = Field(
         2.0, gt=0, description="A store lookup not answered by then counts as a miss (vLLM's scheduler never waits)"
     )
+    store_unhealthy_after_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="The engine's /health answers 503 once a store call has been stuck this long (with ucm "
+        "serve, which adds the middleware); null: never",
+    )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
 
 

@@ -35,6 +35,7 @@ from ucm.integration.vllm.config import (
     prefixed_errors,
     scheduler_store_config,
 )
+from ucm.integration.vllm.health import StoreHealth
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import SchedulerSide
@@ -101,6 +102,7 @@ class UCMConnector(KVConnectorBase_V1):
                 tp_size=self._tp_size,
                 lookup_timeout_s=config.lookup_timeout_s,
                 decode_save_blocks=config.decode_save_blocks,
+                health=StoreHealth(config.store_unhealthy_after_s),
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank

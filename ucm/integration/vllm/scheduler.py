@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.health import StoreHealth
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, store_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import Store
@@ -65,6 +66,7 @@ class SchedulerSide:
         clock: Any = time.monotonic,
         lookup_timeout_s: float = 2.0,
         decode_save_blocks: int = 0,
+        health: StoreHealth | None = None,
     ) -> None:
         self._context = context
         self._hashers: dict[str, BlockHasher] = {}
@@ -77,7 +79,8 @@ class SchedulerSide:
         self._clock = clock
         self._requests: dict[str, _RequestState] = {}
         self.block_size = context.block_size
-        self._lookups = Deadlined(lookup_timeout_s, "UCM lookup")
+        health = health or StoreHealth(None)
+        self._lookups = Deadlined(lookup_timeout_s, "UCM lookup", on_stuck=health.stuck, on_answer=health.answered)
         self._decode_save_blocks = decode_save_blocks
 
     def _hasher(self, salt: str) -> BlockHasher:
@@ -115,14 +118,16 @@ class SchedulerSide:
             now = self._clock()
             if state.wait_started is None:
                 state.wait_started = now
-            if now - state.wait_started < self._timeout:
+            # Waiting on a store that does not answer only adds the wait to the recompute.
+            if now - state.wait_started < self._timeout and not self._lookups.stuck:
                 return None, False  # ask again: the producer's blocks are not all visible yet
             logger.warning(
-                "request %s: %d of %d promised blocks visible after %.1f s; recomputing the rest",
+                "request %s: %d of %d promised blocks visible after %.1f s%s; recomputing the rest",
                 request.request_id,
                 state.stored,
                 promised,
-                self._timeout,
+                now - state.wait_started,
+                " (the store is not answering)" if self._lookups.stuck else "",
             )
             self._stats.add("pd_wait_timeouts", 1)
             promised = 0

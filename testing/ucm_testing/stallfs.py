@@ -1,0 +1,192 @@
+"""A FUSE passthrough filesystem that can be told to stop answering: a stuck NFS hard mount or 3FS
+FUSE mount, for fault benchmarks. Every call blocks while the mount is stalled (a flag file
+exists) and carries on when it is resumed (the file is gone); kernel attribute caching is off so
+``stat`` blocks too. A flag file rather than a signal: libfuse's loop holds the main thread, where
+Python would run a signal handler.
+
+    python -m ucm_testing.stallfs BACKING MOUNTPOINT FLAG
+
+Needs libfuse 3 (Debian: ``fuse3``), the ``mfusepy`` package and the right to mount (root or
+``/dev/fuse`` access); ``available()`` says whether this machine has them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def available() -> str | None:
+    """None when a stall mount can run here, else why not."""
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as e:
+        return f"mfusepy with libfuse 3 is needed ({e}); `apt-get install fuse3` and `pip install mfusepy`"
+    if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse is not usable by this user"
+    if shutil.which("fusermount3") is None and os.geteuid() != 0:
+        return "fusermount3 is missing (Debian: fuse3)"
+    return None
+
+
+def _passthrough(backing: Path, flag: Path) -> Any:
+    import mfusepy
+
+    def wait() -> None:
+        while flag.exists():
+            time.sleep(0.05)
+
+    class Passthrough(mfusepy.Operations):
+        use_ns = True
+
+        def _p(self, path: str) -> str:
+            wait()
+            return str(backing) + path
+
+        def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
+            try:
+                st = os.lstat(self._p(path))
+            except OSError as e:
+                raise mfusepy.FuseOSError(e.errno or errno.EIO) from None
+            keys = ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
+            out = {k.replace("_ns", ""): getattr(st, k) for k in keys}
+            return out
+
+        def access(self, path: str, amode: int) -> int:
+            if not os.access(self._p(path), amode):
+                raise mfusepy.FuseOSError(errno.EACCES)
+            return 0
+
+        def readdir(self, path: str, fh: int) -> list[str]:
+            return [".", "..", *os.listdir(self._p(path))]
+
+        def statfs(self, path: str) -> dict[str, int]:
+            st = os.statvfs(self._p(path))
+            keys = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_frsize")
+            return {k: getattr(st, k) for k in keys} | {"f_namemax": 255}
+
+        def mkdir(self, path: str, mode: int) -> int:
+            os.mkdir(self._p(path), mode)
+            return 0
+
+        def rmdir(self, path: str) -> int:
+            os.rmdir(self._p(path))
+            return 0
+
+        def unlink(self, path: str) -> int:
+            os.unlink(self._p(path))
+            return 0
+
+        def rename(self, old: str, new: str) -> int:
+            os.rename(self._p(old), self._p(new))
+            return 0
+
+        def chmod(self, path: str, mode: int) -> int:
+            os.chmod(self._p(path), mode)
+            return 0
+
+        def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+            os.utime(self._p(path), ns=times)
+            return 0
+
+        def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+            os.truncate(self._p(path), length)
+            return 0
+
+        def open(self, path: str, flags: int) -> int:
+            return os.open(self._p(path), flags)
+
+        def create(self, path: str, mode: int, fi: Any = None) -> int:
+            return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+
+        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+            wait()
+            return os.pread(fh, size, offset)
+
+        def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+            wait()
+            return os.pwrite(fh, data, offset)
+
+        def flush(self, path: str, fh: int) -> int:
+            wait()
+            return 0
+
+        def fsync(self, path: str, datasync: int, fh: int) -> int:
+            wait()
+            os.fsync(fh)
+            return 0
+
+        def release(self, path: str, fh: int) -> int:
+            os.close(fh)
+            return 0
+
+    return Passthrough()
+
+
+class StallMount:
+    """Runs the filesystem in a child process; ``stall()`` / ``resume()`` set and clear its flag."""
+
+    def __init__(self, backing: Path, mountpoint: Path, log: Path) -> None:
+        self.backing, self.mountpoint, self.log = backing, mountpoint, log
+        self.flag = log.with_suffix(".stalled")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> StallMount:
+        self.backing.mkdir(parents=True, exist_ok=True)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ucm_testing.stallfs", str(self.backing), str(self.mountpoint), str(self.flag)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while not os.path.ismount(self.mountpoint):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"stall mount did not come up; see {self.log}")
+            time.sleep(0.1)
+        return self
+
+    def stall(self) -> None:
+        self.flag.touch()
+
+    def resume(self) -> None:
+        self.flag.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self.resume()
+        subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, check=False)
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def main() -> None:
+    import mfusepy
+
+    backing, mountpoint, flag = Path(sys.argv[1]).resolve(), sys.argv[2], Path(sys.argv[3])
+    # attr/entry timeouts 0: the kernel asks us for every stat, as an NFS client revalidating would.
+    mfusepy.FUSE(
+        _passthrough(backing, flag),
+        mountpoint,
+        foreground=True,
+        nothreads=False,
+        attr_timeout=0,
+        entry_timeout=0,
+        negative_timeout=0,
+    )
+
+
+if __name__ == "__main__":
+    main()
