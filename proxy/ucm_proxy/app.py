@@ -319,10 +319,20 @@ class ProxyApp:
         self.proxy = proxy
         self.api = api
         self.in_flight = 0  # client requests being handled, streams until their last byte
+        self.in_flight_bytes = 0  # their bodies, as declared
+
+    def _body_size(self, scope: Any) -> int:
+        """What a request's body will hold: its Content-Length, else (chunked) the most allowed."""
+        config = self.proxy.config
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit():
+                return min(int(value), config.max_body_bytes)  # larger ones get 413 without a read
+        return config.max_body_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in self.HOT_ROUTES and scope["method"] == "POST":
-            if self.in_flight >= self.proxy.config.max_in_flight:
+            config, size = self.proxy.config, self._body_size(scope)
+            if self.in_flight >= config.max_in_flight or self.in_flight_bytes + size > config.max_in_flight_bytes:
                 metrics.REQUESTS.labels(scope["path"], "429").inc()
                 busy = ProxyError(
                     429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"}
@@ -330,6 +340,7 @@ class ProxyApp:
                 await busy.response()(scope, receive, send)
                 return
             self.in_flight += 1
+            self.in_flight_bytes += size
             try:
                 request = Request(scope, receive, send)
                 try:
@@ -340,6 +351,7 @@ class ProxyApp:
                 await response(scope, receive, send)
             finally:
                 self.in_flight -= 1
+                self.in_flight_bytes -= size
             return
         await self.api(scope, receive, send)
 

@@ -72,16 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from ucm_proxy.app import create_app
+    from ucm_proxy.server import uvicorn_config
 
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=args.log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-    )
+    uvicorn.Server(uvicorn_config(create_app(config), config, args.log_level)).run()
     return 0
 
 

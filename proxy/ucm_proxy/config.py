@@ -23,6 +23,9 @@ class RoutingConfig(StrictModel):
 
 class TimeoutsConfig(StrictModel):
     connect_s: float = Field(5.0, gt=0)
+    header_s: float = Field(
+        10.0, gt=0, description="Until a request's line and headers are in, from its first byte (slower: 408)"
+    )
     body_s: float = Field(30.0, gt=0, description="Until the client's request body is read (slower: 408)")
     prefill_s: float = Field(600.0, gt=0, description="Whole prefill request")
     first_byte_s: float = Field(600.0, gt=0, description="Until the decode backend's response starts")
@@ -67,6 +70,12 @@ class ProxyConfig(StrictModel):
     max_in_flight: int = Field(
         1024, ge=1, description="Client requests handled at once (streams until they end); more get 429"
     )
+    max_in_flight_bytes: int = Field(
+        64 << 20,
+        gt=0,
+        description="Request bodies held at once (by Content-Length; a chunked upload counts as max_body_bytes); "
+        "more get 429. A body costs up to ~8x its size while handled (token ids parsed into Python ints)",
+    )
 
     @field_validator("prefill", "decode")
     @classmethod
@@ -83,6 +92,15 @@ class ProxyConfig(StrictModel):
                 raise ValueError("decode: at least one backend URL is needed (or discovery)")
             if self.mode == "pd" and not self.prefill and not self.fallback_to_decode:
                 raise ValueError("prefill: mode pd needs prefill backends (or fallback_to_decode: true)")
+        return self
+
+    @model_validator(mode="after")
+    def _room_for_a_body(self) -> ProxyConfig:
+        if self.max_in_flight_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_in_flight_bytes: {self.max_in_flight_bytes} is below max_body_bytes ({self.max_body_bytes}); "
+                "the largest accepted body could never be admitted"
+            )
         return self
 
     def accepted_keys(self) -> set[str]:

@@ -92,5 +92,6 @@ def affinity_key(body: dict[str, Any], route: str, chars: int) -> bytes:
         text = json.dumps(body.get("messages"), separators=(",", ":"))[:chars]
     else:
         prompt = body.get("prompt")
-        text = prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt)[:chars]
+        # A list is cut before it is encoded: a long token-id prompt is not copied for a hint.
+        text = prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt[:chars])[:chars]
     return hashlib.blake2b(text.encode(), digest_size=16).digest()

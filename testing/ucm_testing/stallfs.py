@@ -1,10 +1,11 @@
-"""A FUSE passthrough filesystem that can be told to stop answering: a stuck NFS hard mount or 3FS
-FUSE mount, for fault benchmarks. Every call blocks while the mount is stalled (a flag file
-exists) and carries on when it is resumed (the file is gone); kernel attribute caching is off so
+"""A FUSE passthrough filesystem that can be told to stop answering (a stuck NFS hard mount or 3FS
+FUSE mount) or to be full (ENOSPC), for fault benchmarks. Every call blocks while the mount is
+stalled (a flag file exists) and carries on when it is resumed (the file is gone); writes fail
+with ENOSPC while a second flag file exists; kernel attribute caching is off so
 ``stat`` blocks too. A flag file rather than a signal: libfuse's loop holds the main thread, where
 Python would run a signal handler.
 
-    python -m ucm_testing.stallfs BACKING MOUNTPOINT FLAG
+    python -m ucm_testing.stallfs BACKING MOUNTPOINT FLAG_DIR
 
 Needs libfuse 3 (Debian: ``fuse3``), the ``mfusepy`` package and the right to mount (root or
 ``/dev/fuse`` access); ``available()`` says whether this machine has them.
@@ -35,12 +36,18 @@ def available() -> str | None:
     return None
 
 
-def _passthrough(backing: Path, flag: Path) -> Any:
+def _passthrough(backing: Path, flags: Path) -> Any:
     import mfusepy
 
+    stalled, full = flags / STALLED, flags / FULL
+
     def wait() -> None:
-        while flag.exists():
+        while stalled.exists():
             time.sleep(0.05)
+
+    def room() -> None:
+        if full.exists():
+            raise mfusepy.FuseOSError(errno.ENOSPC)
 
     class Passthrough(mfusepy.Operations):
         use_ns = True
@@ -72,6 +79,7 @@ def _passthrough(backing: Path, flag: Path) -> Any:
             return {k: getattr(st, k) for k in keys} | {"f_namemax": 255}
 
         def mkdir(self, path: str, mode: int) -> int:
+            room()
             os.mkdir(self._p(path), mode)
             return 0
 
@@ -103,6 +111,7 @@ def _passthrough(backing: Path, flag: Path) -> Any:
             return os.open(self._p(path), flags)
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
+            room()
             return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
@@ -111,6 +120,7 @@ def _passthrough(backing: Path, flag: Path) -> Any:
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
             wait()
+            room()
             return os.pwrite(fh, data, offset)
 
         def flush(self, path: str, fh: int) -> int:
@@ -122,6 +132,10 @@ def _passthrough(backing: Path, flag: Path) -> Any:
             os.fsync(fh)
             return 0
 
+        def fsyncdir(self, path: str, datasync: int, fh: int) -> int:
+            wait()
+            return 0
+
         def release(self, path: str, fh: int) -> int:
             os.close(fh)
             return 0
@@ -129,20 +143,22 @@ def _passthrough(backing: Path, flag: Path) -> Any:
     return Passthrough()
 
 
-class StallMount:
-    """Runs the filesystem in a child process; ``stall()`` / ``resume()`` set and clear its flag."""
+STALLED, FULL = "stalled", "full"
 
-    def __init__(self, backing: Path, mountpoint: Path, log: Path) -> None:
-        self.backing, self.mountpoint, self.log = backing, mountpoint, log
-        self.flag = log.with_suffix(".stalled")
+
+class StallMount:
+    """Runs the filesystem in a child process; its methods set and clear the flag files."""
+
+    def __init__(self, backing: Path, mountpoint: Path, flags: Path, log: Path) -> None:
+        self.backing, self.mountpoint, self.flags, self.log = backing, mountpoint, flags, log
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> StallMount:
-        self.backing.mkdir(parents=True, exist_ok=True)
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        for d in (self.backing, self.mountpoint, self.flags):
+            d.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ucm_testing.stallfs", str(self.backing), str(self.mountpoint), str(self.flag)],
+                [sys.executable, "-m", "ucm_testing.stallfs", str(self.backing), str(self.mountpoint), str(self.flags)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -154,15 +170,22 @@ class StallMount:
         return self
 
     def stall(self) -> None:
-        self.flag.touch()
+        (self.flags / STALLED).touch()
 
     def resume(self) -> None:
-        self.flag.unlink(missing_ok=True)
+        (self.flags / STALLED).unlink(missing_ok=True)
+
+    def fill(self) -> None:
+        (self.flags / FULL).touch()
+
+    def make_room(self) -> None:
+        (self.flags / FULL).unlink(missing_ok=True)
 
     def stop(self) -> None:
         if self._proc is None:
             return
         self.resume()
+        self.make_room()
         subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, check=False)
         self._proc.terminate()
         try:
@@ -175,10 +198,10 @@ class StallMount:
 def main() -> None:
     import mfusepy
 
-    backing, mountpoint, flag = Path(sys.argv[1]).resolve(), sys.argv[2], Path(sys.argv[3])
+    backing, mountpoint, flags = Path(sys.argv[1]).resolve(), sys.argv[2], Path(sys.argv[3])
     # attr/entry timeouts 0: the kernel asks us for every stat, as an NFS client revalidating would.
     mfusepy.FUSE(
-        _passthrough(backing, flag),
+        _passthrough(backing, flags),
         mountpoint,
         foreground=True,
         nothreads=False,

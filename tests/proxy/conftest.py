@@ -11,6 +11,7 @@ from ucm.config import parse_config
 from ucm.deploy.ports import free_port
 from ucm_proxy.app import create_app
 from ucm_proxy.config import ProxyConfig
+from ucm_proxy.server import uvicorn_config
 from ucm_testing.fake_vllm import FakeVLLMThread
 
 
@@ -18,9 +19,7 @@ class RunningProxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.app = create_app(config)
         self.proxy = self.app.proxy
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=config.port, log_level="warning", access_log=False)
-        )
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, "warning"))
         self.url = f"http://127.0.0.1:{config.port}"
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -8,6 +8,8 @@ import time
 import httpx
 import pytest
 
+from ucm.config import ConfigError, parse_config
+from ucm_proxy.config import ProxyConfig
 from ucm_testing.fake_vllm import MODEL, Behaviour
 
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5}
@@ -424,3 +426,48 @@ def test_a_stalled_upload_is_cut_off(fakes, make_proxy):
         started = time.monotonic()
         reply = s.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-"],
+    ids=["nothing", "half-the-headers"],
+)
+def test_a_client_that_does_not_finish_its_headers_is_cut_off(fakes, make_proxy, sent):
+    proxy = make_proxy(mode="mixed", decode=[fakes.add("d").url], timeouts={"header_s": 0.5})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        started = time.monotonic()
+        s.sendall(sent)
+        reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"request headers not received in time" in reply
+        assert 0.4 < time.monotonic() - started < 3
+        assert s.recv(4096) == b""  # closed
+
+
+def test_the_header_deadline_does_not_cut_kept_alive_requests(fakes, make_proxy):
+    proxy = make_proxy(mode="mixed", decode=[fakes.add("d").url], timeouts={"header_s": 0.5})
+    with proxy.client() as c:
+        for _ in range(3):
+            assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+            time.sleep(0.8)  # idle longer than header_s between requests: only a started request is timed
+
+
+def test_request_bodies_held_at_once_are_bounded(fakes, make_proxy):
+    slow = fakes.add("slow", Behaviour(delay_s=1.0))
+    proxy = make_proxy(mode="mixed", decode=[slow.url], max_body_bytes=1000, max_in_flight_bytes=2000)
+    big = {**COMPLETION, "prompt": "x" * 800}  # ~850 bytes: two fit, a third waits for room
+
+    def call(body):
+        with proxy.client() as c:
+            return c.post("/v1/completions", json=body)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        codes = sorted(r.status_code for r in pool.map(call, [big] * 3))
+    assert codes == [200, 200, 429]
+    assert call(big).status_code == 200  # given back when they end
+
+
+def test_a_body_limit_above_the_in_flight_limit_is_refused():
+    with pytest.raises(ConfigError, match="max_in_flight_bytes: 100 is below max_body_bytes"):
+        parse_config(ProxyConfig, {"mode": "mixed", "decode": ["http://d:1"], "max_in_flight_bytes": 100}, "proxy")

@@ -1,0 +1,393 @@
+"""Serving while things break: the local PD stack (real vLLM engines, real store, real proxy)
+under a steady stream of greedy requests while faults are injected one after the other:
+
+  store_stalled            the POSIX store's mount stops answering (a FUSE passthrough, like an
+                           NFS hard mount in an outage) for longer than the load deadline
+  store_full               the same mount answers ENOSPC to every write
+  prefill_killed_mid_dump  SIGKILL of the prefill engine while requests are in flight
+  decode_restarted         SIGTERM of the decode engine; ``ucm up``'s supervisor starts it again
+  mooncake_master_stopped  SIGSTOP of the Mooncake master (a second stack with Mooncake as the store)
+
+Every answer is compared with a plain vLLM's greedy output for the same prompt (token by token);
+prompts are kept only if every step's top-2 logprob margin is >= 0.1 on the plain engine, so a
+different batch shape cannot flip a near-tie and pass for a wrong token. The client retries 429,
+502, 503 and 504 answers and refused connections (what an OpenAI client does), for up to
+``RETRY_FOR_S``; a request counts as completed when an attempt returns 200.
+
+Per fault: requests started between the injection and the recovery, how many completed, wrong
+tokens, p99 latency (first attempt to answer) and the deadline that bounds it: the load deadline
+for a stalled store, the PD wait for lost dumps, the measured outage for a restart.
+
+    python benchmarks/fault_serving.py --quick --json OUT.json
+
+Needs root (or /dev/fuse access) and libfuse 3 with mfusepy (``make bench-deps``) for the store
+mount; the Mooncake fault needs the ``mooncake`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from ucm.deploy.demo_model import CORPUS, TINY, ensure_model
+from ucm.deploy.local import LocalStack, Process, default_spec
+from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.integration.vllm.config import ConnectorConfig
+from ucm_testing.stallfs import StallMount, available
+from ucm_testing.vllm_server import VLLMServer
+
+MODEL = "tiny"
+OUT_TOKENS = 12
+MARGIN = 0.1
+RETRY_FOR_S = 180.0
+RETRYABLE = {429, 502, 503, 504}
+DEFAULTS = ConnectorConfig.model_validate({"store": {"spec": "empty"}})
+
+
+def candidates(n: int, seed: int = 7) -> list[str]:
+    """Distinct prompts of ~6-8 blocks from the demo corpus: each request loads blocks nobody cached."""
+    sentences = [s for s in CORPUS.split("\n") if s.strip()]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(sentences) for _ in range(14)) + f" Note {k}:" for k in range(n)]
+
+
+async def references(url: str, prompts: list[str]) -> dict[str, list[str]]:
+    """Plain vLLM's greedy tokens for each prompt whose every step has a clear winner."""
+    sem = asyncio.Semaphore(8)
+    out: dict[str, list[str]] = {}
+
+    async def one(http: aiohttp.ClientSession, prompt: str) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "logprobs": 2}
+        async with sem, http.post(url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            choice = (await r.json())["choices"][0]
+        steps = choice["logprobs"]["top_logprobs"]
+        margins = [sorted(s.values(), reverse=True) for s in steps]
+        if len(steps) == OUT_TOKENS and all(len(m) > 1 and m[0] - m[1] >= MARGIN for m in margins):
+            out[prompt] = choice["logprobs"]["tokens"]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        await asyncio.gather(*(one(http, p) for p in prompts))
+    return out
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    started: float
+    ended: float = 0.0
+    ok: bool = False
+    attempts: int = 0
+    tokens: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+class Load:
+    """A steady stream of requests through the proxy, ``concurrency`` at a time."""
+
+    def __init__(self, url: str, prompts: list[str], concurrency: int) -> None:
+        self.url, self.prompts, self.concurrency = url, prompts, concurrency
+        self.outcomes: list[Outcome] = []
+        self._next = 0
+        self._stop = asyncio.Event()
+
+    def _take(self) -> str:
+        prompt = self.prompts[self._next % len(self.prompts)]  # past the pool: cached prompts
+        self._next += 1
+        return prompt
+
+    async def _send(self, http: aiohttp.ClientSession, o: Outcome) -> None:
+        body = {"model": MODEL, "prompt": o.prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "logprobs": 0}
+        while True:
+            o.attempts += 1
+            retry_after = 1.0
+            try:
+                async with http.post(self.url + "/completions", json=body) as r:
+                    payload = await r.json(content_type=None)
+                    if r.status == 200:
+                        o.ok, o.tokens = True, payload["choices"][0]["logprobs"]["tokens"]
+                        return
+                    o.error = f"{r.status}: {(payload.get('error') or {}).get('message', payload)}"[:200]
+                    if r.status not in RETRYABLE:
+                        return
+                    retry_after = float(r.headers.get("Retry-After", 1.0))
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                o.error = f"{type(exc).__name__}: {exc}"[:200]
+            if time.monotonic() + retry_after - o.started > RETRY_FOR_S:
+                return
+            await asyncio.sleep(retry_after)
+
+    async def _worker(self, http: aiohttp.ClientSession) -> None:
+        while not self._stop.is_set():
+            o = Outcome(self._take(), time.monotonic())
+            self.outcomes.append(o)
+            await self._send(http, o)
+            o.ended = time.monotonic()
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RETRY_FOR_S)) as http:
+            await asyncio.gather(*(self._worker(http) for _ in range(self.concurrency)))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class Fault:
+    name: str
+    inject: Callable[[], None]
+    clear: Callable[[], float | None]  # returns the outage (a restart) when that is the deadline
+    hold_s: float
+    deadline_s: float
+
+
+@dataclass
+class Window:
+    fault: Fault
+    start: float
+    end: float
+    deadline_s: float
+
+
+def supervised(stack: LocalStack) -> threading.Event:
+    """``ucm up``'s supervisor loop: restart roles that die. Set the event to stop it."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(0.5):
+            stack.supervise(lambda m: print(f"  {m}", file=sys.stderr))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return done
+
+
+def role(stack: LocalStack, component: str) -> Process:
+    return next(p for p in stack.processes if p.role.component == component)
+
+
+def signal_role(stack: LocalStack, component: str, sig: signal.Signals) -> None:
+    p = role(stack, component)
+    assert p.popen is not None
+    os.killpg(p.popen.pid, sig)
+
+
+def back_after(stack: LocalStack, component: str, since: float, timeout: float = 300.0) -> float:
+    """Seconds from ``since`` until the role, restarted by the supervisor, answers its probe."""
+    p = role(stack, component)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.exited() is None and p.popen is not None and p.started_at > since and p.probe():
+            return time.monotonic() - since
+        time.sleep(0.5)
+    raise RuntimeError(f"{component} did not come back within {timeout} s; see {p.log}")
+
+
+def posix_faults(stack: LocalStack, mount: StallMount, load_s: float, pd_wait_s: float) -> list[Fault]:
+    killed: dict[str, float] = {}
+
+    def kill(component: str, sig: signal.Signals) -> Callable[[], None]:
+        def inject() -> None:
+            killed[component] = time.monotonic()
+            signal_role(stack, component, sig)
+
+        return inject
+
+    def prefill_back() -> None:
+        back_after(stack, "prefill", killed["prefill"])  # bounded by the PD wait, not by the outage
+
+    return [
+        Fault("store_stalled", mount.stall, mount.resume, hold_s=load_s + 4, deadline_s=load_s),
+        Fault("store_full", mount.fill, mount.make_room, hold_s=12, deadline_s=pd_wait_s),
+        Fault("prefill_killed_mid_dump", kill("prefill", signal.SIGKILL), prefill_back, hold_s=0, deadline_s=pd_wait_s),
+        Fault(
+            "decode_restarted",
+            kill("decode", signal.SIGTERM),
+            lambda: back_after(stack, "decode", killed["decode"]),
+            hold_s=0,
+            deadline_s=0,  # the measured outage
+        ),
+    ]
+
+
+def mooncake_faults(stack: LocalStack, load_s: float) -> list[Fault]:
+    return [
+        Fault(
+            "mooncake_master_stopped",
+            lambda: signal_role(stack, "mooncake-master", signal.SIGSTOP),
+            lambda: signal_role(stack, "mooncake-master", signal.SIGCONT),
+            hold_s=load_s + 4,
+            deadline_s=load_s,
+        )
+    ]
+
+
+async def drive(stack: LocalStack, prompts: list[str], faults: list[Fault], concurrency: int, gap_s: float):
+    """Run the load; inject each fault after ``gap_s`` of steady traffic; stop the load once the
+    last fault is over and let the requests in flight finish."""
+    load = Load(stack.base_url, prompts, concurrency)
+    runner = asyncio.create_task(load.run())
+    windows: list[Window] = []
+    for fault in faults:
+        await asyncio.sleep(gap_s)
+        print(f"  injecting {fault.name}", file=sys.stderr)
+        start = time.monotonic()
+        await asyncio.to_thread(fault.inject)
+        await asyncio.sleep(fault.hold_s)
+        outage = await asyncio.to_thread(fault.clear)
+        await asyncio.sleep(gap_s)
+        windows.append(Window(fault, start, time.monotonic(), outage or fault.deadline_s))
+    await asyncio.sleep(gap_s)
+    load.stop()
+    await runner
+    return load.outcomes, windows
+
+
+def wrong(got: list[str], want: list[str]) -> int:
+    return sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def summarize(name: str, outcomes: list[Outcome], refs: dict[str, list[str]], deadline_s: float) -> dict[str, Any]:
+    done = [o for o in outcomes if o.ok]
+    errors = sorted({o.error for o in outcomes if not o.ok})
+    return {
+        "name": name,
+        "requests": len(outcomes),
+        "completed": len(done),
+        "retried": sum(o.attempts > 1 for o in done),
+        "wrong_tokens": sum(wrong(o.tokens, refs[o.prompt]) for o in done),
+        "p50_latency_s": round(percentile([o.ended - o.started for o in done], 0.5), 3),
+        "p99_latency_s": round(percentile([o.ended - o.started for o in done], 0.99), 3),
+        "deadline_s": round(deadline_s, 2),
+        "errors": errors[:5],
+    }
+
+
+def in_window(outcomes: list[Outcome], w: Window) -> list[Outcome]:
+    return [o for o in outcomes if w.start <= o.started < w.end]
+
+
+def run_stack(
+    spec: dict[str, Any],
+    run_dir: Path,
+    prompts: list[str],
+    refs: dict[str, list[str]],
+    concurrency: int,
+    gap_s: float,
+    make_faults: Callable[[LocalStack], list[Fault]],
+    mount: StallMount | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    if mount is not None:
+        mount.start()
+    stack = LocalStack(UCMDeploymentSpec.model_validate(spec), run_dir)
+    try:
+        stack.start(lambda message, waiting: print(f"  {message}", file=sys.stderr) if message else None)
+        stop_supervising = supervised(stack)
+        try:
+            outcomes, windows = asyncio.run(drive(stack, prompts, make_faults(stack), concurrency, gap_s))
+        finally:
+            stop_supervising.set()
+    finally:
+        stack.stop()
+        if mount is not None:
+            mount.stop()
+    faulted = {id(o) for w in windows for o in in_window(outcomes, w)}
+    baseline = summarize("none", [o for o in outcomes if id(o) not in faulted], refs, 0.0)
+    return [summarize(w.fault.name, in_window(outcomes, w), refs, w.deadline_s) for w in windows], baseline
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 requests at a time, 4 s of steady traffic between faults")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--gap-s", type=float, default=8.0, help="steady traffic before and after each fault")
+    p.add_argument("--skip-mooncake", action="store_true", help="without the Mooncake stack")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    concurrency, gap_s = (2, 4.0) if args.quick else (args.concurrency, args.gap_s)
+    why = available()
+    if why is not None:
+        print(f"fault_serving: {why}", file=sys.stderr)
+        return 2
+    model = ensure_model(TINY)
+    load_s, pd_wait_s = float(DEFAULTS.load_timeout_s or 0), DEFAULTS.pd_wait_timeout_s
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp)
+        plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
+        try:
+            plain.wait_ready()
+            refs = asyncio.run(references(plain.url, candidates(600 if args.quick else 1200)))
+        finally:
+            plain.stop()
+        prompts = list(refs)
+        print(f"  {len(prompts)} prompts with clear greedy answers", file=sys.stderr)
+
+        mount = StallMount(run / "backing", run / "posix" / "kv", run / "flags", run / "stallfs.log")
+        faults, baseline = run_stack(
+            default_spec(model),
+            run / "posix",
+            prompts,
+            refs,
+            concurrency,
+            gap_s,
+            lambda stack: posix_faults(stack, mount, load_s, pd_wait_s),
+            mount,
+        )
+        if not args.skip_mooncake:
+            spec = default_spec(model)
+            spec["store"] = {"type": "mooncake", "mooncake": {"master": {}, "segmentSize": "256Mi"}}
+            more, _ = run_stack(
+                spec, run / "mooncake", prompts, refs, concurrency, gap_s, lambda s: mooncake_faults(s, load_s)
+            )
+            faults += more
+
+    total = sum(f["requests"] for f in faults)
+    result = {
+        "concurrency": concurrency,
+        "output_tokens": OUT_TOKENS,
+        "baseline": baseline,
+        "faults": faults,
+        "completed_fraction": round(sum(f["completed"] for f in faults) / total, 4) if total else 0.0,
+        "wrong_tokens": sum(f["wrong_tokens"] for f in faults),
+        "max_p99_over_deadline_s": round(max(f["p99_latency_s"] - f["deadline_s"] for f in faults), 3),
+    }
+    print(f"{'fault':26}{'requests':>9}{'done':>6}{'retried':>8}{'wrong':>6}{'p50 s':>8}{'p99 s':>8}{'deadline':>9}")
+    for f in [baseline, *faults]:
+        print(
+            f"{f['name']:26}{f['requests']:>9}{f['completed']:>6}{f['retried']:>8}{f['wrong_tokens']:>6}"
+            f"{f['p50_latency_s']:>8}{f['p99_latency_s']:>8}{f['deadline_s']:>9}"
+        )
+        for e in f["errors"]:
+            print(f"{'':28}{e}")
+    print(
+        f"completed_fraction {result['completed_fraction']}  wrong_tokens {result['wrong_tokens']}  "
+        f"max_p99_over_deadline_s {result['max_p99_over_deadline_s']}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
