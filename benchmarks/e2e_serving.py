@@ -12,6 +12,13 @@ Per case: TTFT and inter-token latency p50/p99, output tokens/s over the trace's
 prompt tokens vLLM reported as cached. On 2 CPU cores PD is not faster (two engines share the
 cores and every request is computed, dumped and loaded); this is the baseline to improve on GPUs.
 
+Then multi-turn chats (``multi_turn``): each turn's prompt is the previous prompt, its answer and a
+new user message (as token ids, so the blocks line up), sent to a UCMConnector engine without its
+own prefix cache — as when the next turn lands on another replica — once with
+``decode_save_blocks: 0`` (only prompt blocks saved: the old behaviour) and once with the default
+(blocks filled while decoding saved too). ``hit_rate``: prompt tokens of turns 2.. loaded from the
+store / their prompt tokens.
+
     python benchmarks/e2e_serving.py --quick --json OUT.json
 """
 
@@ -33,6 +40,7 @@ import aiohttp
 from ucm.deploy.demo_model import CORPUS, TINY, ensure_model
 from ucm.deploy.local import LocalStack, default_spec
 from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.integration.vllm.config import ConnectorConfig, kv_transfer_config
 from ucm_testing.vllm_server import VLLMServer, metric_totals
 
 MODEL = "tiny"
@@ -130,6 +138,49 @@ def summarize(results: list[dict[str, Any]], wall: float, external_tokens: float
     }
 
 
+def chat_turns(model_path: Path, conversations: int, turns: int, user_tokens: int) -> list[list[list[int]]]:
+    """Per conversation, per turn: the user message's token ids (from the demo corpus)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    ids = tok(CORPUS.replace("\n", " "), add_special_tokens=False)["input_ids"]
+    step = user_tokens * turns
+    return [
+        [ids[(c * step + t * user_tokens) % (len(ids) - user_tokens) :][:user_tokens] for t in range(turns)]
+        for c in range(conversations)
+    ]
+
+
+def multi_turn(model: Path, run_dir: Path, decode_save_blocks: int, chats: list[list[list[int]]], answer: int):
+    """Hit rate of turns 2.. on one engine without a prefix cache, for one decode_save_blocks."""
+    store = {"spec": "posix", "posix": {"roots": [str(run_dir / "kv")]}}
+    (run_dir / "kv").mkdir(parents=True)
+    server = VLLMServer(
+        model,
+        run_dir / "vllm.log",
+        kv_transfer_config=kv_transfer_config(store, decode_save_blocks=decode_save_blocks),
+        extra_args=["--served-model-name", MODEL, "--no-enable-prefix-caching"],
+    ).start()
+    prompt_tokens = hit_tokens = 0
+    try:
+        server.wait_ready()
+        hits = "ucm_connector_external_hit_tokens_total"
+        for chat in chats:
+            history: list[int] = []
+            for turn, user in enumerate(chat):
+                history += user
+                before = server.metrics().get(hits, 0.0)
+                body = {"model": MODEL, "prompt": history, "max_tokens": answer, "temperature": 0}
+                reply = server.post("/v1/completions", {**body, "ignore_eos": True, "return_token_ids": True})
+                if turn:
+                    prompt_tokens += len(history)
+                    hit_tokens += server.metrics().get(hits, 0.0) - before
+                history += reply["choices"][0]["token_ids"]
+    finally:
+        server.stop()
+    return {"decode_save_blocks": decode_save_blocks, "hit_rate": round(hit_tokens / prompt_tokens, 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="32 requests (the default trace is 64)")
@@ -163,12 +214,21 @@ def main() -> int:
             results["pd"] = summarize(rows, wall, external)
         finally:
             stack.stop()
+
+        chats = chat_turns(model, conversations=2 if args.quick else 4, turns=6, user_tokens=96)
+        default = ConnectorConfig.model_validate({"store": {"spec": "empty"}}).decode_save_blocks
+        results["multi_turn"] = {
+            "before": multi_turn(model, Path(tmp) / "mt-before", 0, chats, answer=64),
+            "after": multi_turn(model, Path(tmp) / "mt-after", default, chats, answer=64),
+        }
     keys = list(results["plain"])
     print(f"{'':24}{'plain':>12}{'pd':>12}{'pd/plain':>10}")
     for k in keys:
         a, b = results["plain"][k], results["pd"][k]
         ratio = f"{b / a:.2f}" if a else "-"
         print(f"{k:24}{a:>12}{b:>12}{ratio:>10}")
+    before, after = results["multi_turn"]["before"], results["multi_turn"]["after"]
+    print(f"multi-turn hit rate: {before['hit_rate']} prompt blocks only -> {after['hit_rate']} with decode blocks")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

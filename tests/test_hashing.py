@@ -3,6 +3,7 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -114,3 +115,13 @@ def test_bad_context_names_the_field(kwargs, field):
 def test_bad_tokens_are_rejected(bad):
     with pytest.raises(ValueError, match="tokens"):
         BlockHasher(CTX).block_ids(bad)
+
+
+def test_a_configured_salt_and_a_request_salt_cannot_be_confused():
+    """Concatenated, salt "acme" with cache_salt "-prod" was salt "acme-prod": one tenant's
+    request could name another deployment's blocks."""
+    context, tokens = HashContext("m", "float16", 16), list(range(64))
+    split = BlockHasher(replace(context, salt="acme", request_salt="-prod")).block_ids(tokens)
+    joined = BlockHasher(replace(context, salt="acme-prod")).block_ids(tokens)
+    assert set(split).isdisjoint(joined)
+    assert BlockHasher(replace(context, request_salt="")).block_ids(tokens) == BlockHasher(context).block_ids(tokens)

@@ -53,6 +53,7 @@ class HashContext:
     block_size: int
     tp_size: int = 1
     salt: str = ""
+    request_salt: str = ""  # a request's cache_salt: its own field, so "acme" + "-prod" != "acme-prod"
     algorithm: HashAlgorithm = "sha256"
     weights: str = ""  # a fingerprint of the weights (ucm.integration.vllm.identity): same name, other weights
     pp_size: int = 1  # pipeline stages: each holds other layers, so the layout differs
@@ -70,8 +71,8 @@ class HashContext:
             raise ValueError(f"pp_size: must be a positive integer, got {self.pp_size}")
         _digest_fn(self.algorithm)  # validates the name (and blake3's availability) early
 
-    def with_salt(self, salt: str) -> HashContext:
-        return replace(self, salt=salt)
+    def with_request_salt(self, request_salt: str) -> HashContext:
+        return replace(self, request_salt=request_salt)
 
 
 class BlockHasher:
@@ -90,7 +91,10 @@ class BlockHasher:
                 "hash_algorithm=md5: ids are not collision resistant; crafted prompts could make one "
                 "tenant's blocks collide with another's. Use it only for trusted single-tenant setups."
             )
-        canonical = json.dumps(asdict(context), sort_keys=True, separators=(",", ":"))
+        fields = asdict(context)
+        if not context.request_salt:
+            del fields["request_salt"]  # ids of unsalted requests stay what they were before the field
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         self.seed: bytes = self._digest(b"ucm-block-seed/v1\x00" + canonical.encode())
 
     @property

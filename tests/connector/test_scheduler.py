@@ -7,7 +7,7 @@ import pytest
 
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.metadata import rank_keys, store_keys
-from ucm.integration.vllm.scheduler import PARAM_BLOCKS, SchedulerSide
+from ucm.integration.vllm.scheduler import HASHERS_KEPT, PARAM_BLOCKS, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import create_store
 
@@ -65,7 +65,7 @@ def side(
 
 
 def put(store, tokens, n_blocks, salt=""):
-    ids = BlockHasher(CTX.with_salt(salt)).block_ids(tokens)[:n_blocks]
+    ids = BlockHasher(CTX.with_request_salt(salt)).block_ids(tokens)[:n_blocks]
     store.wait(store.dump(ids, [b"x"] * len(ids)))
 
 
@@ -246,3 +246,13 @@ def test_blocks_filled_while_decoding_are_saved_too_up_to_the_limit(store):
     assert save.block_ids == [4, 5]  # blocks 4 and 5; block 6 is past the limit of 2
     assert save.store_ids == BlockHasher(CTX).block_ids(req.all_token_ids)[4:6]
     assert s.finished(req)[PARAM_BLOCKS] == 4  # what a PD consumer waits for: the prompt's blocks
+
+
+def test_the_hasher_cache_does_not_grow_with_client_salts(store):
+    s = side(store)
+    for k in range(HASHERS_KEPT + 50):
+        s.num_new_matched_tokens(Req(f"r{k}", TOKENS, cache_salt=f"salt-{k}"), 0)
+        s.finished(Req(f"r{k}", TOKENS, cache_salt=f"salt-{k}"))
+    assert len(s._hashers) == HASHERS_KEPT
+    put(store, TOKENS, 4, salt="salt-0")  # an evicted salt is hashed again, the same way
+    assert s.num_new_matched_tokens(Req("again", TOKENS, cache_salt="salt-0"), 0)[0] == 16

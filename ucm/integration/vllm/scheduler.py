@@ -22,6 +22,7 @@ from ucm.store import Store
 from ucm.store.deadline import Deadlined
 
 logger = logging.getLogger(__name__)
+HASHERS_KEPT = 256
 
 # kv_transfer_params keys. A producer answers with PARAM_BLOCKS so a consumer knows what to wait for.
 PARAM_BLOCKS = "ucm_blocks"
@@ -84,9 +85,12 @@ class SchedulerSide:
         self._decode_save_blocks = decode_save_blocks
 
     def _hasher(self, salt: str) -> BlockHasher:
-        hasher = self._hashers.get(salt)
-        if hasher is None:
-            hasher = self._hashers[salt] = BlockHasher(self._context.with_salt(self._context.salt + salt))
+        """One hasher per request salt, the most recently used ``HASHERS_KEPT`` kept: clients
+        choose salts, so the cache must not grow with them."""
+        hasher = self._hashers.pop(salt, None) or BlockHasher(self._context.with_request_salt(salt))
+        self._hashers[salt] = hasher  # most recent last
+        if len(self._hashers) > HASHERS_KEPT:
+            del self._hashers[next(iter(self._hashers))]
         return hasher
 
     def _state(self, request: RequestLike) -> _RequestState:
