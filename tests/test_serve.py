@@ -64,7 +64,8 @@ def test_environment_variables_fill_the_config(tmp_path):
     )
     config.write_text(text)
     r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin"})
-    assert r.returncode == 2 and "${POD_IP}, which is not set" in r.stderr
+    assert r.returncode == 2
+    assert "kv_connector_extra_config.store.mooncake.local_hostname uses ${POD_IP}, which is not set" in r.stderr
     r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin", "POD_IP": "10.1.2.3"})
     assert r.returncode == 0, r.stderr
     passed = json.loads(json.loads(r.stdout)[-1])
@@ -100,3 +101,23 @@ def test_engine_processes_share_a_fresh_metrics_directory(tmp_path):
     first, second = metrics_dir({}), metrics_dir({})
     assert first != second and Path(first).is_dir() and not list(Path(first).iterdir())
     assert metrics_dir({"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}) == str(tmp_path)
+
+
+def test_variables_are_expanded_inside_values_only_and_only_the_pods_own(tmp_path):
+    store = {"spec": "mooncake", "mooncake": {"master_address": "m:1", "metadata_server": "http://m:2/metadata"}}
+    data = kv_transfer_config(store)
+    data["kv_connector_extra_config"]["store"]["mooncake"]["local_hostname"] = "${POD_IP}"
+    config = tmp_path / "kv.json"
+    config.write_text(json.dumps(data))
+    # Expanded over the text, this value would have added a key to the config.
+    injected = '10.0.0.1", "salt": "chosen-by-whoever-sets-the-env'
+    r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin", "POD_IP": injected})
+    assert r.returncode == 0, r.stderr
+    passed = json.loads(json.loads(r.stdout)[-1])["kv_connector_extra_config"]
+    assert passed["store"]["mooncake"]["local_hostname"] == injected and "salt" not in passed
+
+    data["kv_connector_extra_config"]["store"]["mooncake"]["local_hostname"] = "${HF_TOKEN}"
+    config.write_text(json.dumps(data))
+    r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin", "HF_TOKEN": "hf_secret"})
+    assert r.returncode == 2 and "hf_secret" not in r.stdout + r.stderr
+    assert "local_hostname: ${HF_TOKEN} may not be expanded; only NODE_NAME, POD_IP" in r.stderr

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,29 +24,47 @@ from ucm.integration.vllm.health import HEALTH_FILE_ENV, MIDDLEWARE
 from ucm.store.factory import validate_store_config
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# What a pod learns about itself (Kubernetes' downward API): the only variables a config may name.
+# Anything else (a token, a password) would end up in vLLM's argv, readable in /proc by the pod.
+EXPANDABLE = frozenset({"POD_IP", "POD_NAME", "POD_NAMESPACE", "NODE_NAME"})
 
 
 def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The file's kv-transfer-config with ``${VAR}``s filled in, validated."""
+    """The file's kv-transfer-config, validated, with ``${VAR}`` in string values filled in.
+
+    Expansion runs after parsing and only inside values, so a variable's content can never add
+    keys or change the JSON's structure."""
     env = os.environ if environ is None else environ
     try:
-        text = Path(path).read_text()
+        config = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"--kv-config: cannot read {path}: {exc.strerror}") from None
-
-    def fill(m: re.Match[str]) -> str:
-        if m.group(1) not in env:
-            raise ConfigError(f"--kv-config: {path} uses ${{{m.group(1)}}}, which is not set in the environment")
-        return env[m.group(1)]
-
-    try:
-        config = json.loads(_VAR.sub(fill, text))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--kv-config: {path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("kv_connector_extra_config"), dict):
         raise ConfigError(f"--kv-config: {path} must be a kv-transfer-config with kv_connector_extra_config")
+    config = _expand(config, env, f"--kv-config: {path}: ")
     parse_connector_config(config["kv_connector_extra_config"])
     return config
+
+
+def _expand(value: Any, env: Mapping[str, str], where: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _expand(v, env, f"{where}{k}.") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, env, f"{where}{i}.") for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def fill(m: re.Match[str]) -> str:
+        name, field = m.group(1), where.rstrip(".")
+        if name not in EXPANDABLE:
+            raise ConfigError(f"{field}: ${{{name}}} may not be expanded; only {', '.join(sorted(EXPANDABLE))} may")
+        if name not in env:
+            raise ConfigError(f"{field} uses ${{{name}}}, which is not set in the environment")
+        return env[name]
+
+    return _VAR.sub(fill, value)
 
 
 def check_store_dirs(config: dict[str, Any]) -> None:

@@ -28,7 +28,9 @@ class ConnectorConfig(StrictModel):
         description="Model identity bound into block ids; default: the model path or name vLLM was given. "
         "Set it when instances load the same model from different paths.",
     )
-    salt: str = Field("", description="Deployment salt; a request's cache_salt is hashed beside it (never concatenated)")
+    salt: str = Field(
+        "", description="Deployment salt; a request's cache_salt is hashed beside it (never concatenated)"
+    )
     load_mode: Literal["layer", "step"] = Field(
         "layer", description="layer: copy loaded blocks into each layer just before it runs; step: all up front"
     )
