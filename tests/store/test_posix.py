@@ -42,6 +42,21 @@ def test_blocks_spread_over_roots_and_shard_dirs(tmp_path):
     store.close()
 
 
+def test_blocks_are_readable_by_owner_and_group_only(tmp_path):
+    """KV reveals the prompts it came from: no world-readable block files or directories."""
+    store = posix(tmp_path)
+    ids, data = blocks(4, 64)
+    old = os.umask(0)  # the modes are the store's own, not an accident of the umask
+    try:
+        assert store.wait(store.dump(ids, data)) == [True] * 4
+    finally:
+        os.umask(old)
+    for f in block_files(tmp_path):
+        assert f.stat().st_mode & 0o777 == 0o640
+        assert f.parent.stat().st_mode & 0o777 == 0o750
+    store.close()
+
+
 def test_corrupt_block_is_a_counted_miss_and_is_rewritten(tmp_path):
     store = posix(tmp_path)
     ids, data = blocks(3, 8192)

@@ -41,6 +41,9 @@ from ucm.config import ConfigError, StrictModel
 from ucm.store.base import Blob, BlockInfo, PerBlockStore, blob_segments, blob_size, copy_from_blob, copy_to_blob
 
 logger = logging.getLogger(__name__)
+# KV reveals the prompts it was computed from: owner and group only (pods of a deployment share
+# a group through fsGroup), never the world.
+FILE_MODE, DIR_MODE = 0o640, 0o750
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
@@ -243,10 +246,10 @@ class PosixStore(PerBlockStore):
     def _create(self, tmp: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.config.direct_io else 0)
         try:
-            return os.open(tmp, flags, 0o644)
+            return os.open(tmp, flags, FILE_MODE)
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
-            return os.open(tmp, flags, 0o644)
+            os.makedirs(os.path.dirname(tmp), DIR_MODE, exist_ok=True)
+            return os.open(tmp, flags, FILE_MODE)
 
     # -- helpers -----------------------------------------------------------------------------
     def _retry_stale(self, fn: Callable[..., T], *args: object) -> T:
