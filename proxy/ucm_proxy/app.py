@@ -35,6 +35,7 @@ from ucm_proxy import metrics
 from ucm_proxy.backends import Backend, Pool
 from ucm_proxy.config import ProxyConfig
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
+from ucm_proxy.keys import ApiKeys
 from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
 from ucm_proxy.requests import affinity_key, parse_body, prefill_body, with_params, without_params
 
@@ -52,7 +53,7 @@ class Proxy:
         else:
             self.prefill = Pool("prefill", config.prefill, routing.prefill, routing, health)
             self.decode = Pool("decode", config.decode, routing.decode, routing, health)
-        self.keys = config.accepted_keys()
+        self.keys = ApiKeys(config.api_keys, config.api_keys_file)
         self.models: set[str] = set()
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -167,10 +168,11 @@ class Proxy:
         return await self._decode(route, decode_body, headers, key, started)
 
     def _authorize(self, request: Request) -> None:
-        if not self.keys:
+        keys = self.keys.current()
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token not in self.keys:
+        if scheme.lower() != "bearer" or token not in keys:
             raise ProxyError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>).", None, "authentication_error"
             )

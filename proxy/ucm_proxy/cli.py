@@ -10,6 +10,7 @@ from typing import Any, get_args
 
 from ucm.config import ConfigError, load_mapping, parse_config
 from ucm_proxy.config import Policy, ProxyConfig
+from ucm_proxy.keys import ApiKeys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             print(config.model_dump_json(indent=2))
             return 0
-        config.accepted_keys()  # an unreadable keys file is a startup error, not a per-request one
+        ApiKeys(config.api_keys, config.api_keys_file)  # an unreadable keys file is a startup error
     except (ConfigError, OSError) as exc:
         print(f"ucm-proxy: error: {exc}", file=sys.stderr)
         return 2

@@ -102,9 +102,3 @@ class ProxyConfig(StrictModel):
                 "the largest accepted body could never be admitted"
             )
         return self
-
-    def accepted_keys(self) -> set[str]:
-        keys = set(self.api_keys)
-        if self.api_keys_file is not None:
-            keys |= {line.strip() for line in self.api_keys_file.read_text().splitlines() if line.strip()}
-        return keys

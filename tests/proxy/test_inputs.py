@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -73,6 +74,30 @@ def test_api_keys(fakes, make_proxy, tmp_path):
             c.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer key-two"}).status_code == 200
         )
         assert c.get("/health").status_code == 200  # probes need no key
+
+
+def test_a_revoked_key_stops_working_without_a_restart(fakes, make_proxy, tmp_path):
+    """Kubernetes updates a mounted Secret by swapping a directory behind a symlink."""
+    p, d = fakes.add("p"), fakes.add("d")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "api-keys").write_text("old-key\n")
+    (tmp_path / "..data").symlink_to("v1")
+    (tmp_path / "api-keys").symlink_to("..data/api-keys")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], api_keys_file=str(tmp_path / "api-keys"))
+
+    def status(key: str) -> int:
+        with proxy.client() as c:
+            return c.post("/v1/completions", json=COMPLETION, headers={"Authorization": f"Bearer {key}"}).status_code
+
+    assert status("old-key") == 200
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "api-keys").write_text("new-key\n")
+    (tmp_path / "..data.tmp").symlink_to("v2")
+    (tmp_path / "..data.tmp").rename(tmp_path / "..data")
+    deadline = time.monotonic() + 5
+    while status("old-key") != 401 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status("old-key") == 401 and status("new-key") == 200
 
 
 def test_a_backend_4xx_is_passed_to_the_client_not_retried(fakes, make_proxy):
