@@ -9,6 +9,7 @@ import base64
 import json
 import ssl
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,8 @@ class ApiError(Exception):
     """A call that failed: an error answer (``status``), or no answer at all (``status`` 0:
     a timeout or a connection error)."""
 
+    reason = "ApplyFailed"  # the Degraded condition's reason
+
     def __init__(self, status: int, method: str, path: str, message: str) -> None:
         super().__init__(f"{method} {path}: {status or 'no answer'} {message}".rstrip())
         self.status = status
@@ -42,6 +45,28 @@ class ApiError(Exception):
         """The API server refuses the request itself (400, 403, 422, ...): asking again changes
         nothing until the spec does. Conflicts, throttling and timeouts are worth retrying."""
         return 400 <= self.status < 500 and self.status not in (408, 409, 429)
+
+
+class NameConflict(ApiError):
+    """A child's name is taken by an object this deployment does not control. The operator never
+    adopts it: patching it would stamp our owner reference on it, and deleting the deployment
+    would then delete it. Retried, since it resolves when the other object goes."""
+
+    reason = "NameConflict"
+
+    def __init__(self, kind: str, namespace: str, name: str) -> None:
+        super().__init__(
+            409,
+            "POST",
+            path(kind, namespace),
+            f"{kind} {namespace}/{name} already exists and is not controlled by this UCMDeployment; "
+            "delete or rename it",
+        )
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:
@@ -125,6 +150,9 @@ class Api:
     async def create(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
         await self.call("POST", path(obj["kind"], meta["namespace"]), obj)
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
+        return await self.call("GET", path(kind, namespace, name))
 
     async def patch(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]

@@ -37,7 +37,7 @@ from ucm.deploy.kubernetes import (
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
 from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec
-from ucm_operator.api import KINDS, Api, ApiError
+from ucm_operator.api import KINDS, Api, ApiError, NameConflict, controlled_by
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
 from ucm_operator.status import Child, child_from, computed_status, invalid_status
 from ucm_proxy.config import ProxyConfig
@@ -60,7 +60,7 @@ class State:
     server: str | None  # an API server to use without credentials (tests, development)
     locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    failures: dict[tuple[str, str], str] = field(default_factory=dict)
+    failures: dict[tuple[str, str], ApiError] = field(default_factory=dict)
 
     def forget(self, key: tuple[str, str]) -> None:
         for memo in (self.written, self.failures, self.locks):
@@ -148,7 +148,7 @@ def owners(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[s
     return {(namespace, name): _owner(body)}
 
 
-def status_for(owner: Mapping[str, Any], kids: list[Child], failure: str | None) -> dict[str, Any]:
+def status_for(owner: Mapping[str, Any], kids: list[Child], failure: ApiError | None) -> dict[str, Any]:
     meta = owner["metadata"]
     generation = meta.get("generation")
     old = owner.get("status") or {}
@@ -205,23 +205,23 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
         return
     spec, plan = planned
     desired = render(Owner(name, namespace, uid), spec, plan)
-    failure, failed = None, None
+    failure: ApiError | None = None
     with RECONCILE_SECONDS.time():
         try:
             await apply(state.api, desired, children(kwargs, namespace, name))
         except ApiError as exc:
-            failure, failed = str(exc), exc
+            failure = exc
     RECONCILES.labels("failed" if failure else "ok").inc()
     if failure is None:
         state.failures.pop((namespace, name), None)
     else:
         state.failures[(namespace, name)] = failure
     await refresh(state, namespace, name, kwargs)
-    if failed is not None and failed.permanent:
+    if failure is not None and failure.permanent:
         # Refused (e.g. 422 for an invalid env name): retrying changes nothing until the spec does.
-        raise kopf.PermanentError(failure)
+        raise kopf.PermanentError(str(failure))
     if failure is not None:
-        raise kopf.TemporaryError(failure, delay=RETRY_DELAY_S)
+        raise kopf.TemporaryError(str(failure), delay=RETRY_DELAY_S)
 
 
 async def child_changed(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **kwargs: Any) -> None:
@@ -282,8 +282,13 @@ async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child]) -> i
                 WRITES.labels(obj["kind"], "create").inc()
                 continue
             except ApiError as exc:
-                if exc.status != 409:  # created meanwhile (our watch is behind): patch it instead
+                if exc.status != 409:
                     raise
+            # Created meanwhile by us (our watch is behind: patch it), or someone else's object.
+            meta = obj["metadata"]
+            existing = await api.get(obj["kind"], meta["namespace"], meta["name"])
+            if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
+                raise NameConflict(obj["kind"], meta["namespace"], meta["name"])
         await api.patch(obj)
         WRITES.labels(obj["kind"], "patch").inc()
     namespace = desired[0]["metadata"]["namespace"]

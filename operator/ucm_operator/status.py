@@ -15,6 +15,7 @@ from typing import Any
 
 from ucm.deploy.roles import STORE_COMPONENTS, Plan
 from ucm.deploy.spec import Condition, ReadyReplicas, UCMDeploymentStatus
+from ucm_operator.api import ApiError
 
 ROLE_CONDITIONS = {"prefill": "PrefillReady", "decode": "DecodeReady", "proxy": "ProxyReady"}
 
@@ -103,7 +104,7 @@ def computed_status(
     children: Iterable[Child],
     old_status: Mapping[str, Any],
     generation: int | None,
-    failure: str | None = None,
+    failure: ApiError | None = None,
 ) -> dict[str, Any]:
     """The status for a valid spec; ``failure`` is the last apply error, if any."""
     kids = list(children)
@@ -130,7 +131,9 @@ def computed_status(
     waiting = "waiting for " + ", ".join(dict.fromkeys(not_ready)) if not_ready else "all roles ready"
     conds.add("Ready", ready, "Ready" if ready else "Waiting", waiting)
     conds.add("Progressing", not ready and failure is None, "Rollout", waiting)
-    conds.add("Degraded", failure is not None, "ApplyFailed" if failure else "AsExpected", failure or "")
+    conds.add(
+        "Degraded", failure is not None, failure.reason if failure else "AsExpected", str(failure) if failure else ""
+    )
     return _dump(
         UCMDeploymentStatus(
             conditions=conds.items,

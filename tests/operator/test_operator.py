@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from ucm.deploy.ports import free_port
+from ucm_operator.api import path as child_path
 from ucm_testing.kmock_operator import WRITE_VERBS, Driver, Emulator, operator_running, posted_events
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
@@ -329,3 +330,31 @@ async def test_a_permanent_refusal_is_degraded_and_not_retried_forever(kmock, cl
 
 def deployment_posts(kmock) -> int:
     return sum(1 for c in kmock.calls if c.verb == "create" and c.resource == "deployments")
+
+
+@pytest.mark.asyncio
+async def test_a_name_taken_by_another_object_is_a_conflict_not_an_adoption(kmock, cluster):
+    """Patching it would stamp our owner reference on it: deleting the deployment would delete it."""
+    victim = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "c-proxy", "namespace": NS, "labels": {"team": "other"}},
+        "spec": {"ports": [{"port": 1}]},
+    }
+    await cluster.call("POST", child_path("Service", NS), victim)
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "c", SPEC, uid="uid-c")
+
+        async def degraded() -> dict[str, Any]:
+            cond = conditions(await cluster.ucmd(NS, "c"))
+            assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "NameConflict", cond
+            return cond
+
+        cond = await eventually(degraded)
+        assert (
+            "Service serving/c-proxy already exists and is not controlled by this UCMDeployment"
+            in (cond["Degraded"]["message"])
+        )
+        got = await cluster.call("GET", child_path("Service", NS, "c-proxy"))
+        assert "ownerReferences" not in got["metadata"] and got["spec"]["ports"] == [{"port": 1}]
+        assert not [c for c in kmock.calls if c.verb == "patch" and c.path.endswith("/services/c-proxy")]
