@@ -10,13 +10,14 @@ under a steady stream of greedy requests while faults are injected one after the
 
 Every answer is compared with a plain vLLM's greedy output for the same prompt (token by token);
 prompts are kept only if every step's top-2 logprob margin is >= 0.1 on the plain engine, so a
-different batch shape cannot flip a near-tie and pass for a wrong token. The client retries 429,
-502, 503 and 504 answers and refused connections (what an OpenAI client does), for up to
-``RETRY_FOR_S``; a request counts as completed when an attempt returns 200.
+different batch shape cannot flip a near-tie and pass for a wrong token. Clients (one request a
+second each) retry 429, 502, 503 and 504 answers and refused connections, as an OpenAI client
+does, for up to ``RETRY_FOR_S``; a request counts as completed when an attempt returns 200.
 
-Per fault: requests started between the injection and the recovery, how many completed, wrong
-tokens, p99 latency (first attempt to answer) and the deadline that bounds it: the load deadline
-for a stalled store, the PD wait for lost dumps, the measured outage for a restart.
+Per fault: the requests in flight between the injection and the recovery (each counted for the
+first fault it met), how many completed, wrong tokens, p99 latency (first attempt to answer) and
+the deadline that bounds it: the load deadline for a stalled store, the PD wait for dumps that
+never land, the measured outage for a restart. ``none``: requests no fault touched.
 
     python benchmarks/fault_serving.py --quick --json OUT.json
 
@@ -55,6 +56,7 @@ OUT_TOKENS = 12
 MARGIN = 0.1
 RETRY_FOR_S = 180.0
 RETRYABLE = {429, 502, 503, 504}
+PACE_S = 1.0  # each client sends at most one request a second
 DEFAULTS = ConnectorConfig.model_validate({"store": {"spec": "empty"}})
 
 
@@ -137,6 +139,8 @@ class Load:
             self.outcomes.append(o)
             await self._send(http, o)
             o.ended = time.monotonic()
+            # Paced: a fast (cached) answer does not turn into a flood that exhausts the prompts.
+            await asyncio.sleep(max(0.0, o.started + PACE_S - o.ended))
 
     async def run(self) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RETRY_FOR_S)) as http:
@@ -284,7 +288,9 @@ def summarize(name: str, outcomes: list[Outcome], refs: dict[str, list[str]], de
 
 
 def in_window(outcomes: list[Outcome], w: Window) -> list[Outcome]:
-    return [o for o in outcomes if w.start <= o.started < w.end]
+    """Requests in flight at some point of the window: one started before a fault and caught by it
+    (retrying through a restart, say) is that fault's."""
+    return [o for o in outcomes if o.started < w.end and o.ended > w.start]
 
 
 def run_stack(
@@ -311,9 +317,12 @@ def run_stack(
         stack.stop()
         if mount is not None:
             mount.stop()
-    faulted = {id(o) for w in windows for o in in_window(outcomes, w)}
-    baseline = summarize("none", [o for o in outcomes if id(o) not in faulted], refs, 0.0)
-    return [summarize(w.fault.name, in_window(outcomes, w), refs, w.deadline_s) for w in windows], baseline
+    rows, counted = [], set()
+    for w in windows:
+        caught = [o for o in in_window(outcomes, w) if id(o) not in counted]  # the first fault it met
+        counted |= {id(o) for o in caught}
+        rows.append(summarize(w.fault.name, caught, refs, w.deadline_s))
+    return rows, summarize("none", [o for o in outcomes if id(o) not in counted], refs, 0.0)
 
 
 def main() -> int:
@@ -337,7 +346,7 @@ def main() -> int:
         plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
         try:
             plain.wait_ready()
-            refs = asyncio.run(references(plain.url, candidates(600 if args.quick else 1200)))
+            refs = asyncio.run(references(plain.url, candidates(1500 if args.quick else 3000)))
         finally:
             plain.stop()
         prompts = list(refs)

@@ -121,6 +121,24 @@ def test_the_openai_client_works_unchanged(stack: Stack):
     assert "max_tokens" in str(err.value)
 
 
+def test_engines_answer_only_the_proxy(stack: Stack):
+    """Any pod could otherwise skip the proxy's keys and limits and set kv_transfer_params itself."""
+    decode = stack.state()["roles"]["decode-0"]["url"]
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2}
+    status, _ = post(decode + "/v1/completions", body)
+    assert status == 401
+    key = (stack.run_dir / stack.name / "credentials" / "backend-api-key").read_text().strip()
+    req = urllib.request.Request(
+        decode + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    status, _ = post(stack.base_url + "/completions", body)  # the proxy holds the key
+    assert status == 200
+
+
 def test_a_decode_whose_store_stays_stuck_leaves_service_until_it_answers(stack: Stack):
     """The file is what decode's scheduler writes when a lookup has been stuck since ``since``
     (written here: a real stuck store is shown by the unit test with a held store and by

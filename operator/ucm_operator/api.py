@@ -28,6 +28,9 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
+# Rendered but not watched: the operator creates the credentials Secret once and never reads it
+# back (RBAC: get and create on Secrets, no list or watch of every Secret in the namespace).
+UNWATCHED: dict[str, tuple[str, str, str]] = {"Secret": ("", "v1", "secrets")}
 
 
 class ApiError(Exception):
@@ -70,7 +73,7 @@ def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:
-    group, version, plural = KINDS[kind]
+    group, version, plural = KINDS.get(kind) or UNWATCHED[kind]
     base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
     return f"{base}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 from ucm.config import ConfigError, format_validation_error, parse_config
 from ucm.deploy.kubernetes import (
     DESIRED_HASH,
+    GENERATED_KEYS,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
@@ -265,12 +267,34 @@ async def _gone(indexes: Mapping[str, Any], namespace: str, name: str, objects: 
         await asyncio.sleep(0.2)
 
 
+async def ensure_credentials(api: Api, obj: dict[str, Any]) -> int:
+    """The deployment's credentials Secret: created once with random keys, then left alone (a
+    rotation would need every engine and proxy restarted together). Returns the writes made."""
+    meta = obj["metadata"]
+    try:
+        existing = await api.get("Secret", meta["namespace"], meta["name"])
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+    else:
+        if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
+            raise NameConflict("Secret", meta["namespace"], meta["name"])
+        return 0
+    keys = meta["annotations"][GENERATED_KEYS].split(",")
+    await api.create({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in keys}})
+    WRITES.labels("Secret", "create").inc()
+    return 1
+
+
 async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child]) -> int:
     """Create or merge-patch what differs from the children seen; delete children no longer wanted
     (never a claim: deleting a spec field must not delete KV data). Returns the writes made."""
     seen = {(c.kind, c.name): c for c in kids}
     writes = 0
     for obj in desired:
+        if obj["kind"] == "Secret":
+            writes += await ensure_credentials(api, obj)
+            continue
         key = (obj["kind"], obj["metadata"]["name"])
         child = seen.pop(key, None)
         if child is not None and child.desired_hash == obj["metadata"]["annotations"][DESIRED_HASH]:

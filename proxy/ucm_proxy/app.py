@@ -67,7 +67,9 @@ class Proxy:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        key = self.config.backend_key()
+        auth = {"Authorization": f"Bearer {key}"} if key else {}  # on every backend call, probes included
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.config.discovery is not None:
             from ucm_proxy.discovery import watch_endpoints
@@ -148,9 +150,8 @@ class Proxy:
         body = parse_body(raw, route)
         if self.models and body["model"] not in self.models:
             raise ProxyError(404, f"The model `{body['model']}` does not exist.", "model")
+        # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        if "authorization" in request.headers:
-            headers["Authorization"] = request.headers["authorization"]
         key = affinity_key(body, route, self.config.routing.prefix_chars)
         # One watcher for everything before the response starts (prefill, decode's first chunk).
         return await unless_disconnected(request, self._serve(route, raw, body, headers, key, started))

@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             print(config.model_dump_json(indent=2))
             return 0
-        ApiKeys(config.api_keys, config.api_keys_file)  # an unreadable keys file is a startup error
+        ApiKeys(config.api_keys, config.api_keys_file)  # unreadable key files are startup errors
+        config.backend_key()
     except (ConfigError, OSError) as exc:
         print(f"ucm-proxy: error: {exc}", file=sys.stderr)
         return 2

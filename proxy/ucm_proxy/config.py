@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ucm.config import StrictModel
+from ucm.config import ConfigError, StrictModel
 
 Policy = Literal["round_robin", "least_outstanding", "prefix_affinity"]
 
@@ -66,6 +66,11 @@ class ProxyConfig(StrictModel):
     fallback_to_decode: bool = Field(False, description="pd: with no prefill backend, let decode do it all")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth")
     api_keys_file: Path | None = Field(None, description="File with one accepted key per line (a Secret)")
+    backend_api_key_file: Path | None = Field(
+        None,
+        description="File with the key the engines require (vLLM's --api-key / VLLM_API_KEY), sent to every "
+        "backend; a client's own Authorization is never forwarded",
+    )
     max_body_bytes: int = Field(4 << 20, gt=0, description="Larger request bodies get 413")
     max_in_flight: int = Field(
         1024, ge=1, description="Client requests handled at once (streams until they end); more get 429"
@@ -102,3 +107,12 @@ class ProxyConfig(StrictModel):
                 "the largest accepted body could never be admitted"
             )
         return self
+
+    def backend_key(self) -> str | None:
+        """The engines' key; an unreadable or empty file is a startup error."""
+        if self.backend_api_key_file is None:
+            return None
+        key = self.backend_api_key_file.read_text().strip()
+        if not key:
+            raise ConfigError(f"backend_api_key_file: {self.backend_api_key_file} is empty")
+        return key

@@ -19,7 +19,7 @@ import kmock
 import kopf
 
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION
-from ucm_operator.api import KINDS
+from ucm_operator.api import KINDS, UNWATCHED
 from ucm_operator.api import path as child_path
 from ucm_operator.handlers import new_memo, registry
 
@@ -79,7 +79,7 @@ def declare(k: kmock.KubernetesEmulator) -> None:
     k.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
         kind=KIND, namespaced=True, subresources={"status"}, shortnames={"ucmd"}, verbs=ALL_VERBS
     )
-    for kind, (group, version, plural) in KINDS.items():
+    for kind, (group, version, plural) in {**KINDS, **UNWATCHED}.items():
         key = f"{group}/{version}/{plural}" if group else f"{version}/{plural}"
         k.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, subresources={"status"}, verbs=ALL_VERBS)
     k.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=ALL_VERBS)
@@ -139,7 +139,7 @@ class Driver:
 
     async def children(self, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
         out = {}
-        for kind in KINDS:
+        for kind in {**KINDS, **UNWATCHED}:
             listing = await self.call("GET", child_path(kind, namespace))
             for obj in listing.get("items") or []:
                 if (obj["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == name:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ucm.deploy.local import LocalStack, StackError, default_spec, kubernetes_only_fields
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -67,11 +68,22 @@ def test_files_and_state(tmp_path):
     stack = LocalStack(spec(tmp_path), tmp_path / "run", 0)
     stack.write_files()
     assert sorted(f.name for f in (tmp_path / "run").iterdir()) == [
+        "credentials",
         "kv",
         "kv-transfer-config.json",
         "logs",
         "proxy.yaml",
     ]
+    # The engines' key: a file only this user reads (the proxy's), the engines' environment.
+    key_file = tmp_path / "run" / "credentials" / "backend-api-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "run" / "credentials").stat().st_mode & 0o777 == 0o700
+    key = key_file.read_text().strip()
+    assert len(key) >= 32
+    engines = [p for p in stack.processes if p.role.component in ("prefill", "decode")]
+    assert all(p.env["VLLM_API_KEY"] == key for p in engines)
+    assert "VLLM_API_KEY" not in stack.proxy.env
+    assert yaml.safe_load((tmp_path / "run" / "proxy.yaml").read_text())["backend_api_key_file"] == str(key_file)
     assert stack.base_url.startswith("http://127.0.0.1:") and stack.base_url.endswith("/v1")
     assert stack.state()["roles"] == {}  # nothing started
 

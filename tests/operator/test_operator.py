@@ -42,6 +42,7 @@ CHILDREN = {
     ("ServiceAccount", "a-proxy"),
     ("Role", "a-proxy"),
     ("RoleBinding", "a-proxy"),
+    ("Secret", "a-credentials"),
 }
 
 
@@ -213,7 +214,9 @@ async def test_delete_removes_children_then_the_object(kmock, cluster):
         async def gone() -> None:
             listing = await cluster.call("GET", f"/apis/ucm.io/v1alpha1/namespaces/{NS}/ucmdeployments")
             assert listing["items"] == []
-            assert await cluster.children(NS, "a") == {}
+            # The credentials Secret goes with its owner reference (Kubernetes' garbage collector,
+            # which kmock does not run): the operator holds no delete right on Secrets.
+            assert set(await cluster.children(NS, "a")) <= {("Secret", "a-credentials")}
 
         await eventually(gone)
         deletes = [c.path.rsplit("/", 1)[-1] for c in kmock.calls if c.verb == "delete"]
@@ -268,6 +271,9 @@ async def test_ucm_render_prints_what_the_operator_creates(kmock, cluster, tmp_p
 
         live = await eventually(created)
     assert ("Deployment", "r-mooncake-master") in live
+    # The credentials are rendered without a value: the operator draws it when it creates the Secret.
+    generated = live[("Secret", "r-credentials")].pop("stringData")
+    assert list(generated) == ["backend-api-key"] and len(generated["backend-api-key"]) >= 32
     for key, obj in live.items():
         meta = {k: v for k, v in obj["metadata"].items() if k not in ("uid", "resourceVersion", "generation")}
         assert {**obj, "metadata": meta} == rendered[key], key

@@ -53,9 +53,20 @@ def test_pd_completion_sends_prefill_then_decode_with_its_params(pd):
     assert dec["body"]["max_tokens"] == 5 and dec["body"]["stream_options"] == {"include_usage": True}
     for req in (pre, dec):
         assert req["headers"]["X-Request-Id"] == "req-42"
-        assert req["headers"]["Authorization"] == "Bearer user-token"
+        assert "Authorization" not in req["headers"]  # the client's key is the proxy's business
     assert r.headers["x-request-id"] == "req-42"
     assert r.json()["choices"][0]["text"] == " t0 t1 t2 t3 t4"
+
+
+def test_backends_get_the_deployments_key_never_the_clients(fakes, make_proxy, tmp_path):
+    (tmp_path / "backend-key").write_text("engine-secret\n")
+    p, d = fakes.add("p"), fakes.add("d")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], backend_api_key_file=str(tmp_path / "backend-key"))
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer user-token"})
+    assert r.status_code == 200, r.text
+    for req in all_requests([p, d]):
+        assert req["headers"]["Authorization"] == "Bearer engine-secret"
 
 
 def test_request_id_is_created_when_absent(pd):

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from ucm.deploy.roles import ENGINES, Plan, Probe, Role
+from ucm.deploy.roles import CREDENTIALS, ENGINES, Plan, Probe, Role
 from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
@@ -23,6 +23,8 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 DESIRED_HASH = "ucm.io/desired-hash"
 CONFIG_HASH = "ucm.io/config-hash"
+# On the credentials Secret: the keys the operator fills with random values when it creates it.
+GENERATED_KEYS = "ucm.io/generated-keys"
 CONFIG_DIR_VOLUME = "ucm-config"
 
 
@@ -88,6 +90,10 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
         if role.component in ENGINES:
             objects.append(_pdb(owner, role))
     objects += _proxy_rbac(owner)
+    if plan.credentials:
+        meta = owner.meta(CREDENTIALS, None)
+        meta["annotations"] = {GENERATED_KEYS: ",".join(plan.credentials)}
+        objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque"})
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[DESIRED_HASH] = digest(obj)
     return objects
@@ -137,6 +143,10 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     env += [{"name": k, "value": v} for k, v in role.env.items()]
+    credentials = f"{owner.name}-{CREDENTIALS}"
+    env += [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": credentials, "key": v}}} for k, v in role.secret_env.items()
+    ]
     container: dict[str, Any] = {
         "name": role.component,
         "image": role.image or f"{spec.image.repository}:{spec.image.tag}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -31,7 +32,7 @@ from pydantic.alias_generators import to_camel
 
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.ports import free_port, port_is_free
-from ucm.deploy.roles import ENGINES, Plan, Probe, Role, Site
+from ucm.deploy.roles import CREDENTIALS, ENGINES, Plan, Probe, Role, Site
 from ucm.deploy.spec import UCMDeploymentSpec
 
 MAX_RESTARTS = 3
@@ -182,6 +183,8 @@ class LocalStack:
         source = spec.model.source
         if source.host_path is not None and not Path(source.host_path).is_dir():
             raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
+        # Fresh per start, like the operator's Secret per deployment: files for the proxy, env for engines.
+        self.credentials = {key: secrets.token_urlsafe(32) for key in self.plan.credentials}
         engines = [r.name for r in self.plan.roles if r.component in ENGINES]
         self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
 
@@ -211,6 +214,7 @@ class LocalStack:
                 }
             )
         env.update(role.env)
+        env.update({var: self.credentials[key] for var, key in role.secret_env.items()})
         return env
 
     def write_files(self) -> None:
@@ -218,6 +222,14 @@ class LocalStack:
         (self.run_dir / "kv").mkdir(parents=True, exist_ok=True)
         for filename, text in self.plan.files.items():
             (self.run_dir / filename).write_text(text)
+        credentials = self.run_dir / CREDENTIALS
+        credentials.mkdir(mode=0o700, exist_ok=True)
+        for key, value in self.credentials.items():
+            path = credentials / key
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others
+            with os.fdopen(fd, "w") as f:
+                f.write(value + "\n")
 
     def state(self) -> dict[str, Any]:
         """What `ucm down` needs: each process with its start time, so a reused PID is not ours."""

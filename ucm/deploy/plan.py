@@ -20,7 +20,19 @@ import yaml
 
 from ucm import __version__
 from ucm.config import ConfigError
-from ucm.deploy.roles import Component, Plan, Port, Probe, Role, Site, Volume, fail, quantity_bytes
+from ucm.deploy.roles import (
+    BACKEND_KEY,
+    CREDENTIALS,
+    Component,
+    Plan,
+    Port,
+    Probe,
+    Role,
+    Site,
+    Volume,
+    fail,
+    quantity_bytes,
+)
 from ucm.deploy.spec import PoolSpec, UCMDeploymentSpec
 from ucm.integration.vllm.config import kv_transfer_config
 
@@ -36,7 +48,17 @@ PROXY_PORT = 8000
 # EndpointSlice watch sees it go first, so no new request is routed to a dying engine.
 DRAIN_DELAY_S = 10
 # Proxy options the deployment decides; proxy.config may not set them.
-PROXY_PLANNED = ("host", "port", "mode", "prefill", "decode", "discovery", "api_keys", "api_keys_file")
+PROXY_PLANNED = (
+    "host",
+    "port",
+    "mode",
+    "prefill",
+    "decode",
+    "discovery",
+    "api_keys",
+    "api_keys_file",
+    "backend_api_key_file",
+)
 
 
 def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
@@ -68,7 +90,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
             engines.setdefault(component, []).append(f"http://{site.host(name, role_name)}:{port}")
     proxy_port = site.port("proxy", PROXY_PORT)
     files[PROXY_CONFIG_FILE] = _proxy_config(name, spec, site, proxy_port, engines)
-    roles.append(_proxy(spec, site, proxy_port))
+    roles.append(_proxy(name, spec, site, proxy_port))
     claim = kind.claim(opts, site)
     return Plan(
         name=name,
@@ -76,6 +98,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         files=files,
         store_claim=claim,
         store_external=None if claim is not None else kind.external(opts),
+        credentials=(BACKEND_KEY,),
     )
 
 
@@ -169,6 +192,8 @@ def _engine(
         ports=[Port("http", port)],
         replicas=replicas,
         env={e.name: e.value for e in pool.env},
+        # Only the proxy may call an engine: it alone holds the key (clients' keys stay at the proxy).
+        secret_env={"VLLM_API_KEY": BACKEND_KEY},
         files=[kv_file],
         volumes=volumes,
         readiness=Probe("http", "/health", period_s=5),
@@ -187,6 +212,7 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, eng
         if key in p.config:
             raise fail(f"proxy.config.{key}", "set by the deployment (pools, proxy.service, proxy.apiKeySecret)")
     config: dict[str, Any] = {**p.config, "host": site.bind, "port": port, "mode": "pd"}
+    config["backend_api_key_file"] = f"{site.credentials_dir}/{BACKEND_KEY}"
     if site.local:
         config["prefill"] = engines.get("prefill", [])
         config["decode"] = engines.get("decode", [])
@@ -202,11 +228,19 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, eng
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _proxy(spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
+def _proxy(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
     p = spec.proxy
     volumes = []
     if p.api_key_secret is not None and not site.local:
-        volumes.append(Volume("api-keys", API_KEYS_DIR, {"secret": {"secretName": p.api_key_secret.name}}, True))
+        # Only the named key: the Secret may hold others the proxy has no business reading.
+        only = {
+            "secretName": p.api_key_secret.name,
+            "items": [{"key": p.api_key_secret.key, "path": p.api_key_secret.key}],
+        }
+        volumes.append(Volume("api-keys", API_KEYS_DIR, {"secret": only}, True))
+    if not site.local:
+        own = {"secretName": f"{name}-{CREDENTIALS}", "items": [{"key": BACKEND_KEY, "path": BACKEND_KEY}]}
+        volumes.append(Volume(CREDENTIALS, site.credentials_dir, {"secret": own}, True))
     return Role(
         name="proxy",
         component="proxy",

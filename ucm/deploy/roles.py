@@ -20,6 +20,10 @@ ENGINES: tuple[Component, ...] = ("prefill", "decode")
 # being routed before engines go, and engines go before their store.
 START_ORDER: tuple[tuple[Component, ...], ...] = (("mooncake-master",), ENGINES, ("proxy",))
 STORE_COMPONENTS: tuple[Component, ...] = START_ORDER[0]
+# Keys the deployment generates once (random) and keeps in its own Secret ("<name>-credentials";
+# locally, files in the run directory): created by the executors, never rendered with a value.
+CREDENTIALS = "credentials"
+BACKEND_KEY = "backend-api-key"  # engines require it (vLLM --api-key); only the proxy holds it
 
 
 class PlanError(ValueError):
@@ -70,6 +74,7 @@ class Role:
     ports: list[Port]
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)
+    secret_env: dict[str, str] = field(default_factory=dict)  # env var -> key of the deployment's credentials
     files: list[str] = field(default_factory=list)  # plan files the role reads (their change restarts it)
     volumes: list[Volume] = field(default_factory=list)
     readiness: Probe | None = None
@@ -87,6 +92,7 @@ class Plan:
     files: dict[str, str]  # config files by name: a ConfigMap in Kubernetes, a directory locally
     store_claim: dict[str, Any] | None = None  # a PVC spec the deployment owns, when asked for
     store_external: str | None = None  # the store nothing here runs or claims, described for status
+    credentials: tuple[str, ...] = ()  # keys of the deployment's generated credentials
 
     def role(self, name: str) -> Role:
         return next(r for r in self.roles if r.name == name)
@@ -125,3 +131,8 @@ class Site:
 
     def host(self, deployment: str, role: str) -> str:
         return "127.0.0.1" if self.local else f"{deployment}-{role}"
+
+    @property
+    def credentials_dir(self) -> str:
+        """Where a role reads the generated credentials as files (a Secret volume in pods)."""
+        return f"{self.config_dir}/{CREDENTIALS}" if self.local else f"/etc/ucm-{CREDENTIALS}"
