@@ -26,6 +26,7 @@ CONFIG_HASH = "ucm.io/config-hash"
 # On the credentials Secret: the keys the operator fills with random values when it creates it.
 GENERATED_KEYS = "ucm.io/generated-keys"
 CONFIG_DIR_VOLUME = "ucm-config"
+RUNTIME_UID = 1000  # the user runtime/Dockerfile creates
 
 
 def digest(data: Any) -> str:
@@ -172,19 +173,21 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         "terminationGracePeriodSeconds": role.drain_delay_s + 30,
         "automountServiceAccountToken": role.component == "proxy",
     }
+    # Every pod passes the "restricted" Pod Security profile (apart from hostPath volumes a spec
+    # asks for): non-root, no privilege escalation, no capabilities, the runtime's seccomp profile.
+    # The images' own users: ucm (1000) in the runtime image, 65532 in the proxy's.
+    uid = 65532 if role.component == "proxy" else RUNTIME_UID
+    pod["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,  # volumes (a store's RWX claim) writable by the group the pods share
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     if role.component == "proxy":
         pod["serviceAccountName"] = f"{owner.name}-proxy"
-        # The proxy image runs as a non-root user and writes nothing to its filesystem.
-        pod["securityContext"] = {
-            "runAsNonRoot": True,
-            "runAsUser": 65532,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        }
-        container["securityContext"] = {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        }
+        container["securityContext"]["readOnlyRootFilesystem"] = True  # it writes nothing
     if spec.image.pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image.pull_secrets]
     if role.pool is not None:
