@@ -145,7 +145,7 @@ class Proxy:
             metrics.LATENCY.labels(route).observe(time.perf_counter() - started)
 
     async def _handle(self, request: Request, route: str, request_id: str, started: float) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         raw = await self._read_body(request)
         body = parse_body(raw, route)
         if self.models and body["model"] not in self.models:
@@ -168,7 +168,7 @@ class Proxy:
             return await self._decode_stream(route, decode_body, headers, key, started)
         return await self._decode(route, decode_body, headers, key, started)
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         keys = self.keys.current()
         if not keys:
             return
@@ -370,16 +370,19 @@ def create_app(config: ProxyConfig) -> ProxyApp:
         finally:
             await proxy.stop()
 
-    api = FastAPI(title="UCM PD proxy", version="0.1.0", lifespan=lifespan)
+    # No /docs or /openapi.json: the API is OpenAI's, and an unauthenticated page describing it
+    # helps nobody but a prober.
+    api = FastAPI(title="UCM PD proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        if not proxy.models:
-            await proxy.check_health()
-        return {
-            "object": "list",
-            "data": [{"id": m, "object": "model", "owned_by": "ucm"} for m in sorted(proxy.models)],
-        }
+    async def models(request: Request) -> Response:
+        try:
+            proxy.authorize(request)
+        except ProxyError as exc:
+            return exc.response()
+        # What the health checks last learned: a call never triggers a round of backend requests.
+        data = [{"id": m, "object": "model", "owned_by": "ucm"} for m in sorted(proxy.models)]
+        return JSONResponse({"object": "list", "data": data})
 
     @api.get("/health")
     async def health() -> dict[str, str]:

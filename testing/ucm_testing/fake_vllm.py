@@ -40,6 +40,7 @@ class FakeVLLM:
         self.behaviour = behaviour or Behaviour()
         self.requests: list[dict[str, Any]] = []  # {"path", "body", "headers"}
         self.cancelled = 0
+        self.probes = 0  # GET /health and /v1/models
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
@@ -68,9 +69,11 @@ class FakeVLLM:
             await self._runner.cleanup()
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.probes += 1
         return web.Response(status=200 if self.behaviour.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.probes += 1
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:

@@ -19,8 +19,10 @@ COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
 def proxy(fakes, make_proxy):
     p, d = fakes.add("p"), fakes.add("d")
     running = make_proxy(prefill=[p.url], decode=[d.url], max_body_bytes=2048)
-    with running.client() as c:
-        c.get("/v1/models")  # learn the served models, so unknown ones are 404
+    with running.client() as c:  # the health checks learn the served models: unknown ones are 404
+        deadline = time.monotonic() + 10
+        while not c.get("/v1/models").json()["data"] and time.monotonic() < deadline:
+            time.sleep(0.05)
     return running
 
 

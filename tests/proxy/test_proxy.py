@@ -390,6 +390,9 @@ def test_client_disconnect_mid_stream_cancels_upstream(fakes, make_proxy):
 def test_models_health_and_metrics(pd):
     proxy, _, _ = pd
     with proxy.client() as c:
+        deadline = time.monotonic() + 10
+        while not c.get("/v1/models").json()["data"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # learned by the health checks
         assert c.get("/v1/models").json()["data"] == [{"id": MODEL, "object": "model", "owned_by": "ucm"}]
         assert c.get("/health").json() == {"status": "ok"}
         c.post("/v1/completions", json=COMPLETION)
@@ -402,11 +405,18 @@ def test_models_health_and_metrics(pd):
     assert c.__class__ is httpx.Client
 
 
-def test_openapi_docs_are_served(pd):
-    proxy, _, _ = pd
+def test_no_api_description_and_models_need_a_key_and_cost_no_backend_calls(fakes, make_proxy, tmp_path):
+    d = fakes.add("d")
+    proxy = make_proxy(mode="mixed", decode=[d.url], api_keys=["k"], health={"interval_s": 60})
     with proxy.client() as c:
-        paths = c.get("/openapi.json").json()["paths"]
-    assert {"/v1/models", "/health", "/ready", "/metrics"} <= set(paths)
+        assert c.get("/openapi.json").status_code == 404 and c.get("/docs").status_code == 404
+        assert c.get("/v1/models").status_code == 401
+        time.sleep(0.3)  # the start's health round is over
+        before = d.probes
+        assert before > 0
+        for _ in range(20):  # each used to set off a round of requests to every backend
+            assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert d.probes == before
 
 
 def test_over_the_in_flight_limit_requests_get_429_with_retry_after(fakes, make_proxy):
