@@ -118,7 +118,10 @@ class Proxy:
                 await self.check_health()
             except Exception:
                 logger.exception("health check round failed")
-            await asyncio.sleep(self.config.health.interval_s)
+            # While a backend is down, look more often: a restarted engine serves as soon as it is up.
+            down = any(not b.healthy for p in self.pools for b in p.backends)
+            health = self.config.health
+            await asyncio.sleep(min(health.interval_s, health.unhealthy_interval_s) if down else health.interval_s)
 
     def ready(self) -> bool:
         if not self.decode.available():

@@ -34,6 +34,7 @@ class TimeoutsConfig(StrictModel):
 
 class HealthConfig(StrictModel):
     interval_s: float = Field(5.0, gt=0, description="Active health check period")
+    unhealthy_interval_s: float = Field(1.0, gt=0, description="The period while some backend fails its check")
     path: str = "/health"
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a backend")
     backoff_s: float = Field(1.0, gt=0, description="First ejection length; doubles each time, up to backoff_max_s")

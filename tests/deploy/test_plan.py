@@ -68,6 +68,10 @@ def test_local_plan_gives_each_replica_a_port_and_the_proxy_their_urls(tmp_path)
         ({"store": {"type": "posix", "pvc": {"claimName": "kv"}, "cacheSize": "lots"}}, "store.cacheSize: 'lots'"),
         ({"proxy": {"config": {"port": 9}}}, "proxy.config.port: set by the deployment"),
         ({"proxy": {"config": {"prefill": ["http://x"]}}}, "proxy.config.prefill: set by the deployment"),
+        (
+            {"proxy": {"service": {"type": "LoadBalancer"}}},
+            "proxy.apiKeySecret: required with proxy.service.type LoadBalancer (reachable from outside",
+        ),
     ],
 )
 def test_specs_that_cannot_work_name_the_field(overrides, message):
@@ -106,3 +110,8 @@ def test_sparse_attention_reaches_the_decode_engines_only():
     assert parse_connector_config(extra).sparse.options.retrieval_stride == 8  # what the engine will run
     assert "sparse" not in kv(plan)
     assert KV_DECODE_CONFIG_FILE not in plan_for({}).files
+
+
+def test_an_open_proxy_outside_the_cluster_is_an_explicit_choice():
+    plan_for({"proxy": {"service": {"type": "NodePort"}, "allowAnonymous": True}})
+    plan_for({"proxy": {"service": {"type": "LoadBalancer"}, "apiKeySecret": {"name": "keys"}}})

@@ -492,3 +492,18 @@ def test_request_bodies_held_at_once_are_bounded(fakes, make_proxy):
 def test_a_body_limit_above_the_in_flight_limit_is_refused():
     with pytest.raises(ConfigError, match="max_in_flight_bytes: 100 is below max_body_bytes"):
         parse_config(ProxyConfig, {"mode": "mixed", "decode": ["http://d:1"], "max_in_flight_bytes": 100}, "proxy")
+
+
+def test_a_backend_that_comes_back_is_seen_within_the_unhealthy_interval(fakes, make_proxy):
+    d = fakes.add("d", Behaviour(healthy=False))
+    proxy = make_proxy(mode="mixed", decode=[d.url], health={"interval_s": 30, "unhealthy_interval_s": 0.2})
+    backend = proxy.proxy.decode.backends[0]
+    deadline = time.monotonic() + 10
+    while backend.healthy and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first round finds it down
+    assert not backend.healthy
+    d.behaviour.healthy = True  # restarted
+    back = time.monotonic()
+    while not backend.healthy and time.monotonic() - back < 10:
+        time.sleep(0.05)
+    assert backend.healthy and time.monotonic() - back < 2  # not the 30 s interval

@@ -230,6 +230,12 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, eng
 
 def _proxy(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
     p = spec.proxy
+    if p.service.type != "ClusterIP" and p.api_key_secret is None and not p.allow_anonymous:
+        raise fail(
+            "proxy.apiKeySecret",
+            f"required with proxy.service.type {p.service.type} (reachable from outside the cluster); "
+            "set proxy.allowAnonymous: true to serve it without keys",
+        )
     volumes = []
     if p.api_key_secret is not None and not site.local:
         # Only the named key: the Secret may hold others the proxy has no business reading.

@@ -139,6 +139,10 @@ class ProxySpec(Spec):
     replicas: int = Field(1, ge=0)
     service: ProxyService = ProxyService()
     api_key_secret: SecretKey | None = None
+    allow_anonymous: bool = Field(
+        False,
+        description="Serve a NodePort or LoadBalancer proxy without apiKeySecret (anyone who reaches it may use it)",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="ucm-proxy's own options as in its config file (routing, timeouts, health, retries, "
