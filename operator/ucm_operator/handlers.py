@@ -37,6 +37,7 @@ from ucm.deploy.kubernetes import (
     render,
 )
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
+from ucm.deploy.policy import Policy
 from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
 from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec
 from ucm_operator.api import KINDS, Api, ApiError, NameConflict, controlled_by
@@ -60,6 +61,7 @@ class State:
 
     api: Api
     server: str | None  # an API server to use without credentials (tests, development)
+    policy: Policy = field(default_factory=Policy)  # what a resource may ask for
     locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     failures: dict[tuple[str, str], ApiError] = field(default_factory=dict)
@@ -69,10 +71,10 @@ class State:
             memo.pop(key, None)
 
 
-def new_memo(server: str | None = None) -> kopf.Memo:
+def new_memo(server: str | None = None, policy: Policy | None = None) -> kopf.Memo:
     """The memo to run the operator with. ``server``: talk to this API server without credentials;
     default: in-cluster, then kubeconfig."""
-    return kopf.Memo(ucm=State(Api(), server))
+    return kopf.Memo(ucm=State(Api(), server, policy or Policy()))
 
 
 def _index_name(plural: str) -> str:
@@ -96,11 +98,12 @@ def children(indexes: Mapping[str, Any], namespace: str, name: str) -> list[Chil
     return out
 
 
-def plan_of(owner: Mapping[str, Any]) -> tuple[UCMDeploymentSpec, Plan] | str:
+def plan_of(owner: Mapping[str, Any], policy: Policy) -> tuple[UCMDeploymentSpec, Plan] | str:
     """The spec and its plan, or a message naming the field that makes it unusable."""
     meta = owner["metadata"]
     try:
         spec = UCMDeploymentSpec.model_validate(dict(owner.get("spec") or {}))
+        policy.check(spec)
         plan = build_plan(meta["name"], spec, Site("kubernetes", namespace=meta["namespace"]))
         # The proxy's own options are the proxy's to judge (the plan passes them through).
         parse_config(ProxyConfig, yaml.safe_load(plan.files[PROXY_CONFIG_FILE]), "spec.proxy.config")
@@ -150,11 +153,11 @@ def owners(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[s
     return {(namespace, name): _owner(body)}
 
 
-def status_for(owner: Mapping[str, Any], kids: list[Child], failure: ApiError | None) -> dict[str, Any]:
+def status_for(owner: Mapping[str, Any], kids: list[Child], failure: ApiError | None, policy: Policy) -> dict[str, Any]:
     meta = owner["metadata"]
     generation = meta.get("generation")
     old = owner.get("status") or {}
-    planned = plan_of(owner)
+    planned = plan_of(owner, policy)
     if isinstance(planned, str):
         return invalid_status(old, planned, generation)
     spec, plan = planned
@@ -171,7 +174,8 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
             return
         owner = found[0]
         old = state.written.get(key) or owner.get("status") or {}
-        new = status_for({**owner, "status": old}, children(indexes, namespace, name), state.failures.get(key))
+        kids = children(indexes, namespace, name)
+        new = status_for({**owner, "status": old}, kids, state.failures.get(key), state.policy)
         if {k: v for k, v in old.items() if k in new} == new:
             return
         try:
@@ -199,7 +203,7 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
 @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
 async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo, **kwargs: Any) -> None:
     state: State = memo.ucm
-    planned = plan_of(_owner(body))
+    planned = plan_of(_owner(body), state.policy)
     if isinstance(planned, str):
         # Nothing is touched: running pods keep serving the last valid spec.
         RECONCILES.labels("invalid").inc()

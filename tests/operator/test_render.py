@@ -15,6 +15,7 @@ from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.plan import build_plan
 from ucm.deploy.roles import Site
 from ucm.deploy.spec import UCMDeploymentSpec
+from ucm_operator.cli import build_parser
 
 EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
 VARIANTS = {
@@ -98,8 +99,9 @@ def test_chart_lints(tmp_path):
         [],
         ["--set", "metrics.service.enabled=true", "--set", "watchNamespaces={serving,batch}"],
         ["--set", "metrics.serviceMonitor.enabled=true", "--set", "image.tag=dev"],
+        ["--set", "policy.hostPathPrefixes={/data/models}", "--set", "policy.anyScheduling=true"],
     ],
-    ids=["defaults", "metrics-namespaces", "servicemonitor"],
+    ids=["defaults", "metrics-namespaces", "servicemonitor", "policy"],
 )
 def test_chart_renders_valid_manifests(values, tmp_path):
     out = helm("template", "ucm", str(CHART), "--namespace", "ucm-system", "--include-crds", *values, tmp=tmp_path)
@@ -112,6 +114,11 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     if "watchNamespaces={serving,batch}" in values:
         assert "--namespace=serving" in args and "--namespace=batch" in args
+    assert "--allow-image-prefix=ucm/" in args
+    if "policy.anyScheduling=true" in values:
+        assert "--allow-host-path=/data/models" in args and "--allow-any-scheduling" in args
+    # The operator accepts what the chart passes.
+    assert build_parser().parse_args(args).allow_host_path == (["/data/models"] if "policy" in str(values) else [])
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
@@ -123,6 +130,7 @@ def test_chart_renders_valid_manifests(values, tmp_path):
         ("watchNamespaces={Bad_NS}", "watchNamespaces"),
         ("metrics.port=70000", "port"),
         ("surprise=1", "surprise"),
+        ("policy.hostPathPrefixes={relative}", "hostPathPrefixes"),
     ],
 )
 def test_chart_values_are_validated(flag, complaint, tmp_path):

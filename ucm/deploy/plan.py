@@ -109,8 +109,10 @@ def _model(spec: UCMDeploymentSpec, site: Site) -> tuple[str, list[Volume]]:
     if source.host_path is not None:
         if site.local:
             return source.host_path, []
-        volume = Volume("model", source.host_path, {"hostPath": {"path": source.host_path, "type": "Directory"}}, True)
-        return source.host_path, [volume]
+        # At a fixed point, read-only: a node path mounted where it is could cover the image's own
+        # directories (/usr, /etc).
+        volume = Volume("model", MODEL_MOUNT, {"hostPath": {"path": source.host_path, "type": "Directory"}}, True)
+        return MODEL_MOUNT, [volume]
     assert source.pvc is not None
     if site.local:
         raise fail("model.source.pvc", "a PersistentVolumeClaim exists only in Kubernetes; locally use hostPath or hf")
@@ -185,6 +187,10 @@ def _engine(
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
     vllm += [*m.extra_args, *pool.extra_args]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
+    secret_env = {"VLLM_API_KEY": BACKEND_KEY}
+    for i, e in enumerate(pool.env):
+        if e.name in secret_env or e.name == "POD_IP":
+            raise fail(f"{component}.env[{i}].name", f"{e.name} is set by the deployment")
     return Role(
         name=role_name,
         component=component,
@@ -193,7 +199,7 @@ def _engine(
         replicas=replicas,
         env={e.name: e.value for e in pool.env},
         # Only the proxy may call an engine: it alone holds the key (clients' keys stay at the proxy).
-        secret_env={"VLLM_API_KEY": BACKEND_KEY},
+        secret_env=secret_env,
         files=[kv_file],
         volumes=volumes,
         readiness=Probe("http", "/health", period_s=5),
