@@ -27,6 +27,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 # Rendered but not watched: the operator creates the credentials Secret once and never reads it
 # back (RBAC: get and create on Secrets, no list or watch of every Secret in the namespace).

@@ -43,6 +43,7 @@ CHILDREN = {
     ("Role", "a-proxy"),
     ("RoleBinding", "a-proxy"),
     ("Secret", "a-credentials"),
+    ("NetworkPolicy", "a-engines"),
 }
 
 

@@ -161,3 +161,27 @@ def test_the_proxy_pod_has_bounded_resources():
     proxy = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-proxy")
     resources = proxy["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["requests"]["memory"] and resources["limits"]["memory"]
+
+
+def test_network_policies_let_only_the_proxy_reach_engines_and_only_engines_the_master():
+    spec = {"model": {"source": {"hf": "m"}}, "store": {"type": "mooncake", "mooncake": {"master": {}}}}
+    s = UCMDeploymentSpec.model_validate(spec)
+    objs = render(Owner("x", "ns", None), s, build_plan("x", s, Site("kubernetes", namespace="ns")))
+    policies = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"x-engines", "x-mooncake-master"}
+    engines = policies["x-engines"]
+    assert engines["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    from_proxy, from_engines = engines["ingress"]
+    proxy_labels = from_proxy["from"][0]["podSelector"]["matchLabels"]
+    assert proxy_labels == {"app.kubernetes.io/instance": "x", "app.kubernetes.io/component": "proxy"}
+    assert from_proxy["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert from_engines["from"][0]["podSelector"] == engines["podSelector"]  # KV transfer among engines
+    master = policies["x-mooncake-master"]
+    assert master["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "mooncake-master"
+    assert master["ingress"] == [{"from": [{"podSelector": engines["podSelector"]}]}]
+    # Every pod those selectors pick carries the labels they match on.
+    engine_pods = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] in ("x-prefill", "x-decode")]
+    for d in engine_pods:
+        pod_labels = d["spec"]["template"]["metadata"]["labels"]
+        assert pod_labels["app.kubernetes.io/instance"] == "x"
+        assert pod_labels["app.kubernetes.io/component"] in ("prefill", "decode")

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from ucm.deploy.roles import CREDENTIALS, ENGINES, Plan, Probe, Role
+from ucm.deploy.roles import CREDENTIALS, ENGINES, STORE_COMPONENTS, Plan, Probe, Role
 from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
@@ -91,6 +91,7 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
         if role.component in ENGINES:
             objects.append(_pdb(owner, role))
     objects += _proxy_rbac(owner)
+    objects += _network_policies(owner, plan)
     if plan.credentials:
         meta = owner.meta(CREDENTIALS, None)
         meta["annotations"] = {GENERATED_KEYS: ",".join(plan.credentials)}
@@ -259,3 +260,47 @@ def _proxy_rbac(owner: Owner) -> list[dict[str, Any]]:
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
         },
     ]
+
+
+def _network_policies(owner: Owner, plan: Plan) -> list[dict[str, Any]]:
+    """Engines accept this deployment's proxy (on their API port) and each other (KV transfer);
+    a Mooncake master accepts this deployment's engines. Nothing else in the cluster reaches them
+    (kubelet probes are not subject to NetworkPolicies). The proxy is the entry point: open."""
+    engines = {
+        "matchLabels": {LABEL_INSTANCE: owner.name},
+        "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": list(ENGINES)}],
+    }
+    proxy = {"podSelector": {"matchLabels": selector(owner.name, "proxy")}}
+    policies = [
+        _network_policy(
+            owner,
+            "engines",
+            engines,
+            [
+                {"from": [proxy], "ports": [{"port": "http", "protocol": "TCP"}]},
+                {"from": [{"podSelector": engines}]},
+            ],
+        )
+    ]
+    for role in plan.roles:
+        if role.component in STORE_COMPONENTS:
+            policies.append(
+                _network_policy(
+                    owner,
+                    role.name,
+                    {"matchLabels": selector(owner.name, role.component)},
+                    [
+                        {"from": [{"podSelector": engines}]},
+                    ],
+                )
+            )
+    return policies
+
+
+def _network_policy(owner: Owner, suffix: str, pods: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": owner.meta(suffix, None),
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
