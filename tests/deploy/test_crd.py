@@ -128,6 +128,13 @@ CEL_CASES = [
         "model.source: exactly one of pvc, hostPath, hf must be set",
     ),
     (with_("model.source", {}), "model.source: exactly one of pvc, hostPath, hf must be set"),
+    (
+        with_(
+            "decode",
+            {"env": [{"name": "HF_TOKEN", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},
+        ),
+        "env: give value or valueFrom, not both",
+    ),
     (with_("store", {"type": "posix"}), "store.pvc: required when type is posix"),
     (with_("store", {"type": "nfs"}), "store.nfs: required when type is nfs"),
     (with_("store", {"type": "ds3fs"}), "store.ds3fs: required when type is ds3fs"),

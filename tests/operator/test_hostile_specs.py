@@ -95,6 +95,7 @@ def test_what_the_policy_allows_renders_safely():
             "proxy.image": "registry.corp/ucm/proxy:1",
             "model.source": {"hostPath": "/data/models/llama"},
             "proxy.apiKeySecret": {"name": "shared", "key": "ucm-keys"},
+            "decode.env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
         }
     )
     planned = plan_of(owner(spec), policy)
@@ -108,6 +109,9 @@ def test_what_the_policy_allows_renders_safely():
     proxy = objs[("Deployment", "h-proxy")]["spec"]["template"]["spec"]
     (keys,) = [v for v in proxy["volumes"] if v["name"] == "api-keys"]
     assert keys["secret"]["items"] == [{"key": "ucm-keys", "path": "ucm-keys"}]  # not every key of the Secret
+    env = {e["name"]: e for e in decode["containers"][0]["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "h-credentials", "key": "backend-api-key"}
     escape = {**spec, "model": {**spec["model"], "source": {"hostPath": "/data/models/../../etc"}}}
     assert plan_of(owner(escape), policy) == (
         "spec.model.source.hostPath: /data/models/../../etc is not under an allowed host path (/data/models)"

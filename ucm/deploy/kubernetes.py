@@ -145,9 +145,9 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     env += [{"name": k, "value": v} for k, v in role.env.items()]
-    credentials = f"{owner.name}-{CREDENTIALS}"
     env += [
-        {"name": k, "valueFrom": {"secretKeyRef": {"name": credentials, "key": v}}} for k, v in role.secret_env.items()
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+        for k, ref in role.secret_env.items()
     ]
     container: dict[str, Any] = {
         "name": role.component,

@@ -70,6 +70,9 @@ def kubernetes_only_fields(spec: UCMDeploymentSpec) -> list[str]:
         for f in ("resources", "node_selector", "tolerations", "affinity"):
             if f in pool.model_fields_set:
                 out.append(f"{pool_name}.{to_camel(f)}")
+        out += [
+            f"{pool_name}.env[{i}].valueFrom (set it in your shell)" for i, e in enumerate(pool.env) if e.value_from
+        ]
     out += spec.store.kind.kubernetes_only(spec.store.options)
     for f in ("service", "api_key_secret"):
         if f in spec.proxy.model_fields_set:
@@ -214,7 +217,9 @@ class LocalStack:
                 }
             )
         env.update(role.env)
-        env.update({var: self.credentials[key] for var, key in role.secret_env.items()})
+        own = f"{self.name}-{CREDENTIALS}"
+        # Other Secrets exist only in a cluster: locally such a variable comes from your shell.
+        env.update({var: self.credentials[ref.key] for var, ref in role.secret_env.items() if ref.secret == own})
         return env
 
     def write_files(self) -> None:

@@ -28,6 +28,7 @@ from ucm.deploy.roles import (
     Port,
     Probe,
     Role,
+    SecretRef,
     Site,
     Volume,
     fail,
@@ -84,7 +85,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
             port = site.port(role_name, VLLM_PORT)
             volumes = [*model_volumes, *store_volumes]
             role = _engine(
-                role_name, component, replicas, port, pool, spec, site, model_path, volumes, kv_files[component]
+                name, role_name, component, replicas, port, pool, spec, site, model_path, volumes, kv_files[component]
             )
             roles.append(role)
             engines.setdefault(component, []).append(f"http://{site.host(name, role_name)}:{port}")
@@ -161,6 +162,7 @@ def _source_id(spec: UCMDeploymentSpec) -> str:
 
 
 def _engine(
+    deployment: str,
     role_name: str,
     component: Component,
     replicas: int,
@@ -187,17 +189,20 @@ def _engine(
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
     vllm += [*m.extra_args, *pool.extra_args]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
-    secret_env = {"VLLM_API_KEY": BACKEND_KEY}
+    secret_env = {"VLLM_API_KEY": SecretRef(f"{deployment}-{CREDENTIALS}", BACKEND_KEY)}
     for i, e in enumerate(pool.env):
         if e.name in secret_env or e.name == "POD_IP":
             raise fail(f"{component}.env[{i}].name", f"{e.name} is set by the deployment")
+    for e in pool.env:
+        if e.value_from is not None:
+            secret_env[e.name] = SecretRef(e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key)
     return Role(
         name=role_name,
         component=component,
         command=command,
         ports=[Port("http", port)],
         replicas=replicas,
-        env={e.name: e.value for e in pool.env},
+        env={e.name: e.value for e in pool.env if e.value is not None},
         # Only the proxy may call an engine: it alone holds the key (clients' keys stay at the proxy).
         secret_env=secret_env,
         files=[kv_file],

@@ -67,6 +67,12 @@ class Volume:
 
 
 @dataclass(frozen=True)
+class SecretRef:
+    secret: str  # a Secret's name in the deployment's namespace
+    key: str
+
+
+@dataclass(frozen=True)
 class Role:
     name: str  # unique in the plan; Kubernetes objects are "<deployment>-<name>"
     component: Component
@@ -74,7 +80,7 @@ class Role:
     ports: list[Port]
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)
-    secret_env: dict[str, str] = field(default_factory=dict)  # env var -> key of the deployment's credentials
+    secret_env: dict[str, SecretRef] = field(default_factory=dict)  # env vars from Secrets
     files: list[str] = field(default_factory=list)  # plan files the role reads (their change restarts it)
     volumes: list[Volume] = field(default_factory=list)
     readiness: Probe | None = None

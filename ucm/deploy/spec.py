@@ -63,9 +63,31 @@ class ImageSpec(Spec):
     pull_secrets: list[str] = Field(default_factory=list)
 
 
+class SecretKeySelector(Spec):
+    name: str = Field(min_length=1, description="A Secret in the deployment's namespace")
+    key: str = Field(min_length=1)
+
+
+class EnvSource(Spec):
+    secret_key_ref: SecretKeySelector
+
+
 class EnvVar(Spec):
+    """A literal ``value``, or ``valueFrom.secretKeyRef`` for secrets (an HF token): a literal would
+    sit in the resource, and in the operator's last-handled annotation, for anyone who reads it."""
+
+    model_config = Spec.model_config | cel(
+        ("!(has(self.value) && has(self.valueFrom))", "env: give value or valueFrom, not both"),
+    )
     name: str = Field(min_length=1)
-    value: str = ""
+    value: str | None = None
+    value_from: EnvSource | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError("env: give value or valueFrom, not both")
+        return self
 
 
 class Resources(Spec):
