@@ -185,3 +185,25 @@ def test_network_policies_let_only_the_proxy_reach_engines_and_only_engines_the_
         pod_labels = d["spec"]["template"]["metadata"]["labels"]
         assert pod_labels["app.kubernetes.io/instance"] == "x"
         assert pod_labels["app.kubernetes.io/component"] in ("prefill", "decode")
+
+
+def test_with_watch_namespaces_the_operator_holds_rights_in_those_namespaces_only(tmp_path):
+    def rbac(*values: str) -> list[dict]:
+        out = helm("template", "u", str(CHART), "--namespace", "ucm-system", *values, tmp=tmp_path)
+        return [d for d in yaml.safe_load_all(out) if d and d["kind"] in ("ClusterRole", "RoleBinding")]
+
+    everywhere = {d["metadata"]["name"]: d for d in rbac()}
+    scoped = rbac("--set", "watchNamespaces={serving,batch}")
+    roles = {d["metadata"]["name"]: d for d in scoped if d["kind"] == "ClusterRole"}
+    assert [r["resources"] for r in roles["u-ucm-operator"]["rules"]] == [["customresourcedefinitions"]]
+    bindings = [d for d in scoped if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["batch", "serving"]
+    assert all(
+        b["roleRef"] == {**b["roleRef"], "kind": "ClusterRole", "name": "u-ucm-operator-namespaced"} for b in bindings
+    )
+    # The same rights, granted per namespace instead of everywhere.
+    assert (
+        roles["u-ucm-operator"]["rules"] + roles["u-ucm-operator-namespaced"]["rules"]
+        == (everywhere["u-ucm-operator"]["rules"])
+    )
+    validate_strict(scoped, tmp_path)
