@@ -37,7 +37,14 @@ from ucm_proxy.config import ProxyConfig
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
-from ucm_proxy.requests import affinity_key, parse_body, prefill_body, with_params, without_params
+from ucm_proxy.requests import (
+    affinity_key,
+    parse_body,
+    prefill_body,
+    with_cache_salt,
+    with_params,
+    without_params,
+)
 
 logger = logging.getLogger("ucm_proxy")
 T = TypeVar("T")
@@ -148,9 +155,10 @@ class Proxy:
             metrics.LATENCY.labels(route).observe(time.perf_counter() - started)
 
     async def _handle(self, request: Request, route: str, request_id: str, started: float) -> Response:
-        self.authorize(request)
+        client_key = self.authorize(request)
         raw = await self._read_body(request)
         body = parse_body(raw, route)
+        raw, body = with_cache_salt(raw, body, self.config.cache_salt, client_key)
         if self.models and body["model"] not in self.models:
             raise ProxyError(404, f"The model `{body['model']}` does not exist.", "model")
         # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
@@ -171,15 +179,17 @@ class Proxy:
             return await self._decode_stream(route, decode_body, headers, key, started)
         return await self._decode(route, decode_body, headers, key, started)
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> str | None:
+        """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""
         keys = self.keys.current()
         if not keys:
-            return
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or token not in keys:
             raise ProxyError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>).", None, "authentication_error"
             )
+        return token
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes

@@ -72,6 +72,11 @@ class ProxyConfig(StrictModel):
         description="File with the key the engines require (vLLM's --api-key / VLLM_API_KEY), sent to every "
         "backend; a client's own Authorization is never forwarded",
     )
+    cache_salt: Literal["client", "per_key", "none"] = Field(
+        "client",
+        description="A request's cache_salt: the client's own; per_key: derived from its API key (tenants "
+        "cannot probe each other's cached prefixes; needs api_keys); none: removed",
+    )
     max_body_bytes: int = Field(4 << 20, gt=0, description="Larger request bodies get 413")
     max_in_flight: int = Field(
         1024, ge=1, description="Client requests handled at once (streams until they end); more get 429"
@@ -98,6 +103,12 @@ class ProxyConfig(StrictModel):
                 raise ValueError("decode: at least one backend URL is needed (or discovery)")
             if self.mode == "pd" and not self.prefill and not self.fallback_to_decode:
                 raise ValueError("prefill: mode pd needs prefill backends (or fallback_to_decode: true)")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_for_salts(self) -> ProxyConfig:
+        if self.cache_salt == "per_key" and not self.api_keys and self.api_keys_file is None:
+            raise ValueError("cache_salt: per_key needs api_keys or api_keys_file (the salt comes from the key)")
         return self
 
     @model_validator(mode="after")

@@ -95,3 +95,20 @@ def affinity_key(body: dict[str, Any], route: str, chars: int) -> bytes:
         # A list is cut before it is encoded: a long token-id prompt is not copied for a hint.
         text = prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt[:chars])[:chars]
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def with_cache_salt(
+    raw: bytes, body: dict[str, Any], mode: str, client_key: str | None
+) -> tuple[bytes, dict[str, Any]]:
+    """The request as the engines should see its ``cache_salt`` (``cache_salt`` in the config):
+    ``client`` leaves the client's; ``per_key`` replaces it with one derived from the client's API
+    key, so tenants share cached prefixes only with themselves and cannot probe each other's;
+    ``none`` removes it (everyone shares)."""
+    if mode == "client":
+        return raw, body
+    out = {k: v for k, v in body.items() if k != "cache_salt"}
+    if mode == "per_key" and client_key is not None:
+        out["cache_salt"] = hashlib.sha256(b"ucm-tenant\x00" + client_key.encode()).hexdigest()[:32]
+    if out == body:
+        return raw, body
+    return json.dumps(out).encode(), out

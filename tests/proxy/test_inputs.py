@@ -10,6 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ucm.config import ConfigError, parse_config
+from ucm_proxy.config import ProxyConfig
 from ucm_testing.fake_vllm import MODEL
 
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
@@ -215,3 +217,30 @@ def test_check_validates_without_serving_or_reading_key_files(tmp_path):
     path.write_text("decode: [http://d:8000]\nfallback_to_decode: true\nrouting: {decode: fastest}\n")
     r = subprocess.run([sys.executable, "-m", "ucm_proxy", "--check", "-c", str(path)], capture_output=True, text=True)
     assert r.returncode == 2 and "proxy.routing.decode: Input should be" in r.stderr
+
+
+def test_per_key_salts_keep_tenants_apart(fakes, make_proxy):
+    """With cache_salt: per_key a tenant cannot choose another's salt to probe its cached prefixes."""
+    d = fakes.add("d")
+    proxy = make_proxy(mode="mixed", decode=[d.url], api_keys=["acme", "globex"], cache_salt="per_key")
+
+    def salt_seen(key: str, body: dict) -> str:
+        with proxy.client() as c:
+            r = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return d.requests[-1]["body"]["cache_salt"]
+
+    acme = salt_seen("acme", COMPLETION)
+    assert salt_seen("acme", {**COMPLETION, "cache_salt": "globex-guess"}) == acme  # the client's is replaced
+    assert salt_seen("globex", COMPLETION) != acme
+    assert "acme" not in acme  # derived, not the key itself
+
+
+def test_cache_salt_none_strips_it_and_per_key_needs_keys(fakes, make_proxy):
+    d = fakes.add("d")
+    proxy = make_proxy(mode="mixed", decode=[d.url], cache_salt="none")
+    with proxy.client() as c:
+        assert c.post("/v1/completions", json={**COMPLETION, "cache_salt": "x"}).status_code == 200
+    assert "cache_salt" not in d.requests[-1]["body"]
+    with pytest.raises(ConfigError, match="cache_salt: per_key needs api_keys"):
+        parse_config(ProxyConfig, {"mode": "mixed", "decode": ["http://d:1"], "cache_salt": "per_key"}, "proxy")
