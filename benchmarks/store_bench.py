@@ -5,6 +5,7 @@ For each block size, trials interleave every case so machine noise hits them ali
   way, on the same filesystem, with the same threads and the same chunking as the store;
 - posix / nfs: the store's dump (checksum, temp file, rename) and load (read, verify);
   posix-noverify: the same with verify_checksum=false (the xxh3 pass is most of the load overhead);
+  posix-mac: the same with mac_key_file (a keyed BLAKE2b MAC instead of xxh3, always verified);
 - cache (DRAM tier) and mooncake: against a memcpy of the same bytes (their limit).
 Loads read what the trial just wrote (page cache for files). Medians over trials; a first,
 uncounted trial warms thread pools and memory, and the case order rotates between trials.
@@ -211,12 +212,15 @@ def _cases(work: Path, bs: int, total: int, threads: int, master: MooncakeMaster
         return timed(lambda: memcpy(scratch, src)), timed(lambda: memcpy(dst, scratch))
 
     posix_opts = {"roots": [str(root)], "io_threads": threads}
+    mac_key = work / "mac.key"
+    mac_key.write_bytes(os.urandom(32))
     cases: dict = {
         "raw": raw_case(raw),
         "posix": _StoreCase(create_store({"spec": "posix", "posix": posix_opts})),
         "posix-noverify": _StoreCase(
             create_store({"spec": "posix", "posix": {**posix_opts, "verify_checksum": False}})
         ),
+        "posix-mac": _StoreCase(create_store({"spec": "posix", "posix": {**posix_opts, "mac_key_file": str(mac_key)}})),
         "raw_fsync": raw_case(raw_fsync),
         "nfs": _StoreCase(create_store({"spec": "nfs", "nfs": posix_opts})),
         "memcpy": memcpy_case,

@@ -465,3 +465,32 @@ def test_what_sits_at_a_blocks_path_and_is_no_file_is_a_prompt_miss(tmp_path, ki
     if kind != "directory":
         assert not path.exists() and not path.is_symlink()  # removed, so a dump can write the block
     store.close()
+
+
+def test_with_a_mac_key_only_blocks_written_with_the_key_are_loaded(tmp_path):
+    """A checksum detects corruption, not forgery: whoever can write a shared store could plant
+    KV for a prompt it can guess. With a key, such a block is a miss."""
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "key").write_bytes(b"k" * 32)
+    (tmp_path / "other").write_bytes(b"o" * 32)
+    keyed = posix(tmp_path / "kv", mac_key_file=str(tmp_path / "key"))
+    ids, data = blocks(3, 64)
+    assert keyed.wait(keyed.dump(ids[:1], data[:1])) == [True]
+    buf = [bytearray(64)]
+    assert keyed.wait(keyed.load(ids[:1], buf)) == [True] and bytes(buf[0]) == bytes(data[0])
+
+    unkeyed = posix(tmp_path / "kv")  # a writer without the key: checksum only
+    assert unkeyed.wait(unkeyed.dump(ids[1:2], data[1:2])) == [True]
+    assert keyed.wait(keyed.load(ids[1:2], [bytearray(64)])) == [False]
+    other = posix(tmp_path / "kv", mac_key_file=str(tmp_path / "other"))  # the wrong key
+    assert other.wait(other.dump(ids[2:3], data[2:3])) == [True]
+    assert keyed.wait(keyed.load(ids[2:3], [bytearray(64)])) == [False]
+    assert keyed.verify() == []  # the bad ones were removed on load; what is left verifies
+    for s in (keyed, unkeyed, other):
+        s.close()
+
+
+def test_a_short_mac_key_is_refused(tmp_path):
+    (tmp_path / "key").write_bytes(b"short")
+    with pytest.raises(ConfigError, match=r"mac_key_file: .* holds 5 bytes; at least 16 are needed"):
+        posix(tmp_path, mac_key_file=str(tmp_path / "key"))

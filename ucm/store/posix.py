@@ -9,6 +9,9 @@ payload lets a buffered load be a single ``preadv`` straight into the caller's b
 and keeps the payload at offset 0, aligned for O_DIRECT. The trailer holds a magic, a format
 version, the payload length, an xxh3-64 checksum of the payload and the first 8 bytes of the
 block id, so a torn, truncated, corrupted or misplaced file is detected and treated as a miss.
+With ``mac_key_file`` the checksum field holds a keyed BLAKE2b-64 of the block id and payload
+instead (flag bit 0): on a shared store, whoever can write files but lacks the key cannot plant a
+block a reader accepts — the checksum alone detects corruption, not forgery.
 
 Writers write to a unique temporary name and ``rename`` it into place: readers see a whole block
 or none, whoever crashes (SIGKILL, ENOSPC) mid-write. Readers hold an open descriptor while they
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import logging
 import mmap
 import os
@@ -47,8 +51,9 @@ FILE_MODE, DIR_MODE = 0o640, 0o750
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
-# magic, format version, flags (reserved), payload length, xxh3-64 of payload, block id prefix
+# magic, format version, flags, payload length, xxh3-64 of payload (or its MAC), block id prefix
 TRAILER = struct.Struct("<4sHHQQ8s")
+FLAG_MAC = 1
 TMP_SUFFIX = ".tmp"
 # A temporary file this old was left by a writer that died; the GC pass removes it.
 STALE_TMP_S = 3600.0
@@ -72,6 +77,22 @@ class PosixConfig(StrictModel):
         description="Hash every loaded payload (costs ~15% of a page-cache read); false trusts storage "
         "that checksums end to end. Length, magic and id are always checked.",
     )
+    mac_key_file: Path | None = Field(
+        None,
+        description="A file holding a secret (>= 16 bytes) shared by every pod of the store: blocks carry "
+        "a keyed MAC instead of a checksum, always verified; blocks without a valid one are misses",
+    )
+
+    def mac_key(self) -> bytes | None:
+        if self.mac_key_file is None:
+            return None
+        try:
+            key = self.mac_key_file.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"mac_key_file: cannot read {self.mac_key_file}: {exc.strerror}") from None
+        if len(key) < 16:
+            raise ConfigError(f"mac_key_file: {self.mac_key_file} holds {len(key)} bytes; at least 16 are needed")
+        return key[:64]  # BLAKE2b's key size
 
 
 class NfsConfig(PosixConfig):
@@ -93,6 +114,7 @@ class PosixStore(PerBlockStore):
         self.backend = backend
         self.config = config
         self._roots = [_checked_root(backend, i, r, config.direct_io) for i, r in enumerate(config.roots)]
+        self._key = config.mac_key()
         super().__init__(config.io_threads)
         self._tls = threading.local()
         self._closed = threading.Event()
@@ -141,7 +163,10 @@ class PosixStore(PerBlockStore):
             self._maybe_touch(path, st.st_mtime)
             return True
         size = blob_size(payload)
-        trailer = TRAILER.pack(MAGIC, FORMAT_VERSION, 0, size, _checksum(payload), block_id[:8])
+        flags = FLAG_MAC if self._key else 0
+        trailer = TRAILER.pack(
+            MAGIC, FORMAT_VERSION, flags, size, _checksum(payload, block_id, self._key), block_id[:8]
+        )
         try:
             self._retry_stale(self._write_block, path, payload, trailer)
         except OSError as exc:
@@ -183,7 +208,8 @@ class PosixStore(PerBlockStore):
                 n = os.preadv(fd, [*blob_segments(buffer), trailer], 0)
         finally:
             os.close(fd)
-        if n < expected or not _trailer_matches(trailer, block_id, buffer, self.config.verify_checksum):
+        check = self.config.verify_checksum or self._key is not None  # a MAC is always checked
+        if n < expected or not _trailer_matches(trailer, block_id, buffer, self._key, check):
             self._quarantine(path, "checksum or trailer mismatch")
             return False
         self._maybe_touch(path, st.st_mtime)
@@ -407,7 +433,7 @@ class PosixStore(PerBlockStore):
             except FileNotFoundError:
                 continue
             payload, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
-            if len(data) < TRAILER.size or not _trailer_matches(trailer, block_id, payload):
+            if len(data) < TRAILER.size or not _trailer_matches(trailer, block_id, payload, self._key):
                 corrupt.append(block_id)
                 metrics.STORE_CORRUPT_BLOCKS.labels(self.backend).inc()
                 if repair:
@@ -429,25 +455,33 @@ class _Entry:
         self.path, self.name, self.size, self.mtime = path, name, size, mtime
 
 
-def _trailer_matches(trailer: memoryview, block_id: bytes, payload: Blob, check_sum: bool = True) -> bool:
-    magic, version, _flags, length, checksum, tag = TRAILER.unpack(trailer)
+def _trailer_matches(
+    trailer: memoryview, block_id: bytes, payload: Blob, key: bytes | None, check_sum: bool = True
+) -> bool:
+    magic, version, flags, length, checksum, tag = TRAILER.unpack(trailer)
     return (
         magic == MAGIC
         and version == FORMAT_VERSION
+        and bool(flags & FLAG_MAC) == (key is not None)  # an unkeyed block in a keyed store is untrusted
         and length == blob_size(payload)
         and tag == block_id[:8]
-        and (not check_sum or checksum == _checksum(payload))
+        and (not check_sum or checksum == _checksum(payload, block_id, key))
     )
 
 
-def _checksum(payload: Blob) -> int:
-    """xxh3-64 of the payload; streaming over segments gives the same digest as one buffer."""
-    if not isinstance(payload, list):
-        return xxhash.xxh3_64_intdigest(payload)
-    h = xxhash.xxh3_64()
-    for seg in payload:
-        h.update(seg)
-    return h.intdigest()
+def _checksum(payload: Blob, block_id: bytes, key: bytes | None) -> int:
+    """xxh3-64 of the payload, or with a key a BLAKE2b-64 MAC of the block id and payload;
+    streaming over segments gives the same digest as one buffer."""
+    segments = payload if isinstance(payload, list) else [payload]
+    if key is None:
+        plain = xxhash.xxh3_64()
+        for seg in segments:
+            plain.update(seg)
+        return plain.intdigest()
+    mac = hashlib.blake2b(block_id, key=key, digest_size=8, person=b"ucm-block-mac")
+    for seg in segments:
+        mac.update(seg)
+    return int.from_bytes(mac.digest(), "little")
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
