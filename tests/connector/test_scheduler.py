@@ -198,6 +198,27 @@ def test_producer_promises_its_blocks_only_when_asked(store):
     assert s.finished(pd) is None  # state is gone once finished
 
 
+def test_while_saves_fail_a_producer_promises_nothing(store):
+    """A full or read-only store: the consumer would wait pd_wait_timeout_s for blocks that never
+    land. Once the workers report failed saves, producers promise none; a good save ends that."""
+    s = side(store, can_load=False)
+
+    def promised(name: str) -> int:
+        r = Req(name, TOKENS, kv_transfer_params={"do_remote_decode": True})
+        s.num_new_matched_tokens(r, 0)
+        s.after_alloc(r, [1, 2, 3, 4, 5], 0)
+        s.build_meta(step(new=[(name, [1, 2, 3, 4, 5], 0)], scheduled={name: 18}))
+        return s.finished(r)[PARAM_BLOCKS]
+
+    assert promised("a") == 4
+    s.worker_stats({"saved_blocks": 0, "save_failed_blocks": 4})
+    assert promised("b") == 0
+    s.worker_stats({"saved_blocks": 0})  # nothing saved in that step: still failing
+    assert promised("c") == 0
+    s.worker_stats({"saved_blocks": 4, "save_failed_blocks": 0})
+    assert promised("d") == 4
+
+
 def test_resumed_request_replaces_its_block_list(store):
     put(store, TOKENS, 2)
     s = side(store)

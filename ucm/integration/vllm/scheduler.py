@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,6 +83,7 @@ class SchedulerSide:
         health = health or StoreHealth(None)
         self._lookups = Deadlined(lookup_timeout_s, "UCM lookup", on_stuck=health.stuck, on_answer=health.answered)
         self._decode_save_blocks = decode_save_blocks
+        self._saves_failing = False
 
     def _hasher(self, salt: str) -> BlockHasher:
         """One hasher per request salt, the most recently used ``HASHERS_KEPT`` kept: clients
@@ -226,4 +227,18 @@ class SchedulerSide:
             return None
         # A consumer given these waits until this many leading blocks are visible in the store.
         prompt_blocks = state.num_prompt_tokens // self.block_size
-        return {"do_remote_prefill": True, PARAM_BLOCKS: min(state.next_save, prompt_blocks)}
+        promised = 0 if self._saves_failing else min(state.next_save, prompt_blocks)
+        return {"do_remote_prefill": True, PARAM_BLOCKS: promised}
+
+    # -- vLLM: update_connector_output -----------------------------------------------------------
+    def worker_stats(self, data: Mapping[str, Any]) -> None:
+        """What the workers' saves came to. While they fail (a full or read-only store), a PD
+        consumer is promised no blocks: it computes at once instead of waiting pd_wait_timeout_s
+        for blocks that will not land. The first save to succeed again ends that."""
+        if data.get("save_failed_blocks"):
+            if not self._saves_failing:
+                logger.warning("saves to the store are failing; PD consumers will compute prompts themselves")
+            self._saves_failing = True
+        elif data.get("saved_blocks") and self._saves_failing:
+            logger.warning("saves to the store succeed again")
+            self._saves_failing = False
