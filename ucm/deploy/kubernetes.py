@@ -76,6 +76,10 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
     objects: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": owner.meta("config", None), "data": dict(plan.files)}
     ]
+    if plan.credentials:  # before the pods that read it: they would wait for it otherwise
+        meta = owner.meta(CREDENTIALS, None)
+        meta["annotations"] = {GENERATED_KEYS: ",".join(plan.credentials)}
+        objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque"})
     if plan.store_claim is not None:
         objects.append(
             {
@@ -92,10 +96,6 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
             objects.append(_pdb(owner, role))
     objects += _proxy_rbac(owner)
     objects += _network_policies(owner, plan)
-    if plan.credentials:
-        meta = owner.meta(CREDENTIALS, None)
-        meta["annotations"] = {GENERATED_KEYS: ",".join(plan.credentials)}
-        objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque"})
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[DESIRED_HASH] = digest(obj)
     return objects
