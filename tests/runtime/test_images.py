@@ -95,6 +95,8 @@ def test_the_proxy_image_command_serves_health(tmp_path):
     plan = build_plan("x", spec, Site("local", config_dir=str(tmp_path), ports=lambda role: next(ports)))
     config = tmp_path / "proxy.yaml"
     config.write_text(plan.files["proxy.yaml"])
+    (tmp_path / "credentials").mkdir()  # what the operator's Secret (ucm up: a file) provides
+    (tmp_path / "credentials" / "backend-api-key").write_text("k" * 32)
     args = [str(config) if a == "/etc/ucm/proxy.yaml" else a for a in cmd]
     proc = subprocess.Popen([str(BIN / entry[0]), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
