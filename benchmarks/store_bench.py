@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                         raise RuntimeError(f"{name}: loaded bytes differ from what was dumped")
                     dst_arena[:] = 0
                     os.sync()  # one case's writeback must not slow the next
-            for name in ("posix", "posix-noverify", "nfs", "cache", "mooncake"):
+            for name in ("posix", "posix-noverify", "posix-mac", "nfs", "cache", "mooncake"):
                 if name not in times:
                     continue
                 raw = "raw_fsync" if name == "nfs" else ("memcpy" if name in ("cache", "mooncake") else "raw")
