@@ -116,7 +116,7 @@ def test_a_backend_4xx_is_passed_to_the_client_not_retried(fakes, make_proxy):
     assert other_p.requests == [] and d.requests == []
 
 
-# Any code point, lone surrogates included (json.dumps escapes them as \\udXXX).
+# Any code point, lone surrogates included (json.dumps writes them as \\ud800-style escapes).
 any_text = st.text(st.characters(exclude_categories=()), max_size=20)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | any_text,
