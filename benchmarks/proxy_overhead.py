@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.deploy.ports import free_port, wait_for_port
+from ucm_testing.processes import stop_process
 
 HERE = Path(__file__).resolve().parent
 BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
@@ -46,16 +46,6 @@ def spawn(args: list[str], cores: str, log: Path) -> subprocess.Popen[bytes]:
 
 def pin(proc: subprocess.Popen[bytes], cores: str) -> None:
     subprocess.run(["taskset", "-a", "-p", "-c", cores, str(proc.pid)], check=True, capture_output=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -184,10 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(_row_text(rows[-1]), flush=True)
             finally:
                 if target.proc is not None:
-                    stop(target.proc)
+                    stop_process(target.proc, group=True)
     finally:
         for proc, _ in fakes.values():
-            stop(proc)
+            stop_process(proc, group=True)
         shutil.rmtree(work, ignore_errors=True)
     return summarize(rows, duration)
 

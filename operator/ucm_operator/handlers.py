@@ -271,20 +271,26 @@ async def _gone(indexes: Mapping[str, Any], namespace: str, name: str, objects: 
         await asyncio.sleep(0.2)
 
 
+async def _ensure_ours(api: Api, obj: dict[str, Any]) -> None:
+    """The live object named like ``obj`` is this deployment's; NameConflict if it is someone else's
+    (the API's 404 if there is none)."""
+    meta = obj["metadata"]
+    existing = await api.get(obj["kind"], meta["namespace"], meta["name"])
+    if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
+        raise NameConflict(obj["kind"], meta["namespace"], meta["name"])
+
+
 async def ensure_credentials(api: Api, obj: dict[str, Any]) -> int:
     """The deployment's credentials Secret: created once with random keys, then left alone (a
     rotation would need every engine and proxy restarted together). Returns the writes made."""
-    meta = obj["metadata"]
     try:
-        existing = await api.get("Secret", meta["namespace"], meta["name"])
+        await _ensure_ours(api, obj)
     except ApiError as exc:
-        if exc.status != 404:
+        if exc.status != 404:  # a NameConflict (409) included
             raise
     else:
-        if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
-            raise NameConflict("Secret", meta["namespace"], meta["name"])
         return 0
-    keys = meta["annotations"][GENERATED_KEYS].split(",")
+    keys = obj["metadata"]["annotations"][GENERATED_KEYS].split(",")
     await api.create({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in keys}})
     WRITES.labels("Secret", "create").inc()
     return 1
@@ -313,10 +319,7 @@ async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child]) -> i
                 if exc.status != 409:
                     raise
             # Created meanwhile by us (our watch is behind: patch it), or someone else's object.
-            meta = obj["metadata"]
-            existing = await api.get(obj["kind"], meta["namespace"], meta["name"])
-            if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
-                raise NameConflict(obj["kind"], meta["namespace"], meta["name"])
+            await _ensure_ours(api, obj)
         await api.patch(obj)
         WRITES.labels(obj["kind"], "patch").inc()
     namespace = desired[0]["metadata"]["namespace"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.deploy.ports import free_port, wait_for_port
+from ucm_testing.processes import stop_process
 
 
 def master_binary() -> str:
@@ -68,13 +69,8 @@ class MooncakeMaster:
         return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            stop_process(self._proc)
         self._log.close()
 
     def __enter__(self) -> MooncakeMaster:

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ucm_testing.processes import stop_process
+
 
 def available() -> str | None:
     """None when a stall mount can run here, else why not."""
@@ -187,12 +189,7 @@ class StallMount:
         self.resume()
         self.make_room()
         subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, check=False)
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        stop_process(self._proc)
 
 
 def main() -> None:

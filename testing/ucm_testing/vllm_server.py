@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.deploy.ports import free_port
+from ucm_testing.processes import stop_process
 
 
 class ServerFailed(RuntimeError):
@@ -105,13 +106,8 @@ class VLLMServer:
             return ""
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, 15)
-            try:
-                self._proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, 9)
-                self._proc.wait()
+        if self._proc is not None:
+            stop_process(self._proc, group=True, grace_s=30)
         if self._log is not None:
             self._log.close()
 

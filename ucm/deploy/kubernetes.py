@@ -27,6 +27,7 @@ CONFIG_HASH = "ucm.io/config-hash"
 GENERATED_KEYS = "ucm.io/generated-keys"
 CONFIG_DIR_VOLUME = "ucm-config"
 RUNTIME_UID = 1000  # the user runtime/Dockerfile creates
+PROXY_UID = 65532  # runtime/Dockerfile.proxy's user
 
 
 def digest(data: Any) -> str:
@@ -177,7 +178,7 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
     # Every pod passes the "restricted" Pod Security profile (apart from hostPath volumes a spec
     # asks for): non-root, no privilege escalation, no capabilities, the runtime's seccomp profile.
     # The images' own users: ucm (1000) in the runtime image, 65532 in the proxy's.
-    uid = 65532 if role.component == "proxy" else RUNTIME_UID
+    uid = PROXY_UID if role.component == "proxy" else RUNTIME_UID
     pod["securityContext"] = {
         "runAsNonRoot": True,
         "runAsUser": uid,

@@ -32,7 +32,7 @@ from pydantic.alias_generators import to_camel
 
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.ports import free_port, port_is_free
-from ucm.deploy.roles import CREDENTIALS, ENGINES, Plan, Probe, Role, Site
+from ucm.deploy.roles import CREDENTIALS, ENGINES, Plan, Probe, Role, Site, credentials_secret
 from ucm.deploy.spec import UCMDeploymentSpec
 
 MAX_RESTARTS = 3
@@ -217,7 +217,7 @@ class LocalStack:
                 }
             )
         env.update(role.env)
-        own = f"{self.name}-{CREDENTIALS}"
+        own = credentials_secret(self.name)
         # Other Secrets exist only in a cluster: locally such a variable comes from your shell.
         env.update({var: self.credentials[ref.key] for var, ref in role.secret_env.items() if ref.secret == own})
         return env

@@ -31,6 +31,7 @@ from ucm.deploy.roles import (
     SecretRef,
     Site,
     Volume,
+    credentials_secret,
     fail,
     quantity_bytes,
 )
@@ -189,11 +190,10 @@ def _engine(
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
     vllm += [*m.extra_args, *pool.extra_args]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
-    secret_env = {"VLLM_API_KEY": SecretRef(f"{deployment}-{CREDENTIALS}", BACKEND_KEY)}
+    secret_env = {"VLLM_API_KEY": SecretRef(credentials_secret(deployment), BACKEND_KEY)}
     for i, e in enumerate(pool.env):
-        if e.name in secret_env or e.name == "POD_IP":
+        if e.name in ("VLLM_API_KEY", "POD_IP"):
             raise fail(f"{component}.env[{i}].name", f"{e.name} is set by the deployment")
-    for e in pool.env:
         if e.value_from is not None:
             secret_env[e.name] = SecretRef(e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key)
     return Role(
@@ -256,7 +256,7 @@ def _proxy(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
         }
         volumes.append(Volume("api-keys", API_KEYS_DIR, {"secret": only}, True))
     if not site.local:
-        own = {"secretName": f"{name}-{CREDENTIALS}", "items": [{"key": BACKEND_KEY, "path": BACKEND_KEY}]}
+        own = {"secretName": credentials_secret(name), "items": [{"key": BACKEND_KEY, "path": BACKEND_KEY}]}
         volumes.append(Volume(CREDENTIALS, site.credentials_dir, {"secret": own}, True))
     return Role(
         name="proxy",

@@ -26,6 +26,10 @@ CREDENTIALS = "credentials"
 BACKEND_KEY = "backend-api-key"  # engines require it (vLLM --api-key); only the proxy holds it
 
 
+def credentials_secret(deployment: str) -> str:
+    return f"{deployment}-{CREDENTIALS}"
+
+
 class PlanError(ValueError):
     """The spec passed the schema but cannot work; the message starts with the field."""
 

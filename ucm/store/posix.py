@@ -472,16 +472,10 @@ def _trailer_matches(
 def _checksum(payload: Blob, block_id: bytes, key: bytes | None) -> int:
     """xxh3-64 of the payload, or with a key a BLAKE2b-64 MAC of the block id and payload;
     streaming over segments gives the same digest as one buffer."""
-    segments = payload if isinstance(payload, list) else [payload]
-    if key is None:
-        plain = xxhash.xxh3_64()
-        for seg in segments:
-            plain.update(seg)
-        return plain.intdigest()
-    mac = hashlib.blake2b(block_id, key=key, digest_size=8, person=b"ucm-block-mac")
-    for seg in segments:
-        mac.update(seg)
-    return int.from_bytes(mac.digest(), "little")
+    h = xxhash.xxh3_64() if key is None else hashlib.blake2b(block_id, key=key, digest_size=8, person=b"ucm-block-mac")
+    for seg in payload if isinstance(payload, list) else [payload]:
+        h.update(seg)
+    return int.from_bytes(h.digest(), "little") if key is not None else h.intdigest()
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
