@@ -5,7 +5,8 @@ under a steady stream of greedy requests while faults are injected one after the
                            NFS hard mount in an outage) for longer than the load deadline
   store_full               the same mount answers ENOSPC to every write
   prefill_killed_mid_dump  SIGKILL of the prefill engine while requests are in flight
-  decode_restarted         SIGTERM of the decode engine; ``ucm up``'s supervisor starts it again
+  decode_restarted         the decode engine stopped as a kubelet stops a pod (SIGTERM, SIGKILL
+                           after the grace period); ``ucm up``'s supervisor starts it again
   mooncake_master_stopped  SIGSTOP of the Mooncake master (a second stack with Mooncake as the store)
 
 Every answer is compared with a plain vLLM's greedy output for the same prompt (token by token);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -96,6 +98,7 @@ class Outcome:
     attempts: int = 0
     tokens: list[str] = field(default_factory=list)
     error: str = ""
+    trace: list[tuple[float, float, str]] = field(default_factory=list)  # each attempt: start, end, result
 
 
 class Load:
@@ -117,9 +120,11 @@ class Load:
         while True:
             o.attempts += 1
             retry_after = 1.0
+            sent = time.monotonic()
             try:
                 async with http.post(self.url + "/completions", json=body) as r:
                     payload = await r.json(content_type=None)
+                    o.trace.append((sent, time.monotonic(), str(r.status)))
                     if r.status == 200:
                         o.ok, o.tokens = True, payload["choices"][0]["logprobs"]["tokens"]
                         return
@@ -129,6 +134,7 @@ class Load:
                     retry_after = float(r.headers.get("Retry-After", 1.0))
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 o.error = f"{type(exc).__name__}: {exc}"[:200]
+                o.trace.append((sent, time.monotonic(), type(exc).__name__))
             if time.monotonic() + retry_after - o.started > RETRY_FOR_S:
                 return
             await asyncio.sleep(retry_after)
@@ -200,6 +206,10 @@ def back_after(stack: LocalStack, component: str, since: float, timeout: float =
     raise RuntimeError(f"{component} did not come back within {timeout} s; see {p.log}")
 
 
+POSIX_FAULTS = ["store_stalled", "store_full", "prefill_killed_mid_dump", "decode_restarted"]
+MOONCAKE_FAULTS = ["mooncake_master_stopped"]
+
+
 def posix_faults(stack: LocalStack, mount: StallMount, load_s: float, pd_wait_s: float) -> list[Fault]:
     killed: dict[str, float] = {}
 
@@ -207,6 +217,16 @@ def posix_faults(stack: LocalStack, mount: StallMount, load_s: float, pd_wait_s:
         def inject() -> None:
             killed[component] = time.monotonic()
             signal_role(stack, component, sig)
+
+        return inject
+
+    def restart(component: str) -> Callable[[], None]:
+        def inject() -> None:
+            # Not a bare SIGTERM: vLLM can hang in its shutdown on a request that arrived during it
+            # (seen: >2 min, its uvicorn "waiting for connections to close"); a kubelet, like
+            # `ucm up`, kills it after the grace period.
+            killed[component] = time.monotonic()
+            threading.Thread(target=role(stack, component).stop, daemon=True).start()
 
         return inject
 
@@ -219,7 +239,7 @@ def posix_faults(stack: LocalStack, mount: StallMount, load_s: float, pd_wait_s:
         Fault("prefill_killed_mid_dump", kill("prefill", signal.SIGKILL), prefill_back, hold_s=0, deadline_s=pd_wait_s),
         Fault(
             "decode_restarted",
-            kill("decode", signal.SIGTERM),
+            restart("decode"),
             lambda: back_after(stack, "decode", killed["decode"]),
             hold_s=0,
             deadline_s=0,  # the measured outage
@@ -317,6 +337,7 @@ def run_stack(
         stack.stop()
         if mount is not None:
             mount.stop()
+    write_timeline(run_dir / "timeline.json", outcomes, windows)
     rows, counted = [], set()
     for w in windows:
         caught = [o for o in in_window(outcomes, w) if id(o) not in counted]  # the first fault it met
@@ -325,15 +346,40 @@ def run_stack(
     return rows, summarize("none", [o for o in outcomes if id(o) not in counted], refs, 0.0)
 
 
+def write_timeline(path: Path, outcomes: list[Outcome], windows: list[Window]) -> None:
+    """Every request's attempts and every fault's window, in seconds from the first request: where
+    a latency came from (kept with the logs by --run-dir)."""
+    t0 = min((o.started for o in outcomes), default=0.0)
+    at = lambda t: round(t - t0, 3)  # noqa: E731
+    timeline = {
+        "faults": [{"name": w.fault.name, "start": at(w.start), "end": at(w.end)} for w in windows],
+        "requests": [
+            {
+                "started": at(o.started),
+                "ended": at(o.ended),
+                "ok": o.ok,
+                "attempts": [[at(s), at(e), r] for s, e, r in o.trace],
+            }
+            for o in outcomes
+        ],
+    }
+    path.write_text(json.dumps(timeline, indent=1) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 requests at a time, 4 s of steady traffic between faults")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--gap-s", type=float, default=8.0, help="steady traffic before and after each fault")
     p.add_argument("--skip-mooncake", action="store_true", help="without the Mooncake stack")
+    p.add_argument("--only", help=f"comma-separated faults to inject (of {', '.join(POSIX_FAULTS + MOONCAKE_FAULTS)})")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--run-dir", help="keep the stacks' logs here (default: a temporary directory)")
     args = p.parse_args()
     concurrency, gap_s = (2, 4.0) if args.quick else (args.concurrency, args.gap_s)
+    only = set(args.only.split(",")) if args.only else set(POSIX_FAULTS + MOONCAKE_FAULTS)
+    if unknown := only - set(POSIX_FAULTS + MOONCAKE_FAULTS):
+        p.error(f"--only: unknown faults {sorted(unknown)}")
     why = available()
     if why is not None:
         print(f"fault_serving: {why}", file=sys.stderr)
@@ -341,8 +387,8 @@ def main() -> int:
     model = ensure_model(TINY)
     load_s, pd_wait_s = float(DEFAULTS.load_timeout_s or 0), DEFAULTS.pd_wait_timeout_s
 
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp)
+    with contextlib.ExitStack() as cleanup:
+        run = Path(args.run_dir) if args.run_dir else Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
         plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
         try:
             plain.wait_ready()
@@ -360,10 +406,10 @@ def main() -> int:
             refs,
             concurrency,
             gap_s,
-            lambda stack: posix_faults(stack, mount, load_s, pd_wait_s),
+            lambda stack: [f for f in posix_faults(stack, mount, load_s, pd_wait_s) if f.name in only],
             mount,
         )
-        if not args.skip_mooncake:
+        if not args.skip_mooncake and only & set(MOONCAKE_FAULTS):
             spec = default_spec(model)
             spec["store"] = {"type": "mooncake", "mooncake": {"master": {}, "segmentSize": "256Mi"}}
             more, _ = run_stack(

@@ -38,7 +38,7 @@ def test_dry_run_prints_the_vllm_command_with_the_config(tmp_path):
     assert passed["kv_connector"] == "UCMConnector"
     assert passed["kv_connector_extra_config"]["store"]["posix"]["roots"] == [str(tmp_path / "kv")]
     # /health turns 503 while the store is stuck (ucm.integration.vllm.health)
-    assert command[command.index("--middleware") + 1] == "ucm.integration.vllm.health.StoreHealthMiddleware"
+    assert command[command.index("--middleware") + 1] == "ucm.integration.vllm.health.HealthMiddleware"
 
 
 def test_a_missing_store_directory_stops_the_start(tmp_path):

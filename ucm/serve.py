@@ -20,7 +20,7 @@ from typing import Any
 
 from ucm.config import ConfigError
 from ucm.integration.vllm.config import WHERE, parse_connector_config
-from ucm.integration.vllm.health import HEALTH_FILE_ENV, MIDDLEWARE
+from ucm.integration.vllm.health import HEALTH_FILE_ENV, MIDDLEWARE, WARMUP_ENV
 from ucm.store.factory import validate_store_config
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -114,5 +114,6 @@ def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
     health = os.environ.get(HEALTH_FILE_ENV) or os.path.join(tempfile.mkdtemp(prefix="ucm-health-"), "stuck.json")
     Path(health).unlink(missing_ok=True)  # left by a stuck store before a restart: not this start's state
     os.environ[HEALTH_FILE_ENV] = health
+    os.environ[WARMUP_ENV] = "1"
     sys.stdout.flush()
     os.execv(command[0], command)

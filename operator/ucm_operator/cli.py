@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import kopf
 import prometheus_client
 
-from ucm.deploy.policy import Policy
+from ucm.deploy import policy
 from ucm_operator.handlers import new_memo, registry
 
 
@@ -24,19 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="serve ucm_operator_* metrics here (0: off)")
     p.add_argument("--server", help="API server URL without credentials (development); default: in-cluster/kubeconfig")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    bounds = p.add_argument_group("what a UCMDeployment may ask for (ucm.deploy.policy)")
-    bounds.add_argument(
-        "--allow-image-prefix", action="append", help="an image name prefix specs may use (repeatable; default: ucm/)"
-    )
-    bounds.add_argument(
-        "--allow-host-path",
-        action="append",
-        default=[],
-        help="a node directory specs may mount (repeatable; none by default)",
-    )
-    bounds.add_argument(
-        "--allow-any-scheduling", action="store_true", help="pass control-plane placement and keyless tolerations"
-    )
+    policy.add_arguments(p)
     return p
 
 
@@ -49,14 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(
             kopf.operator(
                 registry=registry,
-                memo=new_memo(
-                    server=args.server,
-                    policy=Policy(
-                        image_prefixes=tuple(args.allow_image_prefix or ("ucm/",)),
-                        host_path_prefixes=tuple(args.allow_host_path),
-                        any_scheduling=args.allow_any_scheduling,
-                    ),
-                ),
+                memo=new_memo(server=args.server, policy=policy.from_args(args)),
                 standalone=True,  # one replica (the chart's Recreate strategy): no peering objects to manage
                 clusterwide=not args.namespace,
                 namespaces=args.namespace or (),

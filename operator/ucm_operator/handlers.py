@@ -271,28 +271,35 @@ async def _gone(indexes: Mapping[str, Any], namespace: str, name: str, objects: 
         await asyncio.sleep(0.2)
 
 
-async def _ensure_ours(api: Api, obj: dict[str, Any]) -> None:
-    """The live object named like ``obj`` is this deployment's; NameConflict if it is someone else's
-    (the API's 404 if there is none)."""
+async def _ensure_ours(api: Api, obj: dict[str, Any]) -> dict[str, Any]:
+    """The live object named like ``obj``, if it is this deployment's; NameConflict if it is someone
+    else's (the API's 404 if there is none)."""
     meta = obj["metadata"]
     existing = await api.get(obj["kind"], meta["namespace"], meta["name"])
     if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
         raise NameConflict(obj["kind"], meta["namespace"], meta["name"])
+    return existing
 
 
 async def ensure_credentials(api: Api, obj: dict[str, Any]) -> int:
-    """The deployment's credentials Secret: created once with random keys, then left alone (a
-    rotation would need every engine and proxy restarted together). Returns the writes made."""
+    """The deployment's credentials Secret: created once with random keys; a key the spec needs
+    later (store.mac turned on) is added; a key it holds is never changed (a rotation would need
+    every engine and proxy restarted together). Returns the writes made."""
+    keys = obj["metadata"]["annotations"][GENERATED_KEYS].split(",")
     try:
-        await _ensure_ours(api, obj)
+        existing = await _ensure_ours(api, obj)
     except ApiError as exc:
         if exc.status != 404:  # a NameConflict (409) included
             raise
-    else:
+        await api.create({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in keys}})
+        WRITES.labels("Secret", "create").inc()
+        return 1
+    missing = [k for k in keys if k not in (existing.get("data") or {})]
+    if not missing:
         return 0
-    keys = obj["metadata"]["annotations"][GENERATED_KEYS].split(",")
-    await api.create({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in keys}})
-    WRITES.labels("Secret", "create").inc()
+    # A merge patch of stringData adds keys and leaves the others as they are.
+    await api.patch({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in missing}})
+    WRITES.labels("Secret", "patch").inc()
     return 1
 
 

@@ -225,13 +225,15 @@ class Proxy:
                     raise Retry(f"prefill {backend.url} answered a non-JSON body") from None
                 return params or {}
 
+        # With a fallback, decode serves at once rather than after a wait for prefill.
+        queue_s = 0.0 if self.config.fallback_to_decode else None
         try:
-            return await self._with_retries(self.prefill, key, attempt)
+            return await self._with_retries(self.prefill, key, attempt, queue_s)
         except NoBackend:
             if self.config.fallback_to_decode:
                 metrics.PD_FALLBACKS.inc()
                 return None
-            raise ProxyError(503, "No prefill backend is available.") from None
+            raise no_backend("prefill") from None
 
     async def _decode(
         self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
@@ -253,7 +255,7 @@ class Proxy:
         try:
             return await self._with_retries(self.decode, key, attempt)
         except NoBackend:
-            raise ProxyError(503, "No decode backend is available.") from None
+            raise no_backend("decode") from None
 
     async def _decode_stream(
         self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
@@ -286,13 +288,21 @@ class Proxy:
         try:
             return await self._with_retries(self.decode, key, attempt)
         except NoBackend:
-            raise ProxyError(503, "No decode backend is available.") from None
+            raise no_backend("decode") from None
 
-    async def _with_retries(self, pool: Pool, key: bytes, attempt: Callable[[Backend], Awaitable[T]]) -> T:
-        """``attempt`` on one backend after another (up to ``retries`` more) until one answers."""
+    async def _with_retries(
+        self, pool: Pool, key: bytes, attempt: Callable[[Backend], Awaitable[T]], queue_s: float | None = None
+    ) -> T:
+        """``attempt`` on one backend after another (up to ``retries`` more) until one answers. A pool
+        with none available is waited on for ``queue_s`` (default ``timeouts.queue_s``) first; a
+        backend that failed this request is not waited for."""
+        if queue_s is None:
+            queue_s = self.config.timeouts.queue_s
         exclude: set[str] = set()
         for n in range(self.config.retries + 1):
             backend = pool.pick(key, frozenset(exclude))
+            if backend is None and not exclude and await pool.wait_available(queue_s):
+                backend = pool.pick(key)
             if backend is None:
                 break
             if n:
@@ -316,6 +326,10 @@ class Proxy:
     ) -> Upstream:
         assert self.session is not None
         return Upstream(self.session, backend, route, payload, headers, timeout)
+
+
+def no_backend(role: str) -> ProxyError:
+    return ProxyError(503, f"No {role} backend is available; retry shortly.", headers={"Retry-After": "1"})
 
 
 def _response_headers(resp: aiohttp.ClientResponse, sent: dict[str, str]) -> dict[str, str]:

@@ -6,10 +6,15 @@ a backend for a backoff that doubles with each ejection. An ejection lasts its w
 backend whose ``/health`` answers while its requests fail is not let back early — and the backoff
 starts over only once the backend serves a request again. A failing health check takes a backend
 out until one passes.
+
+A request that finds no backend available may wait (``Pool.wait_available``) for one to come back:
+a health check passing again, discovery adding an endpoint, or an ejection ending wakes it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import itertools
 import time
@@ -49,6 +54,7 @@ class Pool:
         self.health = health
         self.backends: list[Backend] = []
         self._rr = itertools.count()
+        self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped on news
         self.set_urls(urls)
 
     def set_urls(self, urls: Iterable[str]) -> None:
@@ -61,6 +67,8 @@ class Pool:
             metrics.forget_backend(url, self.role)
         for b in self.backends:
             metrics.BACKEND_HEALTHY.labels(b.url, self.role).set(1 if b.healthy else 0)
+        if set(kept) - set(current):
+            self._notify()
 
     def available(self, exclude: frozenset[str] = frozenset()) -> list[Backend]:
         now = time.monotonic()
@@ -95,5 +103,33 @@ class Pool:
 
     # -- active health ---------------------------------------------------------------------------
     def record_check(self, backend: Backend, ok: bool) -> None:
+        came_back = ok and not backend.healthy
         backend.healthy = ok
+        if came_back:
+            self._notify()
         metrics.BACKEND_HEALTHY.labels(backend.url, self.role).set(1 if backend.healthy else 0)
+
+    # -- waiting for a backend -------------------------------------------------------------------
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()  # wakes every waiter; the next one makes a fresh event
+            self._changed = None
+
+    async def wait_available(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until some backend is available; False if none became so."""
+        deadline = time.monotonic() + timeout_s
+        metrics.WAITING.labels(self.role).inc()
+        try:
+            while not self.available():
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                # Ejections end on their own, with no check to announce it.
+                ends = [b.ejected_until for b in self.backends if b.healthy and b.ejected_until > now]
+                if self._changed is None:
+                    self._changed = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min([deadline, *ends]) - now)
+            return True
+        finally:
+            metrics.WAITING.labels(self.role).dec()

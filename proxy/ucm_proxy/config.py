@@ -30,11 +30,17 @@ class TimeoutsConfig(StrictModel):
     prefill_s: float = Field(600.0, gt=0, description="Whole prefill request")
     first_byte_s: float = Field(600.0, gt=0, description="Until the decode backend's response starts")
     idle_s: float = Field(600.0, gt=0, description="Longest silence inside a streamed response")
+    queue_s: float = Field(
+        5.0,
+        ge=0,
+        description="How long a request waits for a backend while its pool has none available (an engine "
+        "restarting) before 503 with Retry-After; 0: answer at once",
+    )
 
 
 class HealthConfig(StrictModel):
     interval_s: float = Field(5.0, gt=0, description="Active health check period")
-    unhealthy_interval_s: float = Field(1.0, gt=0, description="The period while some backend fails its check")
+    unhealthy_interval_s: float = Field(0.5, gt=0, description="The period while some backend fails its check")
     path: str = "/health"
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a backend")
     backoff_s: float = Field(1.0, gt=0, description="First ejection length; doubles each time, up to backoff_max_s")

@@ -16,6 +16,7 @@ BACKEND_HEALTHY = Gauge("ucm_proxy_backend_healthy", "1 when the backend passes 
 EJECTIONS = Counter(
     "ucm_proxy_backend_ejections_total", "Backends ejected after consecutive failures", ["backend", "role"]
 )
+WAITING = Gauge("ucm_proxy_waiting_requests", "Requests waiting for a backend of a pool with none available", ["role"])
 RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])
 PD_FALLBACKS = Counter("ucm_proxy_pd_fallbacks_total", "PD requests served by decode alone (no prefill backend)")
 

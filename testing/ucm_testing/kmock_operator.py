@@ -8,6 +8,7 @@ Requests a test makes carry :data:`DRIVER_HEADER`, so what the operator did can 
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -42,8 +43,9 @@ class Call(NamedTuple):
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """kmock plus what a real API server does on create (assign uid, resourceVersion, generation:
-    Kopf tells objects apart by uid and tests its patches against resourceVersion), and a compact
-    record of the operator's calls in ``calls``.
+    Kopf tells objects apart by uid and tests its patches against resourceVersion) and on writes of
+    Secrets (``stringData`` is write-only: stored base64-encoded in ``data``), and a compact record
+    of the operator's calls in ``calls``.
 
     kmock matches every request against its whole request history (quadratic); ``history_limit``
     keeps only the latest requests there, for runs of thousands of calls."""
@@ -57,6 +59,10 @@ class Emulator(kmock.KubernetesEmulator):
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("resourceVersion", "1")
             meta.setdefault("generation", 1)
+        if isinstance(request.data, dict) and request.data.get("kind") == "Secret" and "stringData" in request.data:
+            plain = request.data.pop("stringData")
+            encoded = {k: base64.b64encode(v.encode()).decode() for k, v in plain.items()}
+            request.data["data"] = {**request.data.get("data", {}), **encoded}
         call = _as_call(request)
         if call is not None:
             self.calls.append(call)

@@ -14,11 +14,14 @@ import json
 import threading
 import time
 
+import httpx
 import pytest
+import uvicorn
 
 from tests.connector.test_scheduler import CTX, Req, put, side
 from tests.connector.test_worker import IDS, NB, kv_caches, run_step, worker
-from ucm.integration.vllm.health import HEALTH_FILE_ENV, StoreHealth, StoreHealthMiddleware, stuck_for
+from ucm.deploy.ports import free_port
+from ucm.integration.vllm.health import HEALTH_FILE_ENV, WARMUP_ENV, HealthMiddleware, StoreHealth, stuck_for
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import PARAM_BLOCKS
 from ucm.integration.vllm.stats import StatsRecorder
@@ -143,7 +146,7 @@ def test_a_store_stuck_past_its_limit_turns_health_503_until_it_answers(tmp_path
     assert stuck_for(path, now=since + 31) == (pytest.approx(31), 30)
 
     monkeypatch.setenv(HEALTH_FILE_ENV, str(path))
-    app = StoreHealthMiddleware(vllm_app)
+    app = HealthMiddleware(vllm_app)
     assert asgi_get(app, "/health")[0] == 200  # stuck for less than 30 s
     path.write_text(json.dumps({"since": since - 40, "unhealthy_after_s": 30}))
     status, body = asgi_get(app, "/health")
@@ -178,3 +181,44 @@ def test_a_consumer_does_not_wait_for_promised_blocks_from_a_store_that_is_stuck
     assert s._stats.take().data["pd_wait_timeouts"] == 1
     stalled.release()
     stalled.store.close()
+
+
+def test_health_waits_for_a_warm_up_request_on_the_server_itself(monkeypatch):
+    """With UCM_ENGINE_WARMUP=1 the first /health starts one completion against the server that was
+    probed (with the engine's key) and answers 503 until it returned."""
+    calls: list[tuple[str, str | None]] = []
+    release = threading.Event()
+
+    async def engine(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        headers = dict(scope["headers"])
+        calls.append((scope["path"], headers.get(b"authorization", b"").decode() or None))
+        if scope["path"] == "/v1/completions":
+            await asyncio.to_thread(release.wait, 10)
+        body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    monkeypatch.setenv(WARMUP_ENV, "1")
+    monkeypatch.setenv("VLLM_API_KEY", "engine-key")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(HealthMiddleware(engine), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        health = f"http://127.0.0.1:{port}/health"
+        first = httpx.get(health)
+        assert first.status_code == 503 and "warming up" in first.json()["error"]
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpx.get(health).status_code == 503  # the warm-up request has not returned
+        release.set()
+        while httpx.get(health).status_code != 200:
+            assert time.monotonic() < deadline + 5, calls
+            time.sleep(0.02)
+        assert calls[:2] == [("/v1/models", "Bearer engine-key"), ("/v1/completions", "Bearer engine-key")]
+    finally:
+        server.should_exit = True
+        thread.join(5)

@@ -143,6 +143,14 @@ CEL_CASES = [
         with_("store", {"type": "posix", "pvc": {"claimName": "a", "create": {"size": "1Ti"}}}),
         "store.pvc: set exactly one of claimName, create",
     ),
+    (
+        with_("store", {"type": "mooncake", "mooncake": {"master": {}}, "mac": True}),
+        "store.mac: only file stores (posix, nfs, ds3fs) sign blocks",
+    ),
+    (
+        with_("decode", {"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}),
+        "envFrom: set exactly one of secretRef, configMapRef",
+    ),
     *(
         (
             with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", name: {}}),

@@ -54,6 +54,19 @@ def test_standard_input(monkeypatch, capsys):
     assert "kind: Deployment" in capsys.readouterr().out
 
 
+def test_the_operators_bounds_apply_and_widen_with_the_same_flags(tmp_path, capsys):
+    spec = {**RESOURCE["spec"], "model": {"source": {"hostPath": "/models/qwen"}}}
+    code, _, err = render(tmp_path, {**RESOURCE, "spec": spec}, capsys=capsys)
+    assert code == 2 and "spec.model.source.hostPath: /models/qwen is not under an allowed host path" in err
+    code, docs, _ = render(tmp_path, {**RESOURCE, "spec": spec}, "--allow-host-path", "/models", capsys=capsys)
+    assert code == 0 and any(d["kind"] == "Deployment" for d in docs)
+    mine = {**RESOURCE["spec"], "image": {"repository": "registry.example/ucm-runtime"}}
+    code, _, err = render(tmp_path, {**RESOURCE, "spec": mine}, capsys=capsys)
+    assert code == 2 and "spec.image.repository: registry.example/ucm-runtime is not from an allowed" in err
+    widened = render(tmp_path, {**RESOURCE, "spec": mine}, "--allow-image-prefix", "registry.example/", capsys=capsys)
+    assert widened[0] == 0
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

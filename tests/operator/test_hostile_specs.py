@@ -76,6 +76,14 @@ HOSTILE = [
     ({"proxy.service": {"type": "LoadBalancer"}}, "spec.proxy.apiKeySecret: required with proxy.service.type"),
     ({"proxy.config": {"backend_api_key_file": "/x"}}, "spec.proxy.config.backend_api_key_file: set by the"),
     ({"proxy.config": {"api_keys": ["k"]}}, "spec.proxy.config.api_keys: set by the deployment"),
+    (
+        {"decode.envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]},
+        "spec.decode.envFrom.0: envFrom: exactly one of secretRef, configMapRef",
+    ),
+    (
+        {"store": {"type": "mooncake", "mooncake": {"master": {}}, "mac": True}},
+        "spec.store: store.mac: only file stores (posix, nfs, ds3fs) sign blocks, not mooncake",
+    ),
 ]
 
 
@@ -96,6 +104,7 @@ def test_what_the_policy_allows_renders_safely():
             "model.source": {"hostPath": "/data/models/llama"},
             "proxy.apiKeySecret": {"name": "shared", "key": "ucm-keys"},
             "decode.env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+            "decode.envFrom": [{"secretRef": {"name": "hf-all"}, "prefix": "HF_"}, {"configMapRef": {"name": "tun"}}],
         }
     )
     planned = plan_of(owner(spec), policy)
@@ -112,6 +121,12 @@ def test_what_the_policy_allows_renders_safely():
     env = {e["name"]: e for e in decode["containers"][0]["env"]}
     assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
     assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "h-credentials", "key": "backend-api-key"}
+    # Whole Secrets as env only where asked; the deployment's own env entries win over them.
+    assert decode["containers"][0]["envFrom"] == [
+        {"secretRef": {"name": "hf-all"}, "prefix": "HF_"},
+        {"configMapRef": {"name": "tun"}},
+    ]
+    assert "envFrom" not in objs[("Deployment", "h-prefill")]["spec"]["template"]["spec"]["containers"][0]
     escape = {**spec, "model": {**spec["model"], "source": {"hostPath": "/data/models/../../etc"}}}
     assert plan_of(owner(escape), policy) == (
         "spec.model.source.hostPath: /data/models/../../etc is not under an allowed host path (/data/models)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import signal
 import subprocess
@@ -190,6 +191,55 @@ async def test_changes_patch_only_what_changed(kmock, cluster):
 
 
 @pytest.mark.asyncio
+async def test_turning_the_store_mac_on_adds_a_key_and_changes_none(kmock, cluster):
+    """store.mac: the credentials Secret gains the MAC key (the engines' key stays: the proxy holds
+    it), engines mount only that key and their connector signs with it; the proxy sees neither."""
+    async with operator_running(cluster.url):
+        await created_and_ready(cluster)
+        secret = ("Secret", "a-credentials")
+        before = (await cluster.children(NS, "a"))[secret]["data"]
+        spec = copy.deepcopy(SPEC)
+        spec["store"]["mac"] = True
+        await cluster.update_ucmd(NS, "a", spec, generation=2)
+
+        async def signed() -> dict[tuple[str, str], dict[str, Any]]:
+            kids = await cluster.children(NS, "a")
+            assert "kv-mac-key" in kids[secret]["data"]
+            assert (
+                '"mac_key_file": "/etc/ucm-credentials/kv-mac-key"'
+                in kids[("ConfigMap", "a-config")]["data"]["kv-transfer-config.json"]
+            )
+            return kids
+
+        kids = await eventually(signed)
+        data = kids[secret]["data"]
+        assert data["backend-api-key"] == before["backend-api-key"]
+        assert len(base64.b64decode(data["kv-mac-key"])) >= 32
+
+        def secret_volume(deployment: str) -> list[Any]:
+            pod = kids[("Deployment", deployment)]["spec"]["template"]["spec"]
+            return [v["secret"] for v in pod["volumes"] if "secret" in v]
+
+        for engine in ("a-prefill", "a-decode"):
+            assert secret_volume(engine) == [
+                {"secretName": "a-credentials", "items": [{"key": "kv-mac-key", "path": "kv-mac-key"}]}
+            ]
+        assert secret_volume("a-proxy") == [
+            {"secretName": "a-credentials", "items": [{"key": "backend-api-key", "path": "backend-api-key"}]}
+        ]
+        mark = len(kmock.calls)
+        await cluster.update_ucmd(NS, "a", {**spec, "decode": {"replicas": 3}}, generation=3)
+        await eventually(lambda: _replicas(cluster, "a-decode", 3))
+        await asyncio.sleep(0.5)
+        assert ("secrets", "a-credentials") not in child_writes_since(kmock, mark)  # added once, then left
+
+
+async def _replicas(cluster: Driver, deployment: str, n: int) -> None:
+    kids = await cluster.children(NS, deployment.split("-")[0])
+    assert kids[("Deployment", deployment)]["spec"]["replicas"] == n
+
+
+@pytest.mark.asyncio
 async def test_restart_on_unchanged_state_writes_nothing(kmock, cluster):
     async with operator_running(cluster.url):
         await created_and_ready(cluster)
@@ -273,8 +323,8 @@ async def test_ucm_render_prints_what_the_operator_creates(kmock, cluster, tmp_p
         live = await eventually(created)
     assert ("Deployment", "r-mooncake-master") in live
     # The credentials are rendered without a value: the operator draws it when it creates the Secret.
-    generated = live[("Secret", "r-credentials")].pop("stringData")
-    assert list(generated) == ["backend-api-key"] and len(generated["backend-api-key"]) >= 32
+    generated = live[("Secret", "r-credentials")].pop("data")
+    assert list(generated) == ["backend-api-key"] and len(base64.b64decode(generated["backend-api-key"])) >= 32
     for key, obj in live.items():
         meta = {k: v for k, v in obj["metadata"].items() if k not in ("uid", "resourceVersion", "generation")}
         assert {**obj, "metadata": meta} == rendered[key], key

@@ -147,7 +147,11 @@ def test_chart_values_are_validated(flag, complaint, tmp_path):
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_ucm_render_prints_valid_objects_for_every_example(example, tmp_path):
     exe = Path(sys.executable).parent / "ucm"
-    r = subprocess.run([str(exe), "render", "-f", str(example), "-n", "serving"], capture_output=True, text=True)
+    # The node directories the examples mount, as the ds3fs example's comment tells its users.
+    bounds = ["--allow-host-path", "/models", "--allow-host-path", "/3fs"]
+    r = subprocess.run(
+        [str(exe), "render", "-f", str(example), "-n", "serving", *bounds], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     docs = list(yaml.safe_load_all(r.stdout))
     assert r.stdout.startswith("---\n") and all(d["metadata"]["namespace"] == "serving" for d in docs)

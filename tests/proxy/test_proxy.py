@@ -3,7 +3,9 @@
 import concurrent.futures
 import json
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -201,8 +203,8 @@ def test_no_prefill_gives_503_or_decode_only_with_fallback(fakes, make_proxy):
     strict = make_proxy(prefill=[down.url], decode=[d.url], retries=0)
     with strict.client() as c:
         r = c.post("/v1/completions", json=COMPLETION)
-    assert r.status_code == 503
-    assert r.json()["error"]["message"] == "No prefill backend is available."
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["message"] == "No prefill backend is available; retry shortly."
     lenient = make_proxy(prefill=[down.url], decode=[d.url], retries=0, fallback_to_decode=True)
     with lenient.client() as c:
         before = fallbacks(c.get("/metrics").text)
@@ -287,6 +289,44 @@ def test_consecutive_failures_eject_then_health_brings_back(fakes, make_proxy):
         for _ in range(4):
             c.post("/v1/completions", json=COMPLETION)
     assert len(flaky.requests) > served_before
+
+
+def test_a_request_waits_for_a_restarting_engine_instead_of_bouncing(fakes, make_proxy):
+    """While a pool has no backend, a request waits up to ``timeouts.queue_s`` and is served the
+    moment a health check finds one back, rather than a 503 that costs the client a retry."""
+    d = fakes.add("d")
+    proxy = make_proxy(mode="mixed", decode=[d.url], health={"interval_s": 0.2}, timeouts={"queue_s": 10})
+    with proxy.client() as c:
+        d.behaviour.healthy = False
+        wait_until(lambda: not proxy.proxy.ready())
+        threading.Timer(1.0, lambda: setattr(d.behaviour, "healthy", True)).start()
+        started = time.monotonic()
+        r = c.post("/v1/completions", json=COMPLETION)
+        waited = time.monotonic() - started
+    assert r.status_code == 200 and r.json()["served_by"] == "d"
+    assert 0.8 < waited < 3  # back after 1 s, found within a check interval
+
+
+def test_a_request_waits_no_longer_than_queue_s(fakes, make_proxy):
+    d = fakes.add("d")
+    proxy = make_proxy(mode="mixed", decode=[d.url], health={"interval_s": 0.2}, timeouts={"queue_s": 0.5})
+    with proxy.client() as c:
+        d.behaviour.healthy = False
+        wait_until(lambda: not proxy.proxy.ready())
+        started = time.monotonic()
+        r = c.post("/v1/completions", json=COMPLETION)
+        waited = time.monotonic() - started
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert 0.4 < waited < 2
+        assert 'ucm_proxy_waiting_requests{role="decode"} 0.0' in c.get("/metrics").text
+    assert d.requests == []
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 def test_ready_reflects_backend_health(fakes, make_proxy):

@@ -199,6 +199,8 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
             pod["tolerations"] = list(role.pool.tolerations)
         if role.pool.affinity:
             pod["affinity"] = dict(role.pool.affinity)
+        if role.pool.env_from:
+            container["envFrom"] = [e.model_dump(by_alias=True, exclude_defaults=True) for e in role.pool.env_from]
     config_hash = digest({f: plan.files[f] for f in role.files})
     return {
         "apiVersion": "apps/v1",

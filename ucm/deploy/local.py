@@ -186,8 +186,9 @@ class LocalStack:
         source = spec.model.source
         if source.host_path is not None and not Path(source.host_path).is_dir():
             raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
-        # Fresh per start, like the operator's Secret per deployment: files for the proxy, env for engines.
-        self.credentials = {key: secrets.token_urlsafe(32) for key in self.plan.credentials}
+        # Made once per run directory, like the operator's Secret per deployment (the MAC key must
+        # outlive a restart, or the blocks already stored fail their check): files, and env for engines.
+        self.credentials = {key: self._credential(key) for key in self.plan.credentials}
         engines = [r.name for r in self.plan.roles if r.component in ENGINES]
         self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
 
@@ -221,6 +222,12 @@ class LocalStack:
         # Other Secrets exist only in a cluster: locally such a variable comes from your shell.
         env.update({var: self.credentials[ref.key] for var, ref in role.secret_env.items() if ref.secret == own})
         return env
+
+    def _credential(self, key: str) -> str:
+        try:
+            return (self.run_dir / CREDENTIALS / key).read_text().strip()
+        except FileNotFoundError:
+            return secrets.token_urlsafe(32)
 
     def write_files(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)

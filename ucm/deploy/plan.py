@@ -23,6 +23,7 @@ from ucm.config import ConfigError
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
+    MAC_KEY,
     Component,
     Plan,
     Port,
@@ -49,6 +50,10 @@ PROXY_PORT = 8000
 # Seconds a stopping pod keeps serving after it leaves its Service's endpoints: the proxy's
 # EndpointSlice watch sees it go first, so no new request is routed to a dying engine.
 DRAIN_DELAY_S = 10
+# Then, on SIGTERM, vLLM finishes the requests it holds for up to this long (its default, 0, aborts
+# them — and the HTTP requests of aborted ones were seen hanging until the process was killed). It
+# fits the pod's grace period (drain delay + 30 s) and the local stack's stop grace (30 s).
+SHUTDOWN_TIMEOUT_S = 25
 # Proxy options the deployment decides; proxy.config may not set them.
 PROXY_PLANNED = (
     "host",
@@ -72,6 +77,12 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     model_path, model_volumes = _model(spec, site)
     store_volumes = kind.volumes(opts, name, site)
     stage = kind.connector(opts, name, site)
+    credentials = [BACKEND_KEY]
+    if store.mac:
+        (backend,) = stage
+        stage = {backend: {**stage[backend], "mac_key_file": f"{site.credentials_dir}/{MAC_KEY}"}}
+        credentials.append(MAC_KEY)
+        store_volumes = [*store_volumes, *_credentials_volume(name, site, MAC_KEY)]
     files[KV_CONFIG_FILE] = _json(_kv_config(spec, stage))
     kv_files = {"prefill": KV_CONFIG_FILE, "decode": KV_CONFIG_FILE}
     if spec.sparse is not None:  # decoding is where sparse attention pays; prefill stays dense
@@ -100,7 +111,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         files=files,
         store_claim=claim,
         store_external=None if claim is not None else kind.external(opts),
-        credentials=(BACKEND_KEY,),
+        credentials=tuple(credentials),
     )
 
 
@@ -188,6 +199,7 @@ def _engine(
     if m.max_model_len is not None:
         vllm += ["--max-model-len", str(m.max_model_len)]
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
+    vllm += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     vllm += [*m.extra_args, *pool.extra_args]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
     secret_env = {"VLLM_API_KEY": SecretRef(credentials_secret(deployment), BACKEND_KEY)}
@@ -239,6 +251,14 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, eng
     return yaml.safe_dump(config, sort_keys=False)
 
 
+def _credentials_volume(name: str, site: Site, key: str) -> list[Volume]:
+    """One generated key as a file (locally the run directory holds them all already)."""
+    if site.local:
+        return []
+    own = {"secretName": credentials_secret(name), "items": [{"key": key, "path": key}]}
+    return [Volume(CREDENTIALS, site.credentials_dir, {"secret": own}, True)]
+
+
 def _proxy(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
     p = spec.proxy
     if p.service.type != "ClusterIP" and p.api_key_secret is None and not p.allow_anonymous:
@@ -255,9 +275,7 @@ def _proxy(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
             "items": [{"key": p.api_key_secret.key, "path": p.api_key_secret.key}],
         }
         volumes.append(Volume("api-keys", API_KEYS_DIR, {"secret": only}, True))
-    if not site.local:
-        own = {"secretName": credentials_secret(name), "items": [{"key": BACKEND_KEY, "path": BACKEND_KEY}]}
-        volumes.append(Volume(CREDENTIALS, site.credentials_dir, {"secret": own}, True))
+    volumes += _credentials_volume(name, site, BACKEND_KEY)
     return Role(
         name="proxy",
         component="proxy",

@@ -9,6 +9,7 @@ field, and nothing is touched.
 
 from __future__ import annotations
 
+import argparse
 import posixpath
 from dataclasses import dataclass
 from typing import Any
@@ -98,3 +99,29 @@ def _mentions(value: Any, words: tuple[str, ...]) -> bool:
     if isinstance(value, list):
         return any(_mentions(v, words) for v in value)
     return isinstance(value, str) and value in words
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bounds as flags: the operator's (set from the chart's ``policy.*``) and ``ucm render``'s,
+    which checks a resource against the same bounds before anyone applies it."""
+    bounds = p.add_argument_group("what a UCMDeployment may ask for (ucm.deploy.policy)")
+    bounds.add_argument(
+        "--allow-image-prefix", action="append", help="an image name prefix specs may use (repeatable; default: ucm/)"
+    )
+    bounds.add_argument(
+        "--allow-host-path",
+        action="append",
+        default=[],
+        help="a node directory specs may mount (repeatable; none by default)",
+    )
+    bounds.add_argument(
+        "--allow-any-scheduling", action="store_true", help="pass control-plane placement and keyless tolerations"
+    )
+
+
+def from_args(args: argparse.Namespace) -> Policy:
+    return Policy(
+        image_prefixes=tuple(args.allow_image_prefix or Policy.image_prefixes),
+        host_path_prefixes=tuple(args.allow_host_path),
+        any_scheduling=args.allow_any_scheduling,
+    )

@@ -1,10 +1,12 @@
 """``ucm render -f CR.yaml``: the exact objects the operator would create for a ``UCMDeployment``, as
 a YAML stream (like ``helm template``), for review in GitOps and for ``kubectl diff``.
 
-The same validation as the operator: the spec's schema, the plan's ``PlanError``s, and the proxy's
-own check of its configuration. Children carry an owner reference only when the resource's uid is
-known (``--owner-uid``, or ``metadata.uid`` of a resource read back from the API server): the
-operator sets it to the live resource's uid, which does not exist before it is created.
+The same validation as the operator: the spec's schema, the operator's bounds (the same
+``--allow-*`` flags as ``ucm-operator``: give the values your chart's ``policy.*`` sets), the
+plan's ``PlanError``s, and the proxy's own check of its configuration. Children carry an owner
+reference only when the resource's uid is known (``--owner-uid``, or ``metadata.uid`` of a resource
+read back from the API server): the operator sets it to the live resource's uid, which does not
+exist before it is created.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import yaml
 
 from ucm.config import ConfigError
+from ucm.deploy import policy
 from ucm.deploy.kubernetes import Owner, render
 from ucm.deploy.local import StackError, check_proxy_config
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
@@ -31,16 +34,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-n", "--namespace", help="default: the resource's metadata.namespace, else 'default'")
     p.add_argument("--name", help="default: the resource's metadata.name")
     p.add_argument("--owner-uid", help="the UCMDeployment's uid, for owner references (default: metadata.uid)")
+    policy.add_arguments(p)
     p.set_defaults(func=cmd_render)
 
 
-def objects(path: str, namespace: str | None, name: str | None, uid: str | None) -> list[dict[str, Any]]:
+def objects(
+    path: str, namespace: str | None, name: str | None, uid: str | None, bounds: policy.Policy | None = None
+) -> list[dict[str, Any]]:
     resource = load_resource(path)
     name = name or resource.name
     if not name:
         raise ConfigError("--name: required when the file holds no metadata.name")
     namespace = namespace or resource.namespace or "default"
     try:
+        (bounds or policy.Policy()).check(resource.spec)
         plan = build_plan(name, resource.spec, Site("kubernetes", namespace=namespace))
     except PlanError as exc:
         raise ConfigError(f"spec.{exc}") from None
@@ -55,6 +62,6 @@ def objects(path: str, namespace: str | None, name: str | None, uid: str | None)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    docs = objects(args.file, args.namespace, args.name, args.owner_uid)
+    docs = objects(args.file, args.namespace, args.name, args.owner_uid, policy.from_args(args))
     yaml.safe_dump_all(docs, sys.stdout, sort_keys=False, explicit_start=True)
     return 0

@@ -24,6 +24,7 @@ STORE_COMPONENTS: tuple[Component, ...] = START_ORDER[0]
 # locally, files in the run directory): created by the executors, never rendered with a value.
 CREDENTIALS = "credentials"
 BACKEND_KEY = "backend-api-key"  # engines require it (vLLM --api-key); only the proxy holds it
+MAC_KEY = "kv-mac-key"  # engines sign and check file-store blocks with it (store.mac)
 
 
 def credentials_secret(deployment: str) -> str:

@@ -90,6 +90,28 @@ class EnvVar(Spec):
         return self
 
 
+class ObjectName(Spec):
+    name: str = Field(min_length=1, description="In the deployment's namespace")
+
+
+class EnvFromSource(Spec):
+    """Every key of a Secret or ConfigMap as environment variables (Kubernetes' ``envFrom``); the
+    variables the deployment sets itself take precedence. Locally (``ucm up``) they come from your
+    shell instead."""
+
+    model_config = Spec.model_config | cel(
+        ("has(self.secretRef) != has(self.configMapRef)", "envFrom: set exactly one of secretRef, configMapRef"),
+    )
+    secret_ref: ObjectName | None = None
+    config_map_ref: ObjectName | None = None
+    prefix: str = Field("", description="Prepended to every variable's name")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EnvFromSource:
+        one_of(self, ("secret_ref", "config_map_ref"), "envFrom")
+        return self
+
+
 class Resources(Spec):
     requests: dict[str, Quantity] = Field(default_factory=dict)
     limits: dict[str, Quantity] = Field(default_factory=dict)
@@ -103,12 +125,16 @@ class PoolSpec(Spec):
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None
     env: list[EnvVar] = Field(default_factory=list)
+    env_from: list[EnvFromSource] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list)
 
 
 class HashingSpec(Spec):
     algorithm: HashAlgorithm = "sha256"
     salt: str = ""
+
+
+SIGNING_KINDS = tuple(k.name for k in KINDS.values() if k.signs_blocks)
 
 
 class _StoreSpec(Spec):
@@ -118,7 +144,18 @@ class _StoreSpec(Spec):
         *(
             (f"self.type != '{k.name}' || has(self.{k.field})", f"store.{k.field}: required when type is {k.name}")
             for k in KINDS.values()
-        )
+        ),
+        (
+            "!self.mac || self.type in [" + ", ".join(f"'{k}'" for k in SIGNING_KINDS) + "]",
+            f"store.mac: only file stores ({', '.join(SIGNING_KINDS)}) sign blocks",
+        ),
+    )
+
+    mac: bool = Field(
+        False,
+        description="Sign every block with a key the deployment generates (a keyed BLAKE2b in the block's "
+        "trailer, kept in the <name>-credentials Secret): whoever can write the shared volume but lacks the key "
+        "cannot plant KV that engines load. File stores (posix, nfs, ds3fs); loads cost more (README).",
     )
 
     @property
@@ -133,6 +170,8 @@ class _StoreSpec(Spec):
     def _kind_options(self) -> _StoreSpec:
         if self.options is None:
             raise ValueError(f"store.{self.kind.field}: required when type is {self.kind.name}")
+        if self.mac and not self.kind.signs_blocks:
+            raise ValueError(f"store.mac: only file stores ({', '.join(SIGNING_KINDS)}) sign blocks, not {self.type}")
         return self
 
 

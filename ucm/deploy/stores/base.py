@@ -20,6 +20,7 @@ class StoreKind(ABC):
     field: ClassVar[str]  # spec.store.<field> holds the options
     options: ClassVar[type[Spec]]
     description: ClassVar[str]  # for the CRD's documentation of the field
+    signs_blocks: ClassVar[bool] = False  # block files carry a trailer that can hold a MAC (store.mac)
 
     @abstractmethod
     def connector(self, opts: Any, deployment: str, site: Site) -> dict[str, Any]:

@@ -20,6 +20,7 @@ class Ds3fs(StoreKind):
     field = "ds3fs"
     options = DS3FSSpec
     description = "The 3FS mount holding the blocks (type ds3fs)"
+    signs_blocks = True
 
     def connector(self, opts: DS3FSSpec, deployment: str, site: Site) -> dict[str, Any]:
         # Locally the mount is used where it is; in pods it is mounted at the site's KV directory.

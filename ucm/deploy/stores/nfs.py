@@ -21,6 +21,7 @@ class Nfs(StoreKind):
     field = "nfs"
     options = NFSSpec
     description = "The NFS export holding the blocks (type nfs)"
+    signs_blocks = True
 
     def connector(self, opts: NFSSpec, deployment: str, site: Site) -> dict[str, Any]:
         return {"nfs": {"roots": [site.kv_dir]}}

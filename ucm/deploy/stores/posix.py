@@ -37,6 +37,7 @@ class Posix(StoreKind):
     field = "pvc"
     options = ClaimSpec
     description = "The PersistentVolumeClaim holding the blocks (type posix)"
+    signs_blocks = True
 
     def connector(self, opts: ClaimSpec, deployment: str, site: Site) -> dict[str, Any]:
         return {"posix": {"roots": [site.kv_dir]}}

@@ -1,4 +1,12 @@
-"""An engine whose store stays stuck says so on ``/health``, so the proxy and Kubernetes act.
+"""``/health`` of an engine started by ``ucm serve``: not ready until it is warm, unhealthy while its
+store stays stuck, so the proxy and Kubernetes act on both.
+
+**Warm-up.** vLLM's first request after a start is slow (on the CPU build, 2.9 s against 0.06 s
+for the next ones: kernels and caches set up on first use), and it would be a user's request — after
+every restart, scale-up and rollout. With ``UCM_ENGINE_WARMUP=1`` (set by ``ucm serve``), the first
+``/health`` call starts one short completion on the server itself (its key from ``VLLM_API_KEY``);
+``/health`` answers 503 "warming up" until it finished. A failed warm-up is logged and serving starts
+anyway: it must never keep an engine out of service.
 
 The connector's scheduler half runs in vLLM's engine process; ``/health`` is answered by the API
 server process. They share one small file (``UCM_STORE_HEALTH_FILE``, which ``ucm serve`` sets to a
@@ -12,6 +20,7 @@ stall should not take every engine sharing the store out of service at once.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -19,10 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 logger = logging.getLogger(__name__)
 
 HEALTH_FILE_ENV = "UCM_STORE_HEALTH_FILE"
-MIDDLEWARE = f"{__name__}.StoreHealthMiddleware"
+WARMUP_ENV = "UCM_ENGINE_WARMUP"
+MIDDLEWARE = f"{__name__}.HealthMiddleware"
+WARMUP_TIMEOUT_S = 300.0
 
 
 class StoreHealth:
@@ -61,24 +74,55 @@ def stuck_for(path: Path, now: float | None = None) -> tuple[float, float] | Non
     return (stuck, threshold) if stuck >= threshold else None
 
 
-class StoreHealthMiddleware:
-    """Pure ASGI middleware for vLLM's API server: ``GET /health`` is 503 while the store is stuck
-    past its threshold; everything else passes through."""
+class HealthMiddleware:
+    """Pure ASGI middleware for vLLM's API server: ``GET /health`` is 503 while warming up and while
+    the store is stuck past its threshold; everything else passes through."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         path = os.environ.get(HEALTH_FILE_ENV)
         self.path = Path(path) if path else None
+        self.warm = os.environ.get(WARMUP_ENV) != "1"
+        self._warming: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.path is not None and scope["type"] == "http" and scope["path"] == "/health":
-            stuck = stuck_for(self.path)
+        if scope["type"] == "http" and scope["path"] == "/health":
+            if not self.warm:
+                if self._warming is None:
+                    host, port = scope["server"]  # this server, as the probe reached it
+                    self._warming = asyncio.create_task(self._warm_up(f"http://{host}:{port}"))
+                await _unavailable(send, "warming up: the first request is on its way")
+                return
+            stuck = stuck_for(self.path) if self.path is not None else None
             if stuck is not None:
-                body = json.dumps(
-                    {"error": f"the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)"}
-                ).encode()
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                await send({"type": "http.response.start", "status": 503, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
+                await _unavailable(send, f"the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)")
                 return
         await self.app(scope, receive, send)
+
+    async def _warm_up(self, url: str) -> None:
+        key = os.environ.get("VLLM_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        started = time.monotonic()
+        try:
+            async with aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
+            ) as http:
+                async with http.get(url + "/v1/models") as r:
+                    r.raise_for_status()
+                    model = (await r.json())["data"][0]["id"]
+                # Shorter than a block: nothing is saved to or looked up in the shared store.
+                body = {"model": model, "prompt": "Warm up.", "max_tokens": 2, "temperature": 0}
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+            logger.info("warm-up request done in %.2f s", time.monotonic() - started)
+        except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
+            logger.warning("warm-up request failed (serving without it): %s", exc or type(exc).__name__)
+        finally:
+            self.warm = True
+
+
+async def _unavailable(send: Any, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
