@@ -7,7 +7,7 @@ NATIVE_STAMP := $(VENV)/.ucm-native-stamp
 NATIVE_SOURCES := $(wildcard runtime/native/src/*) runtime/native/CMakeLists.txt runtime/native/pyproject.toml
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: dev test up images lint fmt crds clean bench-deps
+.PHONY: dev test up images images-offline lint fmt crds clean bench-deps
 
 dev: $(STAMP) $(NATIVE_STAMP)
 
@@ -29,7 +29,7 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q --no-build-isolation ./runtime/native
 	@touch $(NATIVE_STAMP)
 
-test: dev
+test: dev images-offline
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -37,12 +37,27 @@ test: dev
 up: dev
 	$(BIN)/ucm up
 
-# Container images ucm/{runtime,operator,proxy}:<version> (the tags the chart and operator default to).
+# Container images ucm/{runtime,operator,proxy}:<version> (the tags the chart and operator default to),
+# from the public bases and package index.
 images:
 	@command -v docker >/dev/null || { echo "make images: docker not found; build where Docker runs"; exit 1; }
+	@mkdir -p build/wheelhouse
 	docker build -f runtime/Dockerfile -t ucm/runtime:$(VERSION) .
 	docker build -f runtime/Dockerfile.operator -t ucm/operator:$(VERSION) .
 	docker build -f runtime/Dockerfile.proxy -t ucm/proxy:$(VERSION) .
+
+# The operator and proxy images without a registry or network inside the build: a base made from
+# Debian packages (scripts/docker-base.sh) and a wheelhouse filled here first.
+OFFLINE_BASE ?= ucm/base:bookworm
+images-offline: dev
+	./scripts/docker-up.sh
+	./scripts/docker-base.sh $(OFFLINE_BASE)
+	rm -rf build/wheelhouse && $(BIN)/python -m pip wheel -q --wheel-dir build/wheelhouse '.[proxy,operator]'
+	$(BIN)/python -m pip download -q --dest build/wheelhouse 'setuptools>=69' wheel  # to build /src
+	for image in operator proxy; do \
+	  docker build -q -f runtime/Dockerfile.$$image --build-arg BASE=$(OFFLINE_BASE) \
+	    --build-arg PIP_ARGS="--no-index --find-links /wheelhouse" -t ucm/$$image:$(VERSION) . || exit 1; \
+	done
 
 # What benchmarks/sparse_serving.py and sparse_eval.py need for the real model (not make test).
 bench-deps: dev

@@ -8,6 +8,9 @@ dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 # libfuse 3: the stalled store mount of benchmarks/fault_serving.py (ucm_testing.stallfs).
 dpkg -s libfuse3-3 >/dev/null 2>&1 || missing+=(fuse3)
+# Docker's engine and mmdebstrap: `make images-offline` builds and tests run the images.
+command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "system-deps: please install: ${missing[*]} (needs root and apt-get)" >&2

@@ -19,9 +19,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from pydantic import Field
-
-from ucm.config import StrictModel
 
 
 @dataclass
@@ -207,44 +204,10 @@ def topk_with_windows(scores: torch.Tensor, k: int, init_blocks: int, local_bloc
     return torch.topk(boosted, k, dim=-1).indices.sort(dim=-1).values
 
 
-class TopKConfig(StrictModel):
-    """A fixed budget per request and layer: ``sparse_ratio`` of the blocks (at least
-    ``min_blocks``), always including the first ``init_window_sz`` blocks (attention sinks) and the
-    last ``local_window_sz`` (recent context)."""
-
-    sparse_ratio: float = Field(0.3, gt=0, le=1, description="Share of the blocks attended")
-    min_blocks: int = Field(4, ge=1)
-    init_window_sz: int = Field(1, ge=0, description="First blocks always attended (attention sinks)")
-    local_window_sz: int = Field(2, ge=0, description="Last blocks always attended (recent context)")
-
-    def budget(self, n: int, block_size: int) -> int:
-        """Blocks to attend out of ``n``."""
-        return blocks_for_ratio(n, self.sparse_ratio, self.min_blocks)
-
-    def windows(self, block_size: int) -> tuple[int, int]:
-        """(sink blocks, local blocks)."""
-        return self.init_window_sz, self.local_window_sz
-
-    def choose(self, scores: torch.Tensor, block_size: int, shared: bool = False) -> torch.Tensor:
-        """The budget's best blocks by ``scores`` (Hkv, n), per KV head. ``shared``: one selection
-        for every KV head (scores summed over heads), what a paged attention kernel with one block
-        table per request can attend."""
-        hkv, n = scores.shape
-        if shared:
-            scores = scores.sum(0, keepdim=True)
-        sink, local = self.windows(block_size)
-        chosen = topk_with_windows(scores, self.budget(n, block_size), sink, local)
-        return chosen.expand(hkv, -1) if shared else chosen
-
-
 def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     """Per-head block lists of different lengths -> (Hkv, k), padded with -1."""
     width = max(len(r) for r in rows)
     return torch.stack([torch.cat([r, r.new_full((width - len(r),), -1)]) for r in rows])
-
-
-def blocks_for_ratio(n: int, ratio: float, min_blocks: int) -> int:
-    return min(n, max(min_blocks, math.ceil(ratio * n)))
 
 
 def attention_mass(q: torch.Tensor, kv: PagedKV) -> torch.Tensor:

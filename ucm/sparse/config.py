@@ -20,12 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ucm.config import ConfigError, StrictModel, parse_config
-from ucm.sparse.base import TopKConfig
-from ucm.sparse.esa import ESAConfig
-from ucm.sparse.gsa import GSAConfig
-from ucm.sparse.gsa_ondevice import GSAOnDeviceConfig
-from ucm.sparse.kvstar import KVStarConfig
-from ucm.sparse.psa import PSAConfig
+from ucm.sparse.options import ESAConfig, GSAConfig, GSAOnDeviceConfig, KVStarConfig, PSAConfig, TopKConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from pydantic import Field
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query, pad_rows
-
-
-class ESAConfig(TopKConfig):
-    retrieval_stride: int = Field(1, ge=1, description="Decode steps a selection is reused for")
-    background: bool = Field(False, description="Retrieve on a worker thread, one query behind (offline only)")
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, group_query, pad_rows
+from ucm.sparse.options import ESAConfig
 
 
 def mean_scores(q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV
+from ucm.sparse.options import GSAConfig
 from ucm.sparse.psa import upper_bounds
 from ucm.store import Store
-
-
-class GSAConfig(TopKConfig):
-    pass
 
 
 class GSA(BlockSelector):

@@ -11,38 +11,11 @@ computed once per token, as blocks fill (the hash cache), so selection costs XOR
 from __future__ import annotations
 
 import torch
-from pydantic import Field, model_validator
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, group_query
+from ucm.sparse.options import GSAOnDeviceConfig
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
-
-
-class GSAOnDeviceConfig(TopKConfig):
-    """UCM's token budgets (``hash_topk_tokens``, ``sink_token``, ``recent_token``) replace the block
-    ones when given; they are rounded up to whole blocks, so at least those tokens are attended."""
-
-    hash_bits: int | None = Field(None, ge=8, description="Sign bits per key and query; default and maximum: head_dim")
-    seed: int = 0
-    hash_topk_tokens: int | None = Field(None, ge=1, description="A fixed budget in tokens instead of sparse_ratio")
-    sink_token: int | None = Field(None, ge=0, description="Sink window in tokens (instead of init_window_sz)")
-    recent_token: int | None = Field(None, ge=0, description="Local window in tokens (instead of local_window_sz)")
-
-    @model_validator(mode="after")
-    def _bits(self) -> GSAOnDeviceConfig:
-        if self.hash_bits is not None and self.hash_bits % 8:
-            raise ValueError(f"hash_bits: must be a multiple of 8 (bits are packed in bytes), got {self.hash_bits}")
-        return self
-
-    def budget(self, n: int, block_size: int) -> int:
-        if self.hash_topk_tokens is None:
-            return super().budget(n, block_size)
-        return min(n, max(self.min_blocks, -(-self.hash_topk_tokens // block_size)))
-
-    def windows(self, block_size: int) -> tuple[int, int]:
-        sink = self.init_window_sz if self.sink_token is None else -(-self.sink_token // block_size)
-        local = self.local_window_sz if self.recent_token is None else -(-self.recent_token // block_size)
-        return sink, local
 
 
 def haar_orthogonal(d: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -10,23 +10,11 @@ benchmarks/sparse_eval.py measures what they cost in recall.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, TopKConfig, group_query
+from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, group_query
 from ucm.sparse.esa import Reused
-
-
-class KVStarConfig(TopKConfig):
-    retrieval_stride: int = Field(4, ge=1, description="Decode steps a selection is reused for")
-    blk_repre_dim_prune_ratio: float = Field(1.0, gt=0, le=1, description="Share of key channels kept in scores")
-    store_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-
-    def keep_dims(self, head_dim: int) -> int | None:
-        """Channels kept, None for all."""
-        return None if self.blk_repre_dim_prune_ratio >= 1 else max(1, round(head_dim * self.blk_repre_dim_prune_ratio))
+from ucm.sparse.options import KVStarConfig
 
 
 def pruned_representation(

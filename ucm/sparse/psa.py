@@ -23,17 +23,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from pydantic import Field
 
-from ucm.config import StrictModel
 from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, group_query
-
-
-class PSAConfig(StrictModel):
-    eps: float = Field(0.95, gt=0, le=1, description="Attention mass to reach before stopping (1: every block)")
-    microbatch: int = Field(4, ge=1, description="Blocks attended between two stopping checks")
-    init_window_sz: int = Field(1, ge=0, description="First blocks attended first, whatever their bound")
-    local_window_sz: int = Field(2, ge=0, description="Last blocks attended first too (recent context)")
+from ucm.sparse.options import PSAConfig
 
 
 @dataclass
