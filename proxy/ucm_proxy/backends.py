@@ -67,7 +67,7 @@ class Pool:
             metrics.forget_backend(url, self.role)
         for b in self.backends:
             metrics.BACKEND_HEALTHY.labels(b.url, self.role).set(1 if b.healthy else 0)
-        if set(kept) - set(current):
+        if kept - current.keys():  # a new endpoint: requests waiting for one may go
             self._notify()
 
     def available(self, exclude: frozenset[str] = frozenset()) -> list[Backend]:
