@@ -47,6 +47,16 @@ def test_a_busy_proxy_port_is_refused(tmp_path):
             LocalStack(spec(tmp_path), tmp_path / "run", s.getsockname()[1])
 
 
+def test_roles_get_ports_the_kernel_never_hands_out_itself(tmp_path):
+    # Engines bind port 0 for internal sockets while they start; a role's port from that range
+    # could be taken before the role binds it (CI saw the proxy fail with "address in use").
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    stack = LocalStack(spec(tmp_path, prefill={"replicas": 2}), tmp_path / "run")
+    ports = [p.port for p in stack.processes]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= port < low for port in ports), ports
+
+
 def test_engines_get_their_own_cores_when_there_are_enough(tmp_path, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     stack = LocalStack(spec(tmp_path, prefill={"replicas": 2}, decode={"replicas": 2}), tmp_path / "run")

@@ -176,11 +176,17 @@ class LocalStack:
         if proxy_port and not port_is_free(proxy_port):
             raise StackError(f"--port: {proxy_port} is in use; choose another (0 picks any free port)")
         ports: dict[str, int] = {"proxy": proxy_port} if proxy_port else {}
+
+        def port(role: str) -> int:  # stable per name
+            if role not in ports:
+                ports[role] = free_port(taken=ports.values())
+            return ports[role]
+
         site = Site(
             "local",
             config_dir=str(run_dir),
             kv_dir=str(run_dir / "kv"),
-            ports=lambda role: ports[role] if role in ports else ports.setdefault(role, free_port()),  # stable per name
+            ports=port,
         )
         self.plan: Plan = build_plan(name, spec, site)
         source = spec.model.source
