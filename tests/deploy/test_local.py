@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ucm.deploy.local import LocalStack, StackError, default_spec, kubernetes_only_fields
+from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields
+from ucm.deploy.roles import Role
 from ucm.deploy.spec import UCMDeploymentSpec
 
 
@@ -55,6 +56,51 @@ def test_roles_get_ports_the_kernel_never_hands_out_itself(tmp_path):
     ports = [p.port for p in stack.processes]
     assert len(set(ports)) == len(ports)
     assert all(20000 <= port < low for port in ports), ports
+
+
+CHILD = """
+import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: pathlib.Path(sys.argv[1], "child-got-sigterm").touch())
+pathlib.Path(sys.argv[1], "child-ready").touch()
+while True:
+    time.sleep(1)
+"""
+LEADER = """
+import pathlib, signal, subprocess, sys, time
+out = pathlib.Path(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]])  # stays in our group
+while not (out / "child-ready").exists():
+    time.sleep(0.01)
+(out / "child-pid").write_text(str(child.pid))
+
+def drain(*_):  # as vLLM drains: in-flight work needs its workers until it is done
+    time.sleep(0.3)
+    (out / "drained").write_text("child alive" if child.poll() is None else "child gone")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, drain)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_stop_signals_the_main_process_and_leaves_no_child(tmp_path):
+    """SIGTERM reaches the main process only (as a kubelet sends it), so it drains with its
+    children working; whatever it leaves behind is killed with the group."""
+    role = Role("engine", "prefill", [sys.executable, "-c", LEADER, str(tmp_path), CHILD], [])
+    p = Process(role, tmp_path / "log", {})
+    p.start()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "child-pid").exists():
+        assert time.monotonic() < deadline and p.exited() is None, p.tail()
+        time.sleep(0.02)
+    child = int((tmp_path / "child-pid").read_text())
+    p.stop()
+    assert (tmp_path / "drained").read_text() == "child alive"
+    assert not (tmp_path / "child-got-sigterm").exists()
+    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the child outlived its role"
+        time.sleep(0.02)
 
 
 def test_engines_get_their_own_cores_when_there_are_enough(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ tail; one that dies later is restarted (as Kubernetes would restart its pod), at
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -148,16 +149,20 @@ class Process:
             return ""
 
     def stop(self) -> None:
+        """As a kubelet stops a container: SIGTERM to the main process only, which drains and then
+        stops its own children (a SIGTERM to the whole group killed vLLM's workers under the drain
+        and failed the requests in flight with 500s); then SIGKILL to what is left of the group,
+        after the grace period at most, so that no child outlives the role."""
         if self.popen is None or self.popen.poll() is not None:
             return
+        self.popen.send_signal(signal.SIGTERM)
         try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
             self.popen.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-        except ProcessLookupError:
             pass
+        with contextlib.suppress(ProcessLookupError):  # the group may have emptied with its leader
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
 
 
 class LocalStack:
