@@ -389,6 +389,7 @@ def main() -> int:
 
     with contextlib.ExitStack() as cleanup:
         run = Path(args.run_dir) if args.run_dir else Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
+        run.mkdir(parents=True, exist_ok=True)
         plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
         try:
             plain.wait_ready()

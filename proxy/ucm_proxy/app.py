@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -246,6 +247,8 @@ class Proxy:
                 if resp.status >= 500:
                     raise Retry(f"decode {backend.url} answered {resp.status}")
                 data = await resp.read()
+                if resp.status == 200 and ABORTED.search(data):
+                    raise Retry(f"decode {backend.url} aborted the request")
             finally:
                 await upstream.__aexit__(None, None, None)
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
@@ -272,6 +275,8 @@ class Proxy:
                     first = await resp.content.readany()
                 if not first and resp.status == 200:
                     raise Retry(f"decode {backend.url} closed the stream before any data")
+                if resp.status == 200 and ABORTED.search(first):
+                    raise Retry(f"decode {backend.url} aborted the request")
             except BaseException:
                 await upstream.__aexit__(None, None, None)
                 raise
@@ -326,6 +331,13 @@ class Proxy:
     ) -> Upstream:
         assert self.session is not None
         return Upstream(self.session, backend, route, payload, headers, timeout)
+
+
+# vLLM answers a request it aborted before any token (one that arrived while it shut down, say) with
+# a 200 and no text; nothing was generated, so another backend may serve it. In JSON a quote inside
+# a string is escaped, so this matches a real field only. A chat stream's first chunk is the role
+# alone: an abort after it is relayed (the engine's drain middleware refuses such requests first).
+ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 
 
 def no_backend(role: str) -> ProxyError:

@@ -30,7 +30,8 @@ class Behaviour:
     chunks: int = 16
     delay_s: float = 0.0  # before answering
     chunk_delay_s: float = 0.0
-    fail_next: list[str] = field(default_factory=list)  # "500", "close", "mid_stream", "hang", "400"
+    # "500", "close", "mid_stream", "hang", "400", "abort" (vLLM's answer to a request it refused)
+    fail_next: list[str] = field(default_factory=list)
     healthy: bool = True
 
 
@@ -104,6 +105,8 @@ class FakeVLLM:
                 self.cancelled += 1
                 raise
         chat = request.path.endswith("/chat/completions")
+        if failure == "abort":
+            return await self._aborted(request, chat, bool(body.get("stream")))
         n = min(int(body.get("max_tokens") or body.get("max_completion_tokens") or b.chunks), b.chunks)
         params_in = body.get("kv_transfer_params") or {}
         params_out: Any = params_in
@@ -126,6 +129,19 @@ class FakeVLLM:
                 "served_by": self.name,
             }
         )
+
+    async def _aborted(self, request: web.Request, chat: bool, stream: bool) -> web.StreamResponse:
+        """What vLLM answers for a request it aborted before any token (one it refused while
+        shutting down, say): a 200 with no text."""
+        empty = {"delta": {"content": ""}} if chat else {"text": ""}
+        choice = {"index": 0, **empty, "finish_reason": "abort"}
+        if not stream:
+            return web.json_response({"id": f"cmpl-{self.name}", "choices": [choice], "served_by": self.name})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": f"cmpl-{self.name}", "choices": [choice]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return resp
 
     async def _stream(self, request: web.Request, chat: bool, n: int, params: Any, die: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

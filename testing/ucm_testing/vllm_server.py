@@ -95,6 +95,11 @@ class VLLMServer:
             time.sleep(0.5)
         raise ServerFailed(f"vLLM not ready after {timeout} s:\n{self.log_tail()}")
 
+    def send_signal(self, sig: int) -> None:
+        """To the server's main process only, as a kubelet signals a container."""
+        assert self._proc is not None
+        self._proc.send_signal(sig)
+
     def wait_exit(self, timeout: float = 240.0) -> int:
         assert self._proc is not None
         return self._proc.wait(timeout)

@@ -221,7 +221,7 @@ def fallbacks(metrics: str) -> float:
     )
 
 
-@pytest.mark.parametrize("failure", ["500", "close"])
+@pytest.mark.parametrize("failure", ["500", "close", "abort"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_decode_failure_before_first_byte_is_retried(fakes, make_proxy, failure, stream):
     p = fakes.add("p")

@@ -11,11 +11,16 @@ anyway: it must never keep an engine out of service.
 The connector's scheduler half runs in vLLM's engine process; ``/health`` is answered by the API
 server process. They share one small file (``UCM_STORE_HEALTH_FILE``, which ``ucm serve`` sets to a
 fresh path per start): the scheduler writes it when a store call misses its deadline and removes
-it when that call finally returns; ``StoreHealthMiddleware`` (added with vLLM's ``--middleware``)
+it when that call finally returns; ``HealthMiddleware`` (added with vLLM's ``--middleware``)
 answers ``/health`` with 503 once the call has been stuck for ``store_unhealthy_after_s``.
 
 Until then the engine keeps serving: lookups count as misses and blocks are recomputed. A short
 stall should not take every engine sharing the store out of service at once.
+
+**Drain.** On SIGTERM vLLM (``--shutdown-timeout``) finishes the requests it has but keeps its HTTP
+server open, and answers each request that arrives meanwhile with a 200 and no text
+(``finish_reason: abort``): a client takes that for an answer. From SIGTERM on, the middleware
+answers ``/health`` and new POSTs with 503 (``Retry-After``), which the proxy retries elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -84,8 +90,14 @@ class HealthMiddleware:
         self.path = Path(path) if path else None
         self.warm = os.environ.get(WARMUP_ENV) != "1"
         self._warming: asyncio.Task[None] | None = None
+        self.draining = False
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            self._watch_for_sigterm()
+        elif scope["type"] == "http" and self.draining and (scope["path"] == "/health" or scope["method"] == "POST"):
+            await _unavailable(send, "shutting down: finishing the requests in flight")
+            return
         if scope["type"] == "http" and scope["path"] == "/health":
             if not self.warm:
                 if self._warming is None:
@@ -98,6 +110,21 @@ class HealthMiddleware:
                 await _unavailable(send, f"the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)")
                 return
         await self.app(scope, receive, send)
+
+    def _watch_for_sigterm(self) -> None:
+        """Mark the drain when SIGTERM arrives. The server's own handling goes on: asyncio learns of
+        the signal from its wakeup fd, which the interpreter writes whatever the Python handler."""
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.draining = True
+            if callable(previous):
+                previous(signum, frame)
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # not the main thread: no drain marking, vLLM's own handling stays
+            logger.warning("cannot watch for SIGTERM outside the main thread; requests during a drain get aborted")
 
     async def _warm_up(self, url: str) -> None:
         key = os.environ.get("VLLM_API_KEY")
@@ -123,6 +150,10 @@ class HealthMiddleware:
 
 async def _unavailable(send: Any, message: str) -> None:
     body = json.dumps({"error": message}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+    ]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body})
