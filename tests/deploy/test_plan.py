@@ -115,3 +115,33 @@ def test_sparse_attention_reaches_the_decode_engines_only():
 def test_an_open_proxy_outside_the_cluster_is_an_explicit_choice():
     plan_for({"proxy": {"service": {"type": "NodePort"}, "allowAnonymous": True}})
     plan_for({"proxy": {"service": {"type": "LoadBalancer"}, "apiKeySecret": {"name": "keys"}}})
+
+
+def test_engines_drain_for_their_pools_timeout_within_the_pods_grace_period(tmp_path):
+    from ucm.deploy.kubernetes import Owner, render
+    from ucm.deploy.local import LocalStack
+
+    overrides = {"decode": {"drainTimeoutS": 900}}
+    spec = UCMDeploymentSpec.model_validate({**BASE, **overrides})
+    plan = plan_for(overrides)
+    grace = {}
+    for obj in render(Owner("demo", "serving", None), spec, plan):
+        if obj["kind"] == "Deployment":
+            pod = obj["spec"]["template"]["spec"]
+            grace[obj["metadata"]["name"]] = (pod["terminationGracePeriodSeconds"], pod["containers"][0]["command"])
+    seconds, command = grace["demo-decode"]
+    assert command[command.index("--shutdown-timeout") + 1] == "900"
+    assert seconds >= 900 + plan.role("decode").drain_delay_s  # never killed mid-drain
+    seconds, command = grace["demo-prefill"]
+    assert command[command.index("--shutdown-timeout") + 1] == "300"  # long enough for a long generation
+    assert seconds >= 300 + plan.role("prefill").drain_delay_s
+    # `ucm up` waits as long before its SIGKILL.
+    local = {**BASE, "model": {"source": {"hostPath": str(tmp_path)}}, **overrides}
+    stack = LocalStack(UCMDeploymentSpec.model_validate(local), tmp_path / "run")
+    assert next(p for p in stack.processes if p.role.component == "decode").role.drain_timeout_s == 900
+
+
+@pytest.mark.parametrize("bad", [-1, 3601])
+def test_a_drain_timeout_out_of_bounds_names_the_field(bad):
+    with pytest.raises(ValueError, match="drainTimeoutS"):
+        UCMDeploymentSpec.model_validate({**BASE, "prefill": {"drainTimeoutS": bad}})

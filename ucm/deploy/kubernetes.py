@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from ucm.deploy.roles import CREDENTIALS, ENGINES, STORE_COMPONENTS, Plan, Probe, Role
+from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
 from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
@@ -172,7 +172,7 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
     pod: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": role.drain_delay_s + 30,
+        "terminationGracePeriodSeconds": role.drain_delay_s + role.drain_timeout_s + STOP_SLACK_S,
         "automountServiceAccountToken": role.component == "proxy",
     }
     # Every pod passes the "restricted" Pod Security profile (apart from hostPath volumes a spec

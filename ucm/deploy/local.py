@@ -33,11 +33,10 @@ from pydantic.alias_generators import to_camel
 
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.ports import free_port, port_is_free
-from ucm.deploy.roles import CREDENTIALS, ENGINES, Plan, Probe, Role, Site, credentials_secret
+from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Probe, Role, Site, credentials_secret
 from ucm.deploy.spec import UCMDeploymentSpec
 
 MAX_RESTARTS = 3
-STOP_GRACE_S = 30.0
 
 
 class StackError(RuntimeError):
@@ -152,12 +151,12 @@ class Process:
         """As a kubelet stops a container: SIGTERM to the main process only, which drains and then
         stops its own children (a SIGTERM to the whole group killed vLLM's workers under the drain
         and failed the requests in flight with 500s); then SIGKILL to what is left of the group,
-        after the grace period at most, so that no child outlives the role."""
+        after the role's drain timeout (and a little slack) at most, so that no child outlives it."""
         if self.popen is None or self.popen.poll() is not None:
             return
         self.popen.send_signal(signal.SIGTERM)
         try:
-            self.popen.wait(STOP_GRACE_S)
+            self.popen.wait(self.role.drain_timeout_s + STOP_SLACK_S)
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):  # the group may have emptied with its leader

@@ -50,10 +50,6 @@ PROXY_PORT = 8000
 # Seconds a stopping pod keeps serving after it leaves its Service's endpoints: the proxy's
 # EndpointSlice watch sees it go first, so no new request is routed to a dying engine.
 DRAIN_DELAY_S = 10
-# Then, on SIGTERM, vLLM finishes the requests it holds for up to this long (its default, 0, aborts
-# them — and the HTTP requests of aborted ones were seen hanging until the process was killed). It
-# fits the pod's grace period (drain delay + 30 s) and the local stack's stop grace (30 s).
-SHUTDOWN_TIMEOUT_S = 25
 # Proxy options the deployment decides; proxy.config may not set them.
 PROXY_PLANNED = (
     "host",
@@ -199,7 +195,9 @@ def _engine(
     if m.max_model_len is not None:
         vllm += ["--max-model-len", str(m.max_model_len)]
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
-    vllm += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    # On SIGTERM vLLM finishes the requests it holds for up to this long (its default, 0, aborts them;
+    # the HTTP requests of aborted ones were seen hanging until the process was killed).
+    vllm += ["--shutdown-timeout", str(pool.drain_timeout_s)]
     vllm += [*m.extra_args, *pool.extra_args]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
     secret_env = {"VLLM_API_KEY": SecretRef(credentials_secret(deployment), BACKEND_KEY)}
@@ -225,6 +223,7 @@ def _engine(
         startup=Probe("http", "/health", period_s=10, failure_threshold=180),
         pool=pool,
         drain_delay_s=DRAIN_DELAY_S,
+        drain_timeout_s=pool.drain_timeout_s,
     )
 
 

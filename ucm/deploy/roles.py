@@ -46,6 +46,11 @@ def quantity_bytes(value: int | str, where: str) -> int:
         raise PlanError(str(exc)) from None
 
 
+# A stopping role's time to exit beyond its drain (closing connections, stopping workers) before
+# SIGKILL: the pod's grace period is drain delay + drain timeout + this; `ucm up` waits as long.
+STOP_SLACK_S = 30
+
+
 @dataclass(frozen=True)
 class Port:
     name: str
@@ -93,7 +98,8 @@ class Role:
     startup: Probe | None = None
     pool: PoolSpec | None = None  # scheduling and resources (Kubernetes); engines only
     image: str | None = None  # None: the deployment's runtime image
-    drain_delay_s: int = 0
+    drain_delay_s: int = 0  # serving on after leaving the Service's endpoints (preStop)
+    drain_timeout_s: int = 0  # then, after SIGTERM, finishing the requests it holds
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,10 @@ class Resources(Spec):
     gpus: int = Field(1, ge=0, description="nvidia.com/gpu per pod (requests = limits)")
 
 
+# Long enough for a long generation (4k tokens at ~15 tokens/s) to finish during a rollout.
+DRAIN_TIMEOUT_S = 300
+
+
 class PoolSpec(Spec):
     replicas: int = Field(1, ge=0)
     resources: Resources = Resources()
@@ -127,6 +131,14 @@ class PoolSpec(Spec):
     env: list[EnvVar] = Field(default_factory=list)
     env_from: list[EnvFromSource] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list)
+    drain_timeout_s: int = Field(
+        DRAIN_TIMEOUT_S,
+        ge=0,
+        le=3600,
+        description="Seconds a stopping engine (rollout, scale-down, `ucm down`) keeps working on the requests it "
+        "holds before they are cut (vLLM's --shutdown-timeout; 0 aborts them at once). New requests are refused "
+        "meanwhile and the proxy retries them elsewhere. The pod's grace period follows.",
+    )
 
 
 class HashingSpec(Spec):
