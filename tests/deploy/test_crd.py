@@ -151,6 +151,10 @@ CEL_CASES = [
         with_("decode", {"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}),
         "envFrom: set exactly one of secretRef, configMapRef",
     ),
+    (
+        with_("decode", {"rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
+        "rollout: maxSurge and maxUnavailable cannot both be 0",
+    ),
     *(
         (
             with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", name: {}}),

@@ -145,3 +145,19 @@ def test_engines_drain_for_their_pools_timeout_within_the_pods_grace_period(tmp_
 def test_a_drain_timeout_out_of_bounds_names_the_field(bad):
     with pytest.raises(ValueError, match="drainTimeoutS"):
         UCMDeploymentSpec.model_validate({**BASE, "prefill": {"drainTimeoutS": bad}})
+
+
+def test_engine_pools_roll_without_losing_capacity_unless_told():
+    from ucm.deploy.kubernetes import Owner, render
+
+    overrides = {"decode": {"rollout": {"maxSurge": 2, "maxUnavailable": 1}}}
+    spec = UCMDeploymentSpec.model_validate({**BASE, **overrides})
+    strategies = {
+        obj["metadata"]["name"]: obj["spec"].get("strategy")
+        for obj in render(Owner("demo", "serving", None), spec, plan_for(overrides))
+        if obj["kind"] == "Deployment"
+    }
+    rolling = {name: (s or {}).get("rollingUpdate") for name, s in strategies.items()}
+    assert rolling["demo-prefill"] == {"maxSurge": 1, "maxUnavailable": 0}  # the default keeps capacity
+    assert rolling["demo-decode"] == {"maxSurge": 2, "maxUnavailable": 1}
+    assert strategies["demo-proxy"] is None  # Kubernetes' default

@@ -209,12 +209,23 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         "spec": {
             "replicas": role.replicas,
             "selector": {"matchLabels": selector(owner.name, role.component)},
+            **_strategy(role),
             "template": {
                 "metadata": {"labels": labels(owner.name, role.component), "annotations": {CONFIG_HASH: config_hash}},
                 "spec": pod,
             },
         },
     }
+
+
+def _strategy(role: Role) -> dict[str, Any]:
+    """Engine pools roll as their spec says (default: surge 1, none unavailable: capacity kept);
+    other roles keep Kubernetes' default."""
+    if role.pool is None:
+        return {}
+    rollout = role.pool.rollout
+    rolling = {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}
+    return {"strategy": {"type": "RollingUpdate", "rollingUpdate": rolling}}
 
 
 def _service(owner: Owner, spec: UCMDeploymentSpec, role: Role) -> dict[str, Any]:

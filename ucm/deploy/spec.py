@@ -118,6 +118,23 @@ class Resources(Spec):
     gpus: int = Field(1, ge=0, description="nvidia.com/gpu per pod (requests = limits)")
 
 
+class RolloutSpec(Spec):
+    """How a pool's pods are replaced when its template changes (a new image, model or config): one
+    new pod first, an old one removed only when the new one is ready — capacity never drops."""
+
+    model_config = Spec.model_config | cel(
+        ("self.maxSurge > 0 || self.maxUnavailable > 0", "rollout: maxSurge and maxUnavailable cannot both be 0"),
+    )
+    max_surge: int = Field(1, ge=0, le=1000, description="Pods above the replica count while rolling")
+    max_unavailable: int = Field(0, ge=0, le=1000, description="Pods below the replica count while rolling")
+
+    @model_validator(mode="after")
+    def _progress(self) -> RolloutSpec:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError("rollout: maxSurge and maxUnavailable cannot both be 0 (the rollout could not progress)")
+        return self
+
+
 # Long enough for a long generation (4k tokens at ~15 tokens/s) to finish during a rollout.
 DRAIN_TIMEOUT_S = 300
 
@@ -131,6 +148,7 @@ class PoolSpec(Spec):
     env: list[EnvVar] = Field(default_factory=list)
     env_from: list[EnvFromSource] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list)
+    rollout: RolloutSpec = RolloutSpec()
     drain_timeout_s: int = Field(
         DRAIN_TIMEOUT_S,
         ge=0,
