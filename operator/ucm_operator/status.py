@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ucm.deploy.kubernetes import selector
 from ucm.deploy.roles import STORE_COMPONENTS, Plan
 from ucm.deploy.spec import Condition, ReadyReplicas, UCMDeploymentStatus
 from ucm_operator.api import ApiError
@@ -93,6 +94,7 @@ def invalid_status(old_status: Mapping[str, Any], message: str, generation: int 
             ready_replicas=ReadyReplicas.model_validate(old_status.get("readyReplicas") or {}),
             endpoint=old_status.get("endpoint"),
             observed_generation=generation,
+            decode_selector=old_status.get("decodeSelector", ""),
         )
     )
 
@@ -140,6 +142,7 @@ def computed_status(
             ready_replicas=ReadyReplicas(**ready_replicas),
             endpoint=f"http://{plan.name}-proxy.{namespace}.svc:{proxy_port}/v1",
             observed_generation=generation,
+            decode_selector=",".join(f"{k}={v}" for k, v in selector(plan.name, "decode").items()),
         )
     )
 

@@ -185,3 +185,19 @@ def test_defaults_fill_a_minimal_spec():
     assert spec.prefill.replicas == 1 and spec.decode.replicas == 1
     assert spec.model.block_size == 128 and spec.store.hashing.algorithm == "sha256"
     assert spec.proxy.config == {}  # the proxy applies its own defaults
+
+
+def test_the_scale_subresource_scales_the_decode_pool():
+    version = generate()["spec"]["versions"][0]
+    scale = version["subresources"]["scale"]
+    root = version["schema"]["openAPIV3Schema"]
+
+    def at(path: str) -> dict:
+        node = root
+        for part in path.lstrip(".").split("."):
+            node = node["properties"][part]
+        return node
+
+    assert scale["specReplicasPath"] == ".spec.decode.replicas" and at(scale["specReplicasPath"])["type"] == "integer"
+    assert at(scale["statusReplicasPath"])["type"] == "integer"
+    assert at(scale["labelSelectorPath"])["type"] == "string"

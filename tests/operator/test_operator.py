@@ -132,6 +132,8 @@ async def test_create_gives_owned_children_and_status_follows_readiness(kmock, c
         assert status["readyReplicas"] == {"prefill": 1, "decode": 2, "proxy": 1}
         assert status["endpoint"] == "http://a-proxy.serving.svc:8000/v1"
         assert status["observedGeneration"] == 1
+        # What `kubectl scale` and an HPA read through the scale subresource: the decode pods.
+        assert status["decodeSelector"] == "app.kubernetes.io/instance=a,app.kubernetes.io/component=decode"
         assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] for c in status["conditions"])
 
         async def ready_event() -> None:

@@ -112,7 +112,16 @@ def generate() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `kubectl scale ucmd NAME --replicas N` (and an HPA targeting the resource)
+                    # sets the decode pool's replicas in the spec: the operator never fights it.
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.decode.replicas",
+                            "statusReplicasPath": ".status.readyReplicas.decode",
+                            "labelSelectorPath": ".status.decodeSelector",
+                        },
+                    },
                     "additionalPrinterColumns": [
                         {
                             "name": "Ready",

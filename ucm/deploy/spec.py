@@ -285,3 +285,6 @@ class UCMDeploymentStatus(Spec):
     ready_replicas: ReadyReplicas = ReadyReplicas()
     endpoint: str | None = Field(None, description="The proxy's OpenAI base URL inside the cluster")
     observed_generation: int | None = None
+    decode_selector: str = Field(
+        "", description="The decode pods' label selector: the scale subresource's, for an HorizontalPodAutoscaler"
+    )
