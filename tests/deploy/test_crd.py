@@ -151,6 +151,7 @@ CEL_CASES = [
         with_("decode", {"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}),
         "envFrom: set exactly one of secretRef, configMapRef",
     ),
+    (with_("monitoring", {"scrapers": [{}]}), "scrapers: set namespaceSelector, podSelector or both"),
     (
         with_("decode", {"rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
         "rollout: maxSurge and maxUnavailable cannot both be 0",

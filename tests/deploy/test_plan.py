@@ -161,3 +161,23 @@ def test_engine_pools_roll_without_losing_capacity_unless_told():
     assert rolling["demo-prefill"] == {"maxSurge": 1, "maxUnavailable": 0}  # the default keeps capacity
     assert rolling["demo-decode"] == {"maxSurge": 2, "maxUnavailable": 1}
     assert strategies["demo-proxy"] is None  # Kubernetes' default
+
+
+def test_named_scrapers_reach_the_engines_metrics_and_nobody_else_does():
+    from ucm.deploy.kubernetes import Owner, render
+
+    prometheus = {"namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"}, "podSelector": {"app": "prom"}}
+    overrides = {"monitoring": {"scrapers": [prometheus]}}
+    spec = UCMDeploymentSpec.model_validate({**BASE, **overrides})
+    policy = next(
+        o
+        for o in render(Owner("demo", "serving", None), spec, plan_for(overrides))
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "demo-engines"
+    )
+    api, engines = policy["spec"]["ingress"]
+    assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert api["from"][1] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app": "prom"}},
+    }
+    assert "ports" not in engines and len(api["from"]) == 2  # the proxy and the scraper, nothing else

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
-from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
+from ucm.deploy.spec import GROUP, KIND, VERSION, Scraper, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -96,7 +96,7 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
         if role.component in ENGINES:
             objects.append(_pdb(owner, role))
     objects += _proxy_rbac(owner)
-    objects += _network_policies(owner, plan)
+    objects += _network_policies(owner, spec, plan)
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[DESIRED_HASH] = digest(obj)
     return objects
@@ -276,22 +276,24 @@ def _proxy_rbac(owner: Owner) -> list[dict[str, Any]]:
     ]
 
 
-def _network_policies(owner: Owner, plan: Plan) -> list[dict[str, Any]]:
-    """Engines accept this deployment's proxy (on their API port) and each other (KV transfer);
-    a Mooncake master accepts this deployment's engines. Nothing else in the cluster reaches them
-    (kubelet probes are not subject to NetworkPolicies). The proxy is the entry point: open."""
+def _network_policies(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, Any]]:
+    """Engines accept this deployment's proxy (on their API port) and each other (KV transfer),
+    and the scrapers ``monitoring.scrapers`` names on their API port (vLLM's /metrics); a Mooncake
+    master accepts this deployment's engines. Nothing else in the cluster reaches them (kubelet
+    probes are not subject to NetworkPolicies). The proxy is the entry point: open."""
     engines = {
         "matchLabels": {LABEL_INSTANCE: owner.name},
         "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": list(ENGINES)}],
     }
     proxy = {"podSelector": {"matchLabels": selector(owner.name, "proxy")}}
+    scrapers = [_peer(s) for s in spec.monitoring.scrapers]
     policies = [
         _network_policy(
             owner,
             "engines",
             engines,
             [
-                {"from": [proxy], "ports": [{"port": "http", "protocol": "TCP"}]},
+                {"from": [proxy, *scrapers], "ports": [{"port": "http", "protocol": "TCP"}]},
                 {"from": [{"podSelector": engines}]},
             ],
         )
@@ -309,6 +311,15 @@ def _network_policies(owner: Owner, plan: Plan) -> list[dict[str, Any]]:
                 )
             )
     return policies
+
+
+def _peer(scraper: Scraper) -> dict[str, Any]:
+    peer: dict[str, Any] = {}
+    if scraper.namespace_selector is not None:
+        peer["namespaceSelector"] = {"matchLabels": dict(scraper.namespace_selector)}
+    if scraper.pod_selector is not None:
+        peer["podSelector"] = {"matchLabels": dict(scraper.pod_selector)}
+    return peer
 
 
 def _network_policy(owner: Owner, suffix: str, pods: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:

@@ -77,6 +77,8 @@ def kubernetes_only_fields(spec: UCMDeploymentSpec) -> list[str]:
     for f in ("service", "api_key_secret"):
         if f in spec.proxy.model_fields_set:
             out.append(f"proxy.{to_camel(f)}")
+    if spec.monitoring.scrapers:
+        out.append("monitoring.scrapers (nothing restricts loopback)")
     if spec.proxy.replicas > 1:
         out.append("proxy.replicas (one proxy runs locally)")
     return out

@@ -255,6 +255,34 @@ class SparseSpec(SparseConfig):
     )
 
 
+class Scraper(Spec):
+    """Pods that may scrape the engines' and the proxy's ``/metrics`` (a Prometheus), as a
+    NetworkPolicy peer: pods matching ``podSelector`` in namespaces matching ``namespaceSelector``."""
+
+    model_config = Spec.model_config | cel(
+        (
+            "has(self.namespaceSelector) || has(self.podSelector)",
+            "scrapers: set namespaceSelector, podSelector or both",
+        ),
+    )
+    namespace_selector: dict[str, str] | None = Field(None, description="Namespace labels (matchLabels)")
+    pod_selector: dict[str, str] | None = Field(None, description="Pod labels (matchLabels)")
+
+    @model_validator(mode="after")
+    def _some(self) -> Scraper:
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError("scrapers: set namespaceSelector, podSelector or both (an empty peer would admit anyone)")
+        return self
+
+
+class MonitoringSpec(Spec):
+    scrapers: list[Scraper] = Field(
+        default_factory=list,
+        description="Admitted to the engines' API port, where vLLM serves /metrics (its /v1 routes still need the "
+        "deployment's key); nothing else in the cluster reaches the engines",
+    )
+
+
 class UCMDeploymentSpec(Spec):
     model: ModelSpec
     image: ImageSpec = ImageSpec()
@@ -263,6 +291,7 @@ class UCMDeploymentSpec(Spec):
     store: StoreSpec  # type: ignore[valid-type]
     proxy: ProxySpec = ProxySpec()
     sparse: SparseSpec | None = Field(None, description="Sparse attention for long decodes (decode engines)")
+    monitoring: MonitoringSpec = MonitoringSpec()
 
 
 class Condition(Spec):
