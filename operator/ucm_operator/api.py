@@ -28,6 +28,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
 }
 # Rendered but not watched: the operator creates the credentials Secret once and never reads it
 # back (RBAC: get and create on Secrets, no list or watch of every Secret in the namespace).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ucm.deploy.kubernetes import selector
+from ucm.deploy.kubernetes import autoscaling, selector
 from ucm.deploy.roles import STORE_COMPONENTS, Plan
 from ucm.deploy.spec import Condition, ReadyReplicas, UCMDeploymentStatus
 from ucm_operator.api import ApiError
@@ -117,12 +117,12 @@ def computed_status(
     for role in plan.roles:
         d = by_component.get(role.component)
         ready = d.ready if d else 0
-        ok = d is not None and d.settled and d.want == role.replicas and ready >= role.replicas
+        # An autoscaled pool is ready at the count its autoscaler asks for, not the spec's.
+        want = (d.want if d else 0) if autoscaling(role) else role.replicas
+        ok = d is not None and d.settled and d.want == want and ready >= want
         if role.component in ROLE_CONDITIONS:
             ready_replicas[role.component] = ready
-            conds.add(
-                ROLE_CONDITIONS[role.component], ok, "Ready" if ok else "Waiting", f"{ready}/{role.replicas} ready"
-            )
+            conds.add(ROLE_CONDITIONS[role.component], ok, "Ready" if ok else "Waiting", f"{ready}/{want} ready")
         if not ok:
             not_ready.append(role.component)
     store_ok, store_reason, store_msg = _store(plan, by_component, kids)

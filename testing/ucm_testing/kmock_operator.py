@@ -156,7 +156,7 @@ class Driver:
         """Report every Deployment of ``name`` (un)ready, as the controller would once pods run."""
         for (kind, child), obj in (await self.children(namespace, name)).items():
             if kind == "Deployment":
-                n = obj["spec"]["replicas"] if ready else 0
+                n = obj["spec"].get("replicas", 1) if ready else 0  # the API server's default
                 status = {"replicas": n, "readyReplicas": n, "updatedReplicas": n, "observedGeneration": 1}
                 await self.call("PATCH", child_path(kind, namespace, child) + "/status", {"status": status})
             elif kind == "PersistentVolumeClaim":

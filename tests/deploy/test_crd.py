@@ -151,6 +151,10 @@ CEL_CASES = [
         with_("decode", {"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}),
         "envFrom: set exactly one of secretRef, configMapRef",
     ),
+    (
+        with_("decode", {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+        "autoscaling: minReplicas must not exceed maxReplicas",
+    ),
     (with_("monitoring", {"scrapers": [{}]}), "scrapers: set namespaceSelector, podSelector or both"),
     (
         with_("decode", {"rollout": {"maxSurge": 0, "maxUnavailable": 0}}),

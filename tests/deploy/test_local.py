@@ -28,12 +28,14 @@ def test_kubernetes_only_fields_are_named(tmp_path):
         tmp_path,
         image={"repository": "me/runtime"},
         prefill={"replicas": 1, "resources": {"gpus": 2}, "nodeSelector": {"a": "b"}},
+        decode={"autoscaling": {"maxReplicas": 3}},
         proxy={"replicas": 2, "apiKeySecret": {"name": "k"}},
     )
     assert kubernetes_only_fields(s) == [
         "image.repository",
         "prefill.resources",
         "prefill.nodeSelector",
+        "decode.autoscaling",
         "store.pvc (blocks go to the run directory)",
         "proxy.apiKeySecret",
         "proxy.replicas (one proxy runs locally)",

@@ -417,3 +417,49 @@ async def test_a_name_taken_by_another_object_is_a_conflict_not_an_adoption(kmoc
         got = await cluster.call("GET", child_path("Service", NS, "c-proxy"))
         assert "ownerReferences" not in got["metadata"] and got["spec"]["ports"] == [{"port": 1}]
         assert not [c for c in kmock.calls if c.verb == "patch" and c.path.endswith("/services/c-proxy")]
+
+
+@pytest.mark.asyncio
+async def test_an_autoscaled_pool_is_left_to_its_autoscaler(kmock, cluster):
+    """The HPA owns the decode count: the operator renders the HPA, never writes the Deployment's
+    replicas (on a spec change either), and calls the pool ready at the HPA's count."""
+    spec = copy.deepcopy(SPEC)
+    spec["decode"]["autoscaling"] = {"maxReplicas": 4, "signal": "kv_cache_usage"}
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "a", spec, uid="uid-a")
+
+        async def created() -> dict[tuple[str, str], dict[str, Any]]:
+            kids = await cluster.children(NS, "a")
+            assert set(kids) == CHILDREN | {("HorizontalPodAutoscaler", "a-decode")}
+            return kids
+
+        kids = await eventually(created)
+        assert "replicas" not in kids[("Deployment", "a-decode")]["spec"]
+        hpa = kids[("HorizontalPodAutoscaler", "a-decode")]["spec"]
+        assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "a-decode"}
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
+        assert hpa["metrics"][0]["pods"]["target"] == {"type": "AverageValue", "averageValue": "800m"}
+
+        # The HPA scales decode to 3; the pods come up.
+        await cluster.call("PATCH", child_path("Deployment", NS, "a-decode"), {"spec": {"replicas": 3}})
+        await cluster.play_deployment_controller(NS, "a")
+
+        async def ready_at_three() -> None:
+            cond = conditions(await cluster.ucmd(NS, "a"))
+            assert cond["DecodeReady"]["status"] == "True" and cond["DecodeReady"]["message"] == "3/3 ready"
+
+        await eventually(ready_at_three)
+        since = len(kmock.calls)
+        spec["decode"]["env"] = [{"name": "NCCL_DEBUG", "value": "WARN"}]
+        await cluster.update_ucmd(NS, "a", spec, generation=2)
+
+        async def rolled() -> dict[str, Any]:
+            deployment = (await cluster.children(NS, "a"))[("Deployment", "a-decode")]
+            env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+            assert {"name": "NCCL_DEBUG", "value": "WARN"} in env
+            return deployment
+
+        deployment = await eventually(rolled)
+        assert deployment["spec"]["replicas"] == 3
+        patches = [c for c in kmock.calls[since:] if c.verb == "patch" and c.path.endswith("/deployments/a-decode")]
+        assert patches and not [c for c in patches if "replicas" in (c.data or {}).get("spec", {})]

@@ -36,6 +36,19 @@ VARIANTS = {
         "store": {"type": "nfs", "nfs": {"server": "10.0.0.2", "path": "/kv"}, "cacheSize": "16Gi"},
         "image": {"pullSecrets": ["regcred"]},
     },
+    "autoscaled-rolling-monitored": {
+        "model": {"source": {"hf": "Qwen/Qwen3-0.6B"}},
+        "prefill": {
+            "autoscaling": {"maxReplicas": 4, "signal": "proxy_in_flight"},
+            "rollout": {"maxSurge": 2, "maxUnavailable": 1},
+        },
+        "decode": {
+            "autoscaling": {"minReplicas": 2, "maxReplicas": 8, "signal": "kv_cache_usage", "target": 0.75},
+            "drainTimeoutS": 900,
+        },
+        "store": {"type": "nfs", "nfs": {"server": "10.0.0.2", "path": "/kv"}},
+        "monitoring": {"scrapers": [{"namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"}}]},
+    },
 }
 
 

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
-from ucm.deploy.spec import GROUP, KIND, VERSION, Scraper, UCMDeploymentSpec
+from ucm.deploy.spec import GROUP, KIND, VERSION, AutoscalingSpec, Scraper, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -95,6 +95,8 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
         objects.append(_service(owner, spec, role))
         if role.component in ENGINES:
             objects.append(_pdb(owner, role))
+        if (scaling := autoscaling(role)) is not None:
+            objects.append(_hpa(owner, role, scaling))
     objects += _proxy_rbac(owner)
     objects += _network_policies(owner, spec, plan)
     for obj in objects:
@@ -207,7 +209,8 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         "kind": "Deployment",
         "metadata": owner.meta(role.name, role.component),
         "spec": {
-            "replicas": role.replicas,
+            # An autoscaled pool's count is the autoscaler's: absent here, a merge patch leaves it be.
+            **({} if autoscaling(role) else {"replicas": role.replicas}),
             "selector": {"matchLabels": selector(owner.name, role.component)},
             **_strategy(role),
             "template": {
@@ -216,6 +219,39 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
             },
         },
     }
+
+
+def autoscaling(role: Role) -> AutoscalingSpec | None:
+    return role.pool.autoscaling if role.pool is not None else None
+
+
+def _hpa(owner: Owner, role: Role, scaling: AutoscalingSpec) -> dict[str, Any]:
+    """An autoscaling/v2 HPA on the pool's Deployment. Engine signals are per-pod metrics; the
+    proxy's in-flight count is an object metric of the proxy Service, averaged over the pool."""
+    target = {"type": "AverageValue", "averageValue": _quantity(scaling.target_value)}
+    metric: dict[str, Any]
+    if scaling.signal == "proxy_in_flight":
+        described = {"apiVersion": "v1", "kind": "Service", "name": f"{owner.name}-proxy"}
+        selected = {"name": scaling.metric, "selector": {"matchLabels": {"role": role.component}}}
+        metric = {"type": "Object", "object": {"describedObject": described, "metric": selected, "target": target}}
+    else:
+        metric = {"type": "Pods", "pods": {"metric": {"name": scaling.metric}, "target": target}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": owner.meta(role.name, role.component),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{owner.name}-{role.name}"},
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [metric],
+        },
+    }
+
+
+def _quantity(value: float) -> str:
+    """A Kubernetes quantity: whole numbers as they are, fractions in milli-units (0.8 -> 800m)."""
+    return str(int(value)) if float(value).is_integer() else f"{round(value * 1000)}m"
 
 
 def _strategy(role: Role) -> dict[str, Any]:

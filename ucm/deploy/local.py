@@ -67,7 +67,7 @@ def kubernetes_only_fields(spec: UCMDeploymentSpec) -> list[str]:
     out = [f"image.{to_camel(f)}" for f in sorted(spec.image.model_fields_set)]
     for pool_name in ENGINES:
         pool = getattr(spec, pool_name)
-        for f in ("resources", "node_selector", "tolerations", "affinity"):
+        for f in ("resources", "node_selector", "tolerations", "affinity", "autoscaling", "rollout"):
             if f in pool.model_fields_set:
                 out.append(f"{pool_name}.{to_camel(f)}")
         out += [

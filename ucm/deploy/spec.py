@@ -135,6 +135,46 @@ class RolloutSpec(Spec):
         return self
 
 
+# What an autoscaled pool follows: (the engines' or the proxy's Prometheus series, default target).
+SIGNALS: dict[str, tuple[str, float]] = {
+    "waiting_requests": ("vllm:num_requests_waiting", 4.0),  # requests queued per engine
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", 0.8),  # fraction of the KV cache in use per engine
+    "proxy_in_flight": ("ucm_proxy_backend_in_flight", 8.0),  # the proxy's requests per engine of the pool
+}
+
+
+class AutoscalingSpec(Spec):
+    """A HorizontalPodAutoscaler owns the pool's replica count (``replicas`` is then only the count
+    it starts from); the operator never writes it back. The metrics reach the HPA through a custom
+    metrics adapter (README)."""
+
+    model_config = Spec.model_config | cel(
+        ("self.minReplicas <= self.maxReplicas", "autoscaling: minReplicas must not exceed maxReplicas"),
+    )
+    min_replicas: int = Field(1, ge=1, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+    signal: Literal["waiting_requests", "kv_cache_usage", "proxy_in_flight"] = "waiting_requests"
+    target: float | None = Field(
+        None, gt=0, description="Per engine; default 4 waiting requests, 0.8 KV cache usage, 8 proxy requests"
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling: minReplicas must not exceed maxReplicas ({self.min_replicas} > {self.max_replicas})"
+            )
+        return self
+
+    @property
+    def metric(self) -> str:
+        return SIGNALS[self.signal][0]
+
+    @property
+    def target_value(self) -> float:
+        return self.target if self.target is not None else SIGNALS[self.signal][1]
+
+
 # Long enough for a long generation (4k tokens at ~15 tokens/s) to finish during a rollout.
 DRAIN_TIMEOUT_S = 300
 
@@ -149,6 +189,7 @@ class PoolSpec(Spec):
     env_from: list[EnvFromSource] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list)
     rollout: RolloutSpec = RolloutSpec()
+    autoscaling: AutoscalingSpec | None = None
     drain_timeout_s: int = Field(
         DRAIN_TIMEOUT_S,
         ge=0,
