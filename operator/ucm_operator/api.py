@@ -29,6 +29,8 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    # Watched whether or not KEDA is installed: Kopf serves it once its CRD exists.
+    "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
 }
 # Rendered but not watched: the operator creates the credentials Secret once and never reads it
 # back (RBAC: get and create on Secrets, no list or watch of every Secret in the namespace).

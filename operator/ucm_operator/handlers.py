@@ -210,7 +210,7 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
         await refresh(state, namespace, name, kwargs)
         return
     spec, plan = planned
-    desired = render(Owner(name, namespace, uid), spec, plan)
+    desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler)
     failure: ApiError | None = None
     with RECONCILE_SECONDS.time():
         try:

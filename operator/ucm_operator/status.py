@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ucm.deploy.kubernetes import autoscaling, selector
+from ucm.deploy.autoscaling import autoscaling
+from ucm.deploy.kubernetes import selector
 from ucm.deploy.roles import STORE_COMPONENTS, Plan
 from ucm.deploy.spec import Condition, ReadyReplicas, UCMDeploymentStatus
 from ucm_operator.api import ApiError

@@ -19,6 +19,7 @@ import attrs
 import kmock
 import kopf
 
+from ucm.deploy.policy import Policy
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION
 from ucm_operator.api import KINDS, UNWATCHED
 from ucm_operator.api import path as child_path
@@ -177,13 +178,13 @@ def allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -
 
 
 @asynccontextmanager
-async def operator_running(url: str) -> AsyncIterator[None]:
+async def operator_running(url: str, policy: Policy | None = None) -> AsyncIterator[None]:
     """The real operator (Kopf, this package's handlers) until the block exits."""
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
         kopf.operator(
             registry=registry,
-            memo=new_memo(server=url),
+            memo=new_memo(server=url, policy=policy),
             standalone=True,
             clusterwide=True,
             stop_flag=stop,

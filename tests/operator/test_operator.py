@@ -16,6 +16,8 @@ import aiohttp
 import pytest
 import yaml
 
+from ucm.deploy.autoscaling import Autoscaler
+from ucm.deploy.policy import Policy
 from ucm.deploy.ports import free_port
 from ucm_operator.api import path as child_path
 from ucm_testing.kmock_operator import WRITE_VERBS, Driver, Emulator, operator_running, posted_events
@@ -419,28 +421,37 @@ async def test_a_name_taken_by_another_object_is_a_conflict_not_an_adoption(kmoc
         assert not [c for c in kmock.calls if c.verb == "patch" and c.path.endswith("/services/c-proxy")]
 
 
+@pytest.mark.parametrize("provider", ["keda", "hpa"])
 @pytest.mark.asyncio
-async def test_an_autoscaled_pool_is_left_to_its_autoscaler(kmock, cluster):
-    """The HPA owns the decode count: the operator renders the HPA, never writes the Deployment's
-    replicas (on a spec change either), and calls the pool ready at the HPA's count."""
+async def test_an_autoscaled_pool_is_left_to_its_autoscaler(kmock, cluster, provider):
+    """The autoscaler owns the decode count: the operator renders it (a KEDA ScaledObject or an HPA,
+    as configured), never writes the Deployment's replicas (on a spec change either), and calls the
+    pool ready at the autoscaler's count."""
     spec = copy.deepcopy(SPEC)
     spec["decode"]["autoscaling"] = {"maxReplicas": 4, "signal": "kv_cache_usage"}
-    async with operator_running(cluster.url):
+    kind = {"keda": "ScaledObject", "hpa": "HorizontalPodAutoscaler"}[provider]
+    async with operator_running(cluster.url, Policy(autoscaler=Autoscaler(provider=provider))):
         await cluster.apply_ucmd(NS, "a", spec, uid="uid-a")
 
         async def created() -> dict[tuple[str, str], dict[str, Any]]:
             kids = await cluster.children(NS, "a")
-            assert set(kids) == CHILDREN | {("HorizontalPodAutoscaler", "a-decode")}
+            assert set(kids) == CHILDREN | {(kind, "a-decode")}
             return kids
 
         kids = await eventually(created)
         assert "replicas" not in kids[("Deployment", "a-decode")]["spec"]
-        hpa = kids[("HorizontalPodAutoscaler", "a-decode")]["spec"]
-        assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "a-decode"}
-        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
-        assert hpa["metrics"][0]["pods"]["target"] == {"type": "AverageValue", "averageValue": "800m"}
+        scaler = kids[(kind, "a-decode")]["spec"]
+        assert scaler["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "a-decode"}
+        if provider == "keda":
+            assert (scaler["minReplicaCount"], scaler["maxReplicaCount"]) == (1, 4)
+            trigger = scaler["triggers"][0]["metadata"]
+            assert trigger["query"] == 'sum(vllm:kv_cache_usage_perc{namespace="serving",pod=~"a-decode-.*"})'
+            assert trigger["threshold"] == "0.8"
+        else:
+            assert (scaler["minReplicas"], scaler["maxReplicas"]) == (1, 4)
+            assert scaler["metrics"][0]["pods"]["target"] == {"type": "AverageValue", "averageValue": "800m"}
 
-        # The HPA scales decode to 3; the pods come up.
+        # The autoscaler scales decode to 3; the pods come up.
         await cluster.call("PATCH", child_path("Deployment", NS, "a-decode"), {"spec": {"replicas": 3}})
         await cluster.play_deployment_controller(NS, "a")
 
@@ -463,3 +474,19 @@ async def test_an_autoscaled_pool_is_left_to_its_autoscaler(kmock, cluster):
         assert deployment["spec"]["replicas"] == 3
         patches = [c for c in kmock.calls[since:] if c.verb == "patch" and c.path.endswith("/deployments/a-decode")]
         assert patches and not [c for c in patches if "replicas" in (c.data or {}).get("spec", {})]
+
+
+@pytest.mark.asyncio
+async def test_scale_to_zero_with_hpas_is_refused_naming_the_field(kmock, cluster):
+    spec = copy.deepcopy(SPEC)
+    spec["decode"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 4}
+    async with operator_running(cluster.url, Policy(autoscaler=Autoscaler(provider="hpa"))):
+        await cluster.apply_ucmd(NS, "a", spec, uid="uid-a")
+
+        async def refused() -> None:
+            degraded = conditions(await cluster.ucmd(NS, "a"))["Degraded"]
+            assert degraded["reason"] == "InvalidSpec"
+            assert degraded["message"].startswith("spec.decode.autoscaling.minReplicas: 0 (scale to zero) needs")
+
+        await eventually(refused)
+        assert not await cluster.children(NS, "a")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from tests.operator.conftest import CHART, ROOT, helm
+from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.plan import build_plan
 from ucm.deploy.roles import Site
@@ -60,17 +62,48 @@ def validate_strict(docs: list[dict], tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
+NODE_MODELS = Path(sys.executable).parent.parent / "node"  # scripts/install-node-models.sh
+VALIDATE_KEDA = """
+import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
+import { readFileSync } from "node:fs";
+const errors = [];
+for (const obj of JSON.parse(readFileSync(0, "utf8"))) {
+  try { new ScaledObject(obj).validate(); } catch (e) { errors.push(`${obj.metadata.name}: ${e}`); }
+}
+if (errors.length) { console.error(errors.join("\\n")); process.exit(1); }
+"""
+
+
+def validate_keda(docs: list[dict]) -> None:
+    """ScaledObjects against KEDA's own CRD schema (kubernetes-validate knows core kinds only)."""
+    scaled = [d for d in docs if d["kind"] == "ScaledObject"]
+    r = subprocess.run(
+        ["node", "--input-type=module", "-e", VALIDATE_KEDA],
+        input=json.dumps(scaled),
+        capture_output=True,
+        text=True,
+        cwd=NODE_MODELS,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 def specs() -> list[tuple[str, dict]]:
     out = [(p.stem, yaml.safe_load(p.read_text())["spec"]) for p in EXAMPLES]
     return out + list(VARIANTS.items())
 
 
+@pytest.mark.parametrize("provider", ["keda", "hpa"])
 @pytest.mark.parametrize(("name", "spec"), specs(), ids=[n for n, _ in specs()])
-def test_rendered_objects_are_valid_kubernetes(name, spec, tmp_path):
+def test_rendered_objects_are_valid_kubernetes(name, spec, provider, tmp_path):
     model = UCMDeploymentSpec.model_validate(spec)
     plan = build_plan("demo", model, Site("kubernetes", namespace="serving"))
-    objects = render(Owner("demo", "serving", "0000-uid"), model, plan)
+    objects = render(Owner("demo", "serving", "0000-uid"), model, plan, Autoscaler(provider=provider))
     validate_strict(objects, tmp_path)
+    validate_keda(objects)
+    scalers = {"keda": "ScaledObject", "hpa": "HorizontalPodAutoscaler"}
+    scaled = [o["metadata"]["name"] for o in objects if o["kind"] == scalers[provider]]
+    assert scaled == [f"demo-{p}" for p in ("prefill", "decode") if spec.get(p, {}).get("autoscaling")]
     names = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert len(names) == len(set(names))
     assert all(o["metadata"]["annotations"][DESIRED_HASH] for o in objects)

@@ -13,8 +13,9 @@ import hashlib
 import json
 from typing import Any
 
+from ucm.deploy.autoscaling import Autoscaler, autoscaling
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
-from ucm.deploy.spec import GROUP, KIND, VERSION, AutoscalingSpec, Scraper, UCMDeploymentSpec
+from ucm.deploy.spec import GROUP, KIND, VERSION, Scraper, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -72,8 +73,11 @@ class Owner:
         return meta
 
 
-def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, Any]]:
-    """Every child object, each stamped with its desired hash."""
+def render(
+    owner: Owner, spec: UCMDeploymentSpec, plan: Plan, autoscaler: Autoscaler | None = None
+) -> list[dict[str, Any]]:
+    """Every child object, each stamped with its desired hash. ``autoscaler``: what scales an
+    autoscaled pool (default: KEDA, as the operator's default)."""
     objects: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": owner.meta("config", None), "data": dict(plan.files)}
     ]
@@ -96,7 +100,9 @@ def render(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, 
         if role.component in ENGINES:
             objects.append(_pdb(owner, role))
         if (scaling := autoscaling(role)) is not None:
-            objects.append(_hpa(owner, role, scaling))
+            meta = owner.meta(role.name, role.component)
+            deployment, proxy = f"{owner.name}-{role.name}", f"{owner.name}-proxy"
+            objects.append((autoscaler or Autoscaler()).render(meta, deployment, proxy, role, scaling))
     objects += _proxy_rbac(owner)
     objects += _network_policies(owner, spec, plan)
     for obj in objects:
@@ -219,39 +225,6 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
             },
         },
     }
-
-
-def autoscaling(role: Role) -> AutoscalingSpec | None:
-    return role.pool.autoscaling if role.pool is not None else None
-
-
-def _hpa(owner: Owner, role: Role, scaling: AutoscalingSpec) -> dict[str, Any]:
-    """An autoscaling/v2 HPA on the pool's Deployment. Engine signals are per-pod metrics; the
-    proxy's in-flight count is an object metric of the proxy Service, averaged over the pool."""
-    target = {"type": "AverageValue", "averageValue": _quantity(scaling.target_value)}
-    metric: dict[str, Any]
-    if scaling.signal == "proxy_in_flight":
-        described = {"apiVersion": "v1", "kind": "Service", "name": f"{owner.name}-proxy"}
-        selected = {"name": scaling.metric, "selector": {"matchLabels": {"role": role.component}}}
-        metric = {"type": "Object", "object": {"describedObject": described, "metric": selected, "target": target}}
-    else:
-        metric = {"type": "Pods", "pods": {"metric": {"name": scaling.metric}, "target": target}}
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": owner.meta(role.name, role.component),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{owner.name}-{role.name}"},
-            "minReplicas": scaling.min_replicas,
-            "maxReplicas": scaling.max_replicas,
-            "metrics": [metric],
-        },
-    }
-
-
-def _quantity(value: float) -> str:
-    """A Kubernetes quantity: whole numbers as they are, fractions in milli-units (0.8 -> 800m)."""
-    return str(int(value)) if float(value).is_integer() else f"{round(value * 1000)}m"
 
 
 def _strategy(role: Role) -> dict[str, Any]:

@@ -10,10 +10,13 @@ field, and nothing is touched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from ucm.deploy import autoscaling
+from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.roles import fail
 from ucm.deploy.spec import PoolSpec, UCMDeploymentSpec
 
@@ -41,6 +44,8 @@ class Policy:
     host_path_prefixes: tuple[str, ...] = ()
     # Tolerations and node selection toward control-plane nodes, and match-everything tolerations.
     any_scheduling: bool = False
+    # Not a bound but the cluster's fact the spec is checked against too: what scales a pool.
+    autoscaler: Autoscaler = dataclasses.field(default_factory=Autoscaler)
 
     def check(self, spec: UCMDeploymentSpec) -> None:
         """Raises :class:`PlanError` naming the first field outside the bounds."""
@@ -61,6 +66,7 @@ class Policy:
             _refused_flags(f"{name}.extraArgs", pool.extra_args)
             if not self.any_scheduling:
                 _scheduling(name, pool)
+        self.autoscaler.check(spec)
 
     def _host_path(self, field: str, path: str) -> None:
         normal = posixpath.normpath(path)
@@ -117,6 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bounds.add_argument(
         "--allow-any-scheduling", action="store_true", help="pass control-plane placement and keyless tolerations"
     )
+    autoscaling.add_arguments(p)
 
 
 def from_args(args: argparse.Namespace) -> Policy:
@@ -124,4 +131,5 @@ def from_args(args: argparse.Namespace) -> Policy:
         image_prefixes=tuple(args.allow_image_prefix or Policy.image_prefixes),
         host_path_prefixes=tuple(args.allow_host_path),
         any_scheduling=args.allow_any_scheduling,
+        autoscaler=autoscaling.from_args(args),
     )

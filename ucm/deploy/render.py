@@ -46,8 +46,9 @@ def objects(
     if not name:
         raise ConfigError("--name: required when the file holds no metadata.name")
     namespace = namespace or resource.namespace or "default"
+    bounds = bounds or policy.Policy()
     try:
-        (bounds or policy.Policy()).check(resource.spec)
+        bounds.check(resource.spec)
         plan = build_plan(name, resource.spec, Site("kubernetes", namespace=namespace))
     except PlanError as exc:
         raise ConfigError(f"spec.{exc}") from None
@@ -58,7 +59,7 @@ def objects(
             check_proxy_config(proxy_config)
         except StackError as exc:
             raise ConfigError(f"spec.{exc}") from None
-    return render(Owner(name, namespace, uid or resource.uid), resource.spec, plan)
+    return render(Owner(name, namespace, uid or resource.uid), resource.spec, plan, bounds.autoscaler)
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -144,14 +144,13 @@ SIGNALS: dict[str, tuple[str, float]] = {
 
 
 class AutoscalingSpec(Spec):
-    """A HorizontalPodAutoscaler owns the pool's replica count (``replicas`` is then only the count
-    it starts from); the operator never writes it back. The metrics reach the HPA through a custom
-    metrics adapter (README)."""
+    """An autoscaler (a KEDA ScaledObject or an HPA, as the operator is configured) owns the pool's
+    replica count (``replicas`` is then ignored); the operator never writes it back."""
 
     model_config = Spec.model_config | cel(
         ("self.minReplicas <= self.maxReplicas", "autoscaling: minReplicas must not exceed maxReplicas"),
     )
-    min_replicas: int = Field(1, ge=1, le=1000)
+    min_replicas: int = Field(1, ge=0, le=1000, description="0: scale to zero when idle (KEDA only)")
     max_replicas: int = Field(ge=1, le=1000)
     signal: Literal["waiting_requests", "kv_cache_usage", "proxy_in_flight"] = "waiting_requests"
     target: float | None = Field(

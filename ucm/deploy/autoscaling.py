@@ -1,0 +1,124 @@
+"""What scales an autoscaled pool (``spec.<pool>.autoscaling``): a KEDA ``ScaledObject`` with a
+Prometheus trigger, or an ``autoscaling/v2`` HorizontalPodAutoscaler reading a custom metrics
+adapter. The operator's flags choose (``--autoscaler``, ``--prometheus-url``; chart values
+``autoscaling.*``), and ``ucm render`` takes the same flags.
+
+Either way the autoscaler owns the Deployment's replica count: the Deployment is rendered without
+one, so no spec change patches it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ucm.deploy.roles import ENGINES, Role, fail
+from ucm.deploy.spec import AutoscalingSpec, UCMDeploymentSpec
+
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+
+@dataclass(frozen=True)
+class Autoscaler:
+    provider: Literal["keda", "hpa"] = "keda"
+    prometheus_url: str = DEFAULT_PROMETHEUS  # KEDA's triggers query it
+
+    def check(self, spec: UCMDeploymentSpec) -> None:
+        """Raises PlanError naming a field this autoscaler cannot honour."""
+        for name in ENGINES:
+            scaling = getattr(spec, name).autoscaling
+            if scaling is not None and scaling.min_replicas == 0 and self.provider == "hpa":
+                raise fail(
+                    f"{name}.autoscaling.minReplicas",
+                    "0 (scale to zero) needs the KEDA autoscaler; this operator renders HPAs (--autoscaler hpa)",
+                )
+
+    def render(self, meta: dict[str, Any], deployment: str, proxy: str, role: Role, scaling: AutoscalingSpec) -> dict:
+        """The autoscaler object for ``role``'s Deployment (named ``deployment``; the proxy's
+        Deployment and Service are named ``proxy``)."""
+        if self.provider == "keda":
+            return _scaled_object(meta, deployment, proxy, role, scaling, self.prometheus_url)
+        return _hpa(meta, deployment, proxy, role, scaling)
+
+
+def autoscaling(role: Role) -> AutoscalingSpec | None:
+    return role.pool.autoscaling if role.pool is not None else None
+
+
+def _scaled_object(
+    meta: dict[str, Any], deployment: str, proxy: str, role: Role, scaling: AutoscalingSpec, prometheus: str
+) -> dict[str, Any]:
+    # KEDA divides the query's value by the target per replica: a sum over the pool's pods asks
+    # for sum/target replicas, i.e. the target is per engine, as with the HPA.
+    namespace = meta["namespace"]
+    if scaling.signal == "proxy_in_flight":
+        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{proxy}-.*",role="{role.component}"}}'
+    else:
+        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{deployment}-.*"}}'
+    query = {"serverAddress": prometheus, "query": f"sum({series})", "threshold": _number(scaling.target_value)}
+    trigger = {"type": "prometheus", "metadata": query}
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "minReplicaCount": scaling.min_replicas,
+            "maxReplicaCount": scaling.max_replicas,
+            "triggers": [trigger],
+        },
+    }
+
+
+def _hpa(meta: dict[str, Any], deployment: str, proxy: str, role: Role, scaling: AutoscalingSpec) -> dict[str, Any]:
+    """Engine signals are per-pod metrics; the proxy's in-flight count is an object metric of the
+    proxy Service, averaged over the pool."""
+    target = {"type": "AverageValue", "averageValue": _quantity(scaling.target_value)}
+    metric: dict[str, Any]
+    if scaling.signal == "proxy_in_flight":
+        described = {"apiVersion": "v1", "kind": "Service", "name": proxy}
+        selected = {"name": scaling.metric, "selector": {"matchLabels": {"role": role.component}}}
+        metric = {"type": "Object", "object": {"describedObject": described, "metric": selected, "target": target}}
+    else:
+        metric = {"type": "Pods", "pods": {"metric": {"name": scaling.metric}, "target": target}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [metric],
+        },
+    }
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _quantity(value: float) -> str:
+    """A Kubernetes quantity: whole numbers as they are, fractions in milli-units (0.8 -> 800m)."""
+    return str(int(value)) if float(value).is_integer() else f"{round(value * 1000)}m"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("what scales an autoscaled pool (ucm.deploy.autoscaling)")
+    group.add_argument(
+        "--autoscaler",
+        choices=["keda", "hpa"],
+        default="keda",
+        help="KEDA ScaledObjects (default; scale to zero possible) or HorizontalPodAutoscalers (a custom "
+        "metrics adapter must serve the engines' series)",
+    )
+    group.add_argument(
+        "--prometheus-url",
+        default=DEFAULT_PROMETHEUS,
+        help="the Prometheus that KEDA's triggers query (default: %(default)s)",
+    )
+
+
+def from_args(args: argparse.Namespace) -> Autoscaler:
+    return Autoscaler(provider=args.autoscaler, prometheus_url=args.prometheus_url)
