@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields
-from ucm.deploy.roles import Role
+from ucm.deploy.ports import free_port
+from ucm.deploy.roles import STOP_SLACK_S, Port, Probe, Role
 from ucm.deploy.spec import UCMDeploymentSpec
 
 
@@ -103,6 +104,25 @@ def test_stop_signals_the_main_process_and_leaves_no_child(tmp_path):
     while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "the child outlived its role"
         time.sleep(0.02)
+
+
+def test_a_role_that_is_not_serving_yet_gets_no_drain_time(tmp_path):
+    """Nothing to drain while it starts (and vLLM may not act on SIGTERM before it serves): the
+    slack alone, not the pool's drain timeout, before SIGKILL; a stack stops its groups in turn."""
+    role = Role(
+        "engine", "decode", [sys.executable, "-c", "import time; time.sleep(60)"], [Port("http", free_port())],
+        readiness=Probe("http", "/health"), drain_timeout_s=300,
+    )  # fmt: skip
+    p = Process(role, tmp_path / "log", {})
+    p.start()
+    started = time.monotonic()
+    deadline = p.begin_stop()
+    assert deadline - started <= STOP_SLACK_S + 1
+    p.finish_stop(deadline)
+    assert time.monotonic() - started < 5  # python exits on SIGTERM at once
+    stack = LocalStack(spec(tmp_path, decode={"drainTimeoutS": 120}), tmp_path / "run")
+    # The proxy, then the engines together (prefill's default 300 s is the longest), one after the other.
+    assert stack.stop_timeout_s() == STOP_SLACK_S + (300 + STOP_SLACK_S)
 
 
 def test_engines_get_their_own_cores_when_there_are_enough(tmp_path, monkeypatch):

@@ -150,20 +150,36 @@ class Process:
             return ""
 
     def stop(self) -> None:
+        self.finish_stop(self.begin_stop())
+
+    def begin_stop(self) -> float:
         """As a kubelet stops a container: SIGTERM to the main process only, which drains and then
         stops its own children (a SIGTERM to the whole group killed vLLM's workers under the drain
-        and failed the requests in flight with 500s); then SIGKILL to what is left of the group,
-        after the role's drain timeout (and a little slack) at most, so that no child outlives it."""
+        and failed the requests in flight with 500s). Returns the deadline for :meth:`finish_stop`:
+        the role's drain timeout (and some slack) when it is serving, the slack alone when it is
+        not (still starting: nothing to drain, and vLLM may not act on SIGTERM before it serves)."""
         if self.popen is None or self.popen.poll() is not None:
-            return
+            return time.monotonic()
+        grace = self.stop_grace_s if self.probe() else STOP_SLACK_S
         self.popen.send_signal(signal.SIGTERM)
+        return time.monotonic() + grace
+
+    def finish_stop(self, deadline: float) -> None:
+        """Waits for the main process until ``deadline``, then SIGKILLs what is left of the group:
+        no child outlives the role."""
+        if self.popen is None:
+            return
         try:
-            self.popen.wait(self.role.drain_timeout_s + STOP_SLACK_S)
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):  # the group may have emptied with its leader
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
+
+    @property
+    def stop_grace_s(self) -> float:
+        return self.role.drain_timeout_s + STOP_SLACK_S
 
 
 class LocalStack:
@@ -261,6 +277,7 @@ class LocalStack:
             "pid": os.getpid(),
             "start": start_time(os.getpid()),
             "base_url": self.base_url,
+            "stop_timeout_s": self.stop_timeout_s(),  # how long `ucm down` lets it drain
             "roles": {
                 p.role.name: {
                     "pid": p.popen.pid,
@@ -334,11 +351,19 @@ class LocalStack:
 
     def stop(self) -> None:
         """In the reverse of the start order: proxy first (no new requests), then engines, then the
-        store's own servers."""
+        store's own servers; the roles of a group drain together."""
         for roles in reversed(self.plan.start_groups()):
-            for p in self.processes:
-                if p.role in roles:
-                    p.stop()
+            group = [p for p in self.processes if p.role in roles]
+            deadlines = [p.begin_stop() for p in group]
+            for p, deadline in zip(group, deadlines, strict=True):
+                p.finish_stop(deadline)
+
+    def stop_timeout_s(self) -> float:
+        """The longest :meth:`stop` can take: each group's longest grace, one group after another."""
+        return sum(
+            max((p.stop_grace_s for p in self.processes if p.role in roles), default=0.0)
+            for roles in self.plan.start_groups()
+        )
 
 
 def check_proxy_config(path: Path) -> None:

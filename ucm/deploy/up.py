@@ -128,7 +128,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     launcher = (state["pid"], state.get("start"))
     if same_process(*launcher):
         _signal(state["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + 90
+        # `ucm up` lets its engines drain; a few seconds more for its own exit.
+        deadline = time.monotonic() + float(state.get("stop_timeout_s", 90)) + 10
         while same_process(*launcher) and time.monotonic() < deadline:
             time.sleep(0.2)
     # What outlived a stuck `ucm up`, and only if it is still the process that was started (a PID
