@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields
+from ucm.deploy.local import (
+    LocalStack,
+    Process,
+    StackError,
+    default_spec,
+    kubernetes_only_fields,
+    same_process,
+    start_time,
+)
 from ucm.deploy.ports import free_port
 from ucm.deploy.roles import STOP_SLACK_S, Port, Probe, Role
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -123,6 +131,18 @@ def test_a_role_that_is_not_serving_yet_gets_no_drain_time(tmp_path):
     stack = LocalStack(spec(tmp_path, decode={"drainTimeoutS": 120}), tmp_path / "run")
     # The proxy, then the engines together (prefill's default 300 s is the longest), one after the other.
     assert stack.stop_timeout_s() == STOP_SLACK_S + (300 + STOP_SLACK_S)
+
+
+def test_a_process_that_ended_is_not_the_same_process_even_unreaped():
+    """`ucm down` waits for `ucm up` while it is the same process; an exited `ucm up` whose parent
+    (a test, a shell script) has not collected it yet must not count (it made `ucm down` wait out
+    its whole deadline)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = start_time(child.pid)
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    assert not same_process(child.pid, start)
+    child.wait()
 
 
 def test_engines_get_their_own_cores_when_there_are_enough(tmp_path, monkeypatch):

@@ -389,7 +389,10 @@ def start_time(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # it ended; only its parent has not collected it yet
+        return None
+    return int(fields[19])
 
 
 def same_process(pid: int, start: int | None) -> bool:
