@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from ucm.deploy.demo_model import TINY, ensure_model
-from ucm.deploy.local import default_spec
+from ucm.deploy.local import default_spec, start_time
 from ucm_testing.vllm_server import VLLMServer
 
 UCM = str(Path(sys.executable).parent / "ucm")
@@ -72,12 +72,7 @@ class Stack:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return start_time(pid) is not None  # a zombie has ended: dead for our purposes
 
 
 @pytest.fixture(scope="session")
