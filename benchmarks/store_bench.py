@@ -5,7 +5,7 @@ For each block size, trials interleave every case so machine noise hits them ali
   way, on the same filesystem, with the same threads and the same chunking as the store;
 - posix / nfs: the store's dump (checksum, temp file, rename) and load (read, verify);
   posix-noverify: the same with verify_checksum=false (the xxh3 pass is most of the load overhead);
-  posix-mac: the same with mac_key_file (a keyed BLAKE2b MAC instead of xxh3, always verified);
+  posix-mac: the same with mac_key_file (a keyed BLAKE3 MAC instead of xxh3, always verified);
 - cache (DRAM tier) and mooncake: against a memcpy of the same bytes (their limit).
 Loads read what the trial just wrote (page cache for files). Medians over trials; a first,
 uncounted trial warms thread pools and memory, and the case order rotates between trials.

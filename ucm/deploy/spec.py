@@ -223,7 +223,7 @@ class _StoreSpec(Spec):
 
     mac: bool = Field(
         False,
-        description="Sign every block with a key the deployment generates (a keyed BLAKE2b in the block's "
+        description="Sign every block with a key the deployment generates (a keyed BLAKE3 in the block's "
         "trailer, kept in the <name>-credentials Secret): whoever can write the shared volume but lacks the key "
         "cannot plant KV that engines load. File stores (posix, nfs, ds3fs); loads cost more (README).",
     )

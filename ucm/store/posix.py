@@ -9,7 +9,7 @@ payload lets a buffered load be a single ``preadv`` straight into the caller's b
 and keeps the payload at offset 0, aligned for O_DIRECT. The trailer holds a magic, a format
 version, the payload length, an xxh3-64 checksum of the payload and the first 8 bytes of the
 block id, so a torn, truncated, corrupted or misplaced file is detected and treated as a miss.
-With ``mac_key_file`` the checksum field holds a keyed BLAKE2b-64 of the block id and payload
+With ``mac_key_file`` the checksum field holds a keyed BLAKE3-64 of the block id and payload
 instead (flag bit 0): on a shared store, whoever can write files but lacks the key cannot plant a
 block a reader accepts — the checksum alone detects corruption, not forgery.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import blake3
 import xxhash
 from pydantic import ByteSize, Field
 
@@ -59,6 +59,7 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 3600.0
 _ALIGN = 4096
 _GC_LOCK = ".ucm-gc.lock"
+_MAC_CONTEXT = "UCM posix store 2026-11 block MAC"
 T = TypeVar("T")
 
 
@@ -92,7 +93,8 @@ class PosixConfig(StrictModel):
             raise ConfigError(f"mac_key_file: cannot read {self.mac_key_file}: {exc.strerror}") from None
         if len(key) < 16:
             raise ConfigError(f"mac_key_file: {self.mac_key_file} holds {len(key)} bytes; at least 16 are needed")
-        return key[:64]  # BLAKE2b's key size
+        # BLAKE3 keys are 32 bytes: derive one from any length of secret, bound to this use.
+        return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
 
 
 class NfsConfig(PosixConfig):
@@ -470,12 +472,12 @@ def _trailer_matches(
 
 
 def _checksum(payload: Blob, block_id: bytes, key: bytes | None) -> int:
-    """xxh3-64 of the payload, or with a key a BLAKE2b-64 MAC of the block id and payload;
+    """xxh3-64 of the payload, or with a key a BLAKE3-64 MAC of the block id and payload;
     streaming over segments gives the same digest as one buffer."""
-    h = xxhash.xxh3_64() if key is None else hashlib.blake2b(block_id, key=key, digest_size=8, person=b"ucm-block-mac")
+    h = xxhash.xxh3_64() if key is None else blake3.blake3(block_id, key=key)
     for seg in payload if isinstance(payload, list) else [payload]:
         h.update(seg)
-    return int.from_bytes(h.digest(), "little") if key is not None else h.intdigest()
+    return int.from_bytes(h.digest(8), "little") if key is not None else h.intdigest()
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
