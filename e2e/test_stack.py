@@ -103,6 +103,25 @@ def test_multi_turn_chat_reuses_earlier_turns(stack: Stack):
     assert all(n > 0 for n in loaded), loaded
 
 
+def test_the_pd_path_check_sees_decode_load_what_prefill_saved(stack: Stack):
+    """The proxy's own check through real engines and the store: a prompt no one sent before,
+    prefilled, then decoded with what decode loaded from the store."""
+    proxy = stack.base_url.removesuffix("/v1")
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(proxy + "/pd-path", timeout=10) as r:
+            report = json.loads(r.read())
+        check = report["check"]
+        if (check and check["healthy"]) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert check is not None and check["reason"] == "Healthy", report
+    assert " tokens loaded" in check["message"]
+    # The earlier tests' requests went through prefill, and decode loaded their KV.
+    assert report["effective"]["value"] is True, report
+    assert metric(proxy, "ucm_proxy_pd_path_healthy") == 1.0
+
+
 def test_the_openai_client_works_unchanged(stack: Stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]

@@ -65,9 +65,10 @@ class State:
     locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     failures: dict[tuple[str, str], ApiError] = field(default_factory=dict)
+    pd_paths: dict[tuple[str, str], Any] = field(default_factory=dict)  # the proxy's status.pdPath, as reflected
 
     def forget(self, key: tuple[str, str]) -> None:
-        for memo in (self.written, self.failures, self.locks):
+        for memo in (self.written, self.failures, self.locks, self.pd_paths):
             memo.pop(key, None)
 
 
@@ -153,7 +154,13 @@ def owners(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[s
     return {(namespace, name): _owner(body)}
 
 
-def status_for(owner: Mapping[str, Any], kids: list[Child], failure: ApiError | None, policy: Policy) -> dict[str, Any]:
+def status_for(
+    owner: Mapping[str, Any],
+    kids: list[Child],
+    failure: ApiError | None,
+    policy: Policy,
+    pd_path: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     meta = owner["metadata"]
     generation = meta.get("generation")
     old = owner.get("status") or {}
@@ -161,7 +168,8 @@ def status_for(owner: Mapping[str, Any], kids: list[Child], failure: ApiError | 
     if isinstance(planned, str):
         return invalid_status(old, planned, generation)
     spec, plan = planned
-    return computed_status(plan, meta["namespace"], spec.proxy.service.port, kids, old, generation, failure)
+    port = spec.proxy.service.port
+    return computed_status(plan, meta["namespace"], port, kids, old, generation, failure, pd_path)
 
 
 async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str, Any]) -> None:
@@ -175,7 +183,8 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
         owner = found[0]
         old = state.written.get(key) or owner.get("status") or {}
         kids = children(indexes, namespace, name)
-        new = status_for({**owner, "status": old}, kids, state.failures.get(key), state.policy)
+        pd_path = (owner.get("status") or {}).get("pdPath")  # the proxy's, from the watch
+        new = status_for({**owner, "status": old}, kids, state.failures.get(key), state.policy, pd_path)
         if {k: v for k, v in old.items() if k in new} == new:
             return
         try:
@@ -232,6 +241,22 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
 
 async def child_changed(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **kwargs: Any) -> None:
     await refresh(memo.ucm, namespace, labels[LABEL_INSTANCE], kwargs)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, id="status_from_proxy", registry=registry)
+async def pd_path_changed(
+    type: str, name: str, namespace: str, status: kopf.Status, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """The proxy wrote status.pdPath: its conditions follow (other events recompute nothing new)."""
+    state: State = memo.ucm
+    key = (namespace, name)
+    if type == "DELETED":
+        state.pd_paths.pop(key, None)
+        return
+    if key in state.pd_paths and status.get("pdPath") == state.pd_paths[key]:
+        return
+    state.pd_paths[key] = status.get("pdPath")
+    await refresh(state, namespace, name, kwargs)
 
 
 for _kind in ("Deployment", "PersistentVolumeClaim"):  # the children whose status ours depends on

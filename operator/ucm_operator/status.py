@@ -2,8 +2,12 @@
 ``UCMDeploymentStatus`` model (``ucm.deploy.spec``) and written as its camelCase dump.
 
 ``Ready`` means every role has its ready replicas (the Deployment controller's count), never merely
-that the objects were created. A condition keeps its ``lastTransitionTime`` until its value changes,
-so recomputing an unchanged world yields an identical status and no write.
+that the objects were created. ``PDPathHealthy`` and ``DisaggregationEffective`` come from what the
+proxy last wrote into ``status.pdPath`` (its check through prefill, store and decode; see
+``ucm_proxy.pdpath``): whether requests *can* and *do* use the store between the pools.
+
+A condition keeps its ``lastTransitionTime`` until its value changes, so recomputing an unchanged
+world yields an identical status and no write.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 from ucm.deploy.autoscaling import autoscaling
 from ucm.deploy.kubernetes import selector
 from ucm.deploy.roles import STORE_COMPONENTS, Plan
-from ucm.deploy.spec import Condition, ReadyReplicas, UCMDeploymentStatus
+from ucm.deploy.spec import Condition, PDPathStatus, ReadyReplicas, UCMDeploymentStatus
 from ucm_operator.api import ApiError
 
 ROLE_CONDITIONS = {"prefill": "PrefillReady", "decode": "DecodeReady", "proxy": "ProxyReady"}
@@ -80,7 +84,8 @@ class Conditions:
 
 
 def _dump(status: UCMDeploymentStatus) -> dict[str, Any]:
-    return status.model_dump(by_alias=True, mode="json")
+    # pdPath is the proxy's to write: a merge patch without it leaves it as the proxy wrote it.
+    return status.model_dump(by_alias=True, mode="json", exclude={"pd_path"})
 
 
 def invalid_status(old_status: Mapping[str, Any], message: str, generation: int | None) -> dict[str, Any]:
@@ -108,8 +113,10 @@ def computed_status(
     old_status: Mapping[str, Any],
     generation: int | None,
     failure: ApiError | None = None,
+    pd_path: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The status for a valid spec; ``failure`` is the last apply error, if any."""
+    """The status for a valid spec; ``failure`` is the last apply error, if any; ``pd_path`` what
+    the proxy last wrote."""
     kids = list(children)
     by_component = {c.component: c for c in kids if c.kind == "Deployment"}
     conds = Conditions(old_status, generation)
@@ -137,6 +144,7 @@ def computed_status(
     conds.add(
         "Degraded", failure is not None, failure.reason if failure else "AsExpected", str(failure) if failure else ""
     )
+    _pd_path(conds, pd_path)
     return _dump(
         UCMDeploymentStatus(
             conditions=conds.items,
@@ -146,6 +154,20 @@ def computed_status(
             decode_selector=",".join(f"{k}={v}" for k, v in selector(plan.name, "decode").items()),
         )
     )
+
+
+def _pd_path(conds: Conditions, written: Mapping[str, Any] | None) -> None:
+    try:
+        path = PDPathStatus.model_validate(written) if written else None
+    except ValueError:
+        path = None  # not what a proxy of ours writes: as good as nothing
+    if path is None:
+        conds.add("PDPathHealthy", None, "NotChecked", "the proxy has not reported a PD path check yet")
+        conds.add("DisaggregationEffective", None, "NotChecked", "the proxy has not reported yet")
+        return
+    by = f" (checked {path.checked_at or '?'}" + (f" by {path.reporter})" if path.reporter else ")")
+    conds.add("PDPathHealthy", path.healthy, path.reason, path.message + by)
+    conds.add("DisaggregationEffective", path.effective, path.effective_reason or "NotChecked", path.effective_message)
 
 
 def _store(plan: Plan, deployments: Mapping[str | None, Child], kids: list[Child]) -> tuple[bool, str, str]:

@@ -37,6 +37,7 @@ from ucm_proxy.backends import Backend, Pool
 from ucm_proxy.config import ProxyConfig
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.keys import ApiKeys
+from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
 from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
 from ucm_proxy.requests import (
     affinity_key,
@@ -63,6 +64,10 @@ class Proxy:
             self.decode = Pool("decode", config.decode, routing.decode, routing, health)
         self.keys = ApiKeys(config.api_keys, config.api_keys_file)
         self.models: set[str] = set()
+        self.recent = RecentPaths()
+        self.first_health_round = asyncio.Event()
+        checks = config.mode == "pd" and config.pd_check.interval_s > 0
+        self.path_checker = PathChecker(self) if checks else None
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         t = config.timeouts
@@ -80,9 +85,13 @@ class Proxy:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.config.discovery is not None:
-            from ucm_proxy.discovery import watch_endpoints
+            from ucm_proxy.discovery import watch_endpoints, write_pd_path
 
             self._tasks.append(asyncio.create_task(watch_endpoints(self, self.config.discovery)))
+            if self.path_checker is not None and self.config.discovery.resource:
+                self.path_checker.listeners.append(write_pd_path(self, self.config.discovery))
+        if self.path_checker is not None:
+            self._tasks.append(asyncio.create_task(self.path_checker.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -126,6 +135,7 @@ class Proxy:
                 await self.check_health()
             except Exception:
                 logger.exception("health check round failed")
+            self.first_health_round.set()
             # While a backend is down, look more often: a restarted engine serves as soon as it is up.
             down = any(not b.healthy for p in self.pools for b in p.backends)
             health = self.config.health
@@ -140,9 +150,9 @@ class Proxy:
     async def handle(self, request: Request, route: str) -> Response:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        status = 500
+        status, trace = 500, Trace()
         try:
-            response = await self._handle(request, route, request_id, started)
+            response = await self._handle(request, route, request_id, started, trace)
             status = response.status_code
             return response
         except ProxyError as exc:
@@ -152,10 +162,12 @@ class Proxy:
             status = p.status
             return Response(p.body, p.status, media_type="application/json", headers={"X-Request-Id": request_id})
         finally:
-            metrics.REQUESTS.labels(route, str(status)).inc()
+            metrics.REQUESTS.labels(route, str(status), trace.path).inc()
             metrics.LATENCY.labels(route).observe(time.perf_counter() - started)
+            if trace.path != "none":
+                self.recent.record(trace.path)
 
-    async def _handle(self, request: Request, route: str, request_id: str, started: float) -> Response:
+    async def _handle(self, request: Request, route: str, request_id: str, started: float, trace: Trace) -> Response:
         client_key = self.authorize(request)
         raw = await self._read_body(request)
         body = parse_body(raw, route)
@@ -166,19 +178,31 @@ class Proxy:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         key = affinity_key(body, route, self.config.routing.prefix_chars)
         # One watcher for everything before the response starts (prefill, decode's first chunk).
-        return await unless_disconnected(request, self._serve(route, raw, body, headers, key, started))
+        serving = self._serve(route, raw, body, headers, key, started, trace)
+        return await unless_disconnected(request, serving)
 
     async def _serve(
-        self, route: str, raw: bytes, body: dict[str, Any], headers: dict[str, str], key: bytes, started: float
+        self,
+        route: str,
+        raw: bytes,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        key: bytes,
+        started: float,
+        trace: Trace,
     ) -> Response:
-        decode_body = without_params(raw, body)
+        decode_body, promised = without_params(raw, body), 0
+        trace.path = "decode_only"
         if self.config.mode == "pd":
             params = await self._prefill(route, body, headers, key)
+            trace.path = "fallback" if params is None else "pd"
             if params is not None:
                 decode_body = with_params(raw, body, params)
+                blocks = params.get(PARAM_BLOCKS) if isinstance(params, dict) else None
+                promised = blocks if isinstance(blocks, int) else 0
         if body.get("stream"):
             return await self._decode_stream(route, decode_body, headers, key, started)
-        return await self._decode(route, decode_body, headers, key, started)
+        return await self._decode(route, decode_body, headers, key, started, promised)
 
     def authorize(self, request: Request) -> str | None:
         """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""
@@ -232,12 +256,11 @@ class Proxy:
             return await self._with_retries(self.prefill, key, attempt, queue_s)
         except NoBackend:
             if self.config.fallback_to_decode:
-                metrics.PD_FALLBACKS.inc()
                 return None
             raise no_backend("prefill") from None
 
     async def _decode(
-        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
+        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, promised: int
     ) -> Response:
         async def attempt(backend: Backend) -> Response:
             upstream = self._post(backend, route, payload, headers, self._whole_timeout)
@@ -252,6 +275,8 @@ class Proxy:
             finally:
                 await upstream.__aexit__(None, None, None)
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
+            if resp.status == 200:
+                self.recent.record_decode(promised, data)
             media_type = resp.headers.get("Content-Type", "application/json")
             return Response(data, resp.status, headers=_response_headers(resp, headers), media_type=media_type)
 
@@ -333,6 +358,15 @@ class Proxy:
         return Upstream(self.session, backend, route, payload, headers, timeout)
 
 
+class Trace:
+    """What a request's handling learned along the way, for its metrics."""
+
+    __slots__ = ("path",)
+
+    def __init__(self) -> None:
+        self.path = "none"  # refused before routing; else pd, fallback or decode_only
+
+
 # vLLM answers a request it aborted before any token (one that arrived while it shut down, say) with
 # a 200 and no text; nothing was generated, so another backend may serve it. In JSON a quote inside
 # a string is escaped, so this matches a real field only. A chat stream's first chunk is the role
@@ -375,7 +409,7 @@ class ProxyApp:
         if scope["type"] == "http" and scope["path"] in self.HOT_ROUTES and scope["method"] == "POST":
             config, size = self.proxy.config, self._body_size(scope)
             if self.in_flight >= config.max_in_flight or self.in_flight_bytes + size > config.max_in_flight_bytes:
-                metrics.REQUESTS.labels(scope["path"], "429").inc()
+                metrics.REQUESTS.labels(scope["path"], "429", "none").inc()
                 busy = ProxyError(
                     429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"}
                 )
@@ -432,6 +466,12 @@ def create_app(config: ProxyConfig) -> ProxyApp:
         if proxy.ready():
             return JSONResponse({"status": "ready"})
         return ProxyError(503, "Not ready: no healthy backend for a needed role.").response()
+
+    @api.get("/pd-path")
+    async def pd_path() -> dict[str, Any]:
+        # Like /metrics, open to probes: backend addresses and counts, no request content.
+        checker = proxy.path_checker
+        return proxy.recent.report(checker.last if checker is not None else None)
 
     @api.get("/metrics")
     async def prometheus() -> Response:

@@ -47,6 +47,18 @@ class HealthConfig(StrictModel):
     backoff_max_s: float = Field(60.0, gt=0)
 
 
+class PDCheckConfig(StrictModel):
+    """The check through prefill → store → decode (``ucm_proxy.pdpath``)."""
+
+    interval_s: float = Field(
+        30.0, ge=0, description="How often a small request checks the PD path (every 5 s while it fails); 0: never"
+    )
+    prompt_words: int = Field(
+        200, ge=16, le=4096, description="The check's prompt length in words: it must fill at least one KV block"
+    )
+    timeout_s: float = Field(30.0, gt=0, description="Each of the check's two requests")
+
+
 class DiscoveryConfig(StrictModel):
     """Backends from Kubernetes EndpointSlices (the proxy's ServiceAccount may list/watch them)."""
 
@@ -57,6 +69,9 @@ class DiscoveryConfig(StrictModel):
     api_server: str | None = Field(None, description="Default: the in-cluster API server")
     token_path: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
     ca_path: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    resource: str | None = Field(
+        None, description="The UCMDeployment whose status.pdPath this proxy writes (the PD path check's result)"
+    )
 
 
 class ProxyConfig(StrictModel):
@@ -69,6 +84,7 @@ class ProxyConfig(StrictModel):
     routing: RoutingConfig = RoutingConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
+    pd_check: PDCheckConfig = PDCheckConfig()
     retries: int = Field(1, ge=0, le=10, description="Extra attempts on another backend per request phase")
     fallback_to_decode: bool = Field(False, description="pd: with no prefill backend, let decode do it all")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth")

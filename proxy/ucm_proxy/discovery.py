@@ -1,8 +1,10 @@
-"""Backends from Kubernetes EndpointSlices: list, then watch, per role's Service.
+"""The proxy and the Kubernetes API: backends from EndpointSlices (list, then watch, per role's
+Service), and the PD path check's result written into the resource's status.
 
 Only ready endpoints are backends: a pod going away (readiness false, terminating) leaves the
 pool before it stops serving. Needs list/watch on discovery.k8s.io endpointslices in the
-namespace (the Role the operator gives the proxy's ServiceAccount).
+namespace, and patch on its own UCMDeployment's status (the Role the operator gives the proxy's
+ServiceAccount). The ServiceAccount token is read for every request: the kubelet rotates it.
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ import json
 import logging
 import os
 import ssl
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 
 from ucm_proxy.backends import Pool
 from ucm_proxy.config import DiscoveryConfig
+from ucm_proxy.pdpath import PathCheck
 
 logger = logging.getLogger("ucm_proxy.discovery")
 SERVICE_LABEL = "kubernetes.io/service-name"
+RESOURCE_API = "apis/ucm.io/v1alpha1"  # the UCMDeployment CRD's group and version (ucm.deploy.spec)
+STATUS_HEARTBEAT_S = 300.0  # an unchanged check result is written again this often: readers see it is current
 
 
 def slice_urls(slices: dict[str, dict[str, Any]], service: str, port_name: str) -> list[str]:
@@ -43,38 +51,47 @@ def slice_urls(slices: dict[str, dict[str, Any]], service: str, port_name: str) 
     return urls
 
 
+class ApiServer:
+    """Where the API server is and how to authenticate to it."""
+
+    def __init__(self, config: DiscoveryConfig) -> None:
+        self.config = config
+        self.url = (
+            config.api_server
+            or "https://{}:{}".format(
+                os.environ.get("KUBERNETES_SERVICE_HOST", "kubernetes.default.svc"),
+                os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
+            )
+        ).rstrip("/")
+        self.ssl: ssl.SSLContext | bool = True
+        if config.ca_path is not None and config.ca_path.exists():
+            self.ssl = ssl.create_default_context(cafile=str(config.ca_path))
+
+    def headers(self) -> dict[str, str]:
+        path = self.config.token_path
+        return {"Authorization": f"Bearer {path.read_text().strip()}"} if path.exists() else {}
+
+
 async def watch_endpoints(proxy: Any, config: DiscoveryConfig) -> None:
-    api = config.api_server or "https://{}:{}".format(
-        os.environ.get("KUBERNETES_SERVICE_HOST", "kubernetes.default.svc"),
-        os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
-    )
-    headers = {}
-    if config.token_path.exists():
-        headers["Authorization"] = f"Bearer {config.token_path.read_text().strip()}"
-    ssl_ctx: ssl.SSLContext | bool = True
-    if config.ca_path is not None and config.ca_path.exists():
-        ssl_ctx = ssl.create_default_context(cafile=str(config.ca_path))
+    api = ApiServer(config)
     roles = [(proxy.decode, config.decode_service)]
     if config.prefill_service:
         roles.append((proxy.prefill, config.prefill_service))
-    async with aiohttp.ClientSession(headers=headers) as session:
+    async with aiohttp.ClientSession() as session:
         await asyncio.gather(
-            *(
-                _watch(session, api, ssl_ctx, config.namespace, service, config.port_name, pool)
-                for pool, service in roles
-            )
+            *(_watch(session, api, config.namespace, service, config.port_name, pool) for pool, service in roles)
         )
 
 
 async def _watch(
-    session: aiohttp.ClientSession, api: str, ssl_ctx: Any, namespace: str, service: str, port_name: str, pool: Pool
+    session: aiohttp.ClientSession, api: ApiServer, namespace: str, service: str, port_name: str, pool: Pool
 ) -> None:
-    url = f"{api.rstrip('/')}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+    url = f"{api.url}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
     selector = {"labelSelector": f"{SERVICE_LABEL}={service}"}
     backoff = 1.0
     while True:
         try:
-            async with session.get(url, params=selector, ssl=ssl_ctx) as r:
+            async with session.get(url, params=selector, ssl=api.ssl, headers=api.headers()) as r:
                 r.raise_for_status()
                 listing = await r.json()
             slices = {s["metadata"]["name"]: s for s in listing.get("items", [])}
@@ -83,7 +100,8 @@ async def _watch(
             params = {**selector, "watch": "true", "allowWatchBookmarks": "true"}
             if version:
                 params["resourceVersion"] = version
-            async with session.get(url, params=params, ssl=ssl_ctx, timeout=aiohttp.ClientTimeout(sock_read=300)) as w:
+            timeout = aiohttp.ClientTimeout(sock_read=300)
+            async with session.get(url, params=params, ssl=api.ssl, headers=api.headers(), timeout=timeout) as w:
                 w.raise_for_status()
                 backoff = 1.0
                 async for line in w.content:
@@ -107,3 +125,46 @@ async def _watch(
             logger.warning("endpointslices of %s/%s: %s; retrying in %.0f s", namespace, service, exc, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
+
+
+def write_pd_path(proxy: Any, config: DiscoveryConfig) -> Callable[[PathCheck], Awaitable[None]]:
+    """A PathChecker listener: merge-patches ``status.pdPath`` of the proxy's UCMDeployment when
+    the result changes (and every ``STATUS_HEARTBEAT_S``); the operator turns it into the
+    ``PDPathHealthy`` and ``DisaggregationEffective`` conditions. A failed write is logged and
+    tried again at the next check."""
+    api = ApiServer(config)
+    url = f"{api.url}/{RESOURCE_API}/namespaces/{config.namespace}/ucmdeployments/{config.resource}/status"
+    written: dict[str, Any] = {"key": None, "at": 0.0}
+
+    async def write(check: PathCheck) -> None:
+        effective = proxy.recent.report(check)["effective"]
+        key = (check.healthy, check.reason, effective["value"], effective["reason"])
+        if key == written["key"] and time.monotonic() - written["at"] < STATUS_HEARTBEAT_S:
+            return
+        pd_path = {
+            "healthy": check.healthy,
+            "reason": check.reason,
+            "message": check.message,
+            "checkedAt": datetime.fromtimestamp(check.at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "effective": effective["value"],
+            "effectiveReason": effective["reason"],
+            "effectiveMessage": effective["message"],
+            "reporter": os.environ.get("POD_NAME", ""),
+        }
+        headers = {**api.headers(), "Content-Type": "application/merge-patch+json"}
+        body = json.dumps({"status": {"pdPath": pd_path}})
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.patch(url, data=body, headers=headers, ssl=api.ssl) as r,
+            ):
+                if r.status >= 300:
+                    text = (await r.text())[:200]
+                    logger.warning("writing status.pdPath of %s: %s %s", config.resource, r.status, text)
+                    return
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            logger.warning("writing status.pdPath of %s: %s", config.resource, exc or type(exc).__name__)
+            return
+        written.update(key=key, at=time.monotonic())
+
+    return write

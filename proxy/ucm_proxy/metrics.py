@@ -6,7 +6,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-REQUESTS = Counter("ucm_proxy_requests_total", "Client requests by route and status", ["route", "status"])
+REQUESTS = Counter(
+    "ucm_proxy_requests_total",
+    "Client requests by route, status and path (pd: prefill then decode; fallback: decode alone, no prefill "
+    "available; decode_only: a mixed pool; none: refused before routing)",
+    ["route", "status", "path"],
+)
 LATENCY = Histogram("ucm_proxy_request_seconds", "Client request duration", ["route"], buckets=_BUCKETS)
 TTFB = Histogram(
     "ucm_proxy_time_to_first_byte_seconds", "From request to the first response byte", ["route"], buckets=_BUCKETS
@@ -18,7 +23,17 @@ EJECTIONS = Counter(
 )
 WAITING = Gauge("ucm_proxy_waiting_requests", "Requests waiting for a backend of a pool with none available", ["role"])
 RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])
-PD_FALLBACKS = Counter("ucm_proxy_pd_fallbacks_total", "PD requests served by decode alone (no prefill backend)")
+PD_PATH_HEALTHY = Gauge(
+    "ucm_proxy_pd_path_healthy", "1 when the last check through prefill, store and decode passed (decode loaded KV)"
+)
+PD_PATH_CHECKS = Counter(
+    "ucm_proxy_pd_path_checks_total", "PD path checks by result (a reason naming the hop)", ["result"]
+)
+PD_DECODE_KV = Counter(
+    "ucm_proxy_pd_decode_kv_total",
+    "PD answers (not streamed) where decode loaded the prompt's KV from the store, or computed it all",
+    ["outcome"],
+)
 
 
 def forget_backend(url: str, role: str) -> None:

@@ -3,7 +3,9 @@
 It speaks the parts of vLLM's API the proxy uses: ``/v1/completions`` and
 ``/v1/chat/completions`` (JSON or SSE), ``/v1/models``, ``/health``; a prefill request
 (``kv_transfer_params.do_remote_decode``) is answered with ``kv_transfer_params`` naming this
-backend, and a decode request's ``kv_transfer_params`` are echoed back, so tests can follow them.
+backend and promising ``ucm_blocks``, and a decode request's ``kv_transfer_params`` are echoed
+back, so tests can follow them; a decode given promised blocks reports them in
+``kv_transfer_params.ucm_loaded_tokens`` (16 tokens a block), as UCM's connector does.
 
 Run standalone (benchmarks): ``python -m ucm_testing.fake_vllm --port P --name decode``.
 """
@@ -33,6 +35,8 @@ class Behaviour:
     # "500", "close", "mid_stream", "hang", "400", "abort" (vLLM's answer to a request it refused)
     fail_next: list[str] = field(default_factory=list)
     healthy: bool = True
+    saves: bool = True  # as prefill: promises blocks (false: its saves are failing)
+    loads: bool = True  # as decode: reuses promised blocks (false: computes the whole prompt)
 
 
 class FakeVLLM:
@@ -111,7 +115,11 @@ class FakeVLLM:
         params_in = body.get("kv_transfer_params") or {}
         params_out: Any = params_in
         if params_in.get("do_remote_decode"):
-            params_out = {"do_remote_prefill": True, "ucm_blocks": 3, "prefilled_by": self.name}
+            params_out = {"do_remote_prefill": True, "ucm_blocks": 3 if b.saves else 0, "prefilled_by": self.name}
+        if params_in.get("do_remote_prefill"):
+            promised = params_in.get("ucm_blocks")
+            loaded = 16 * promised if b.loads and isinstance(promised, int) else 0
+            params_out = {**params_in, "ucm_loaded_tokens": loaded}
         if body.get("stream"):
             return await self._stream(request, chat, n, params_out, failure == "mid_stream")
         text = "".join(f" t{i}" for i in range(n))

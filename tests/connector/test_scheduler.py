@@ -7,7 +7,7 @@ import pytest
 
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.metadata import rank_keys, store_keys
-from ucm.integration.vllm.scheduler import HASHERS_KEPT, PARAM_BLOCKS, SchedulerSide
+from ucm.integration.vllm.scheduler import HASHERS_KEPT, PARAM_BLOCKS, PARAM_LOADED, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import create_store
 
@@ -173,6 +173,20 @@ def test_pd_consumer_asks_again_until_promised_blocks_are_visible(store):
     data = s._stats.take().data
     assert data["pd_wait_seconds"] == [1.0]
     assert "pd_wait_timeouts" not in data
+
+
+def test_pd_consumer_says_what_the_store_gave_it(store):
+    put(store, TOKENS, 4)
+    s = side(store)
+    loads = Req("r", TOKENS, kv_transfer_params={"do_remote_prefill": True, PARAM_BLOCKS: 4})
+    computes = Req("c", [t + 1 for t in TOKENS], kv_transfer_params={"do_remote_prefill": True, PARAM_BLOCKS: 0})
+    for r in (loads, computes):
+        external = s.num_new_matched_tokens(r, 0)[0]
+        s.after_alloc(r, [1, 2, 3, 4, 5], external)
+    s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 16), ("c", [1, 2, 3, 4, 5], 0)], scheduled={"r": 2, "c": 18}))
+    # The proxy's PD path check reads this (vLLM's usage shows the prefill's cached tokens on a decode).
+    assert s.finished(loads) == {PARAM_LOADED: 16}
+    assert s.finished(computes) == {PARAM_LOADED: 0}
 
 
 def test_pd_consumer_gives_up_after_the_timeout(store):

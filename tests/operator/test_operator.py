@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -20,7 +21,10 @@ from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.policy import Policy
 from ucm.deploy.ports import free_port
 from ucm_operator.api import path as child_path
-from ucm_testing.kmock_operator import WRITE_VERBS, Driver, Emulator, operator_running, posted_events
+from ucm_proxy.config import DiscoveryConfig
+from ucm_proxy.discovery import write_pd_path
+from ucm_proxy.pdpath import PathCheck, RecentPaths
+from ucm_testing.kmock_operator import WRITE_VERBS, Driver, Emulator, allowed, operator_running, posted_events
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 NS = "serving"
@@ -490,3 +494,56 @@ async def test_scale_to_zero_with_hpas_is_refused_naming_the_field(kmock, cluste
 
         await eventually(refused)
         assert not await cluster.children(NS, "a")
+
+
+@pytest.mark.asyncio
+async def test_the_proxys_pd_path_check_becomes_conditions(kmock, cluster, tmp_path):
+    """The proxy writes status.pdPath with its Role's one status right; the operator turns it into
+    PDPathHealthy and DisaggregationEffective and keeps it through its own status writes."""
+    async with operator_running(cluster.url):
+        await created_and_ready(cluster)
+        cond = conditions(await cluster.ucmd(NS, "a"))
+        assert (cond["PDPathHealthy"]["status"], cond["PDPathHealthy"]["reason"]) == ("Unknown", "NotChecked")
+
+        role = (await cluster.children(NS, "a"))[("Role", "a-proxy")]
+        assert allowed(role["rules"], "ucm.io", "ucmdeployments/status", "patch")
+        (status_rule,) = [r for r in role["rules"] if "ucmdeployments/status" in r["resources"]]
+        assert status_rule["resourceNames"] == ["a"]  # its own resource only
+
+        config = DiscoveryConfig(
+            namespace=NS, decode_service="a-decode", api_server=cluster.url, token_path=tmp_path / "t", ca_path=None
+        )
+        recent = RecentPaths()
+        write = write_pd_path(SimpleNamespace(recent=recent), config.model_copy(update={"resource": "a"}))
+        await write(PathCheck(False, "DecodeNotLoading", "decode d computed the whole prompt", 1.8e9, "p", "d"))
+
+        async def broken() -> None:
+            cond = conditions(await cluster.ucmd(NS, "a"))
+            assert cond["PDPathHealthy"]["status"] == "False"
+            assert cond["PDPathHealthy"]["reason"] == "DecodeNotLoading"
+            assert cond["PDPathHealthy"]["message"].startswith("decode d computed the whole prompt (checked 2027-")
+            assert cond["DisaggregationEffective"]["status"] == "Unknown"
+
+        await eventually(broken)
+        for _ in range(3):
+            recent.record("pd")
+        await write(PathCheck(True, "Healthy", "p → store → d: 3 blocks", 1.8e9 + 30, "p", "d"))
+
+        async def healthy() -> None:
+            obj = await cluster.ucmd(NS, "a")
+            cond = conditions(obj)
+            assert (cond["PDPathHealthy"]["status"], cond["DisaggregationEffective"]["status"]) == ("True", "True")
+            assert cond["DisaggregationEffective"]["reason"] == "Disaggregated"
+            assert cond["Ready"]["status"] == "True"
+            assert obj["status"]["pdPath"]["reason"] == "Healthy"
+
+        await eventually(healthy)
+        # The operator's own status writes leave the proxy's field as it is.
+        await cluster.play_deployment_controller(NS, "a", ready=False)
+
+        async def kept() -> None:
+            obj = await cluster.ucmd(NS, "a")
+            assert conditions(obj)["Ready"]["status"] == "False"
+            assert obj["status"]["pdPath"]["healthy"] is True
+
+        await eventually(kept)

@@ -54,6 +54,8 @@ def make_proxy():
         def make(**options) -> RunningProxy:
             options.setdefault("port", free_port())
             options.setdefault("health", {"interval_s": 0.2, "backoff_s": 0.2})
+            # Tests count the requests fake engines get: the PD path check only where a test asks.
+            options.setdefault("pd_check", {"interval_s": 0})
             config = parse_config(ProxyConfig, options, "proxy")
             return stack.enter_context(RunningProxy(config))
 

@@ -216,9 +216,8 @@ def test_no_prefill_gives_503_or_decode_only_with_fallback(fakes, make_proxy):
 
 
 def fallbacks(metrics: str) -> float:
-    return next(
-        float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ucm_proxy_pd_fallbacks_total")
-    )
+    series = 'ucm_proxy_requests_total{path="fallback",route="/v1/completions",status="200"}'
+    return next((float(line.split()[1]) for line in metrics.splitlines() if line.startswith(series)), 0.0)
 
 
 @pytest.mark.parametrize("failure", ["500", "close", "abort"])
@@ -438,8 +437,8 @@ def test_models_health_and_metrics(pd):
         c.post("/v1/completions", json=COMPLETION)
         c.post("/v1/completions", content=b"{nope")
         text = c.get("/metrics").text
-    assert 'ucm_proxy_requests_total{route="/v1/completions",status="200"}' in text
-    assert 'ucm_proxy_requests_total{route="/v1/completions",status="400"}' in text
+    assert 'ucm_proxy_requests_total{path="pd",route="/v1/completions",status="200"}' in text
+    assert 'ucm_proxy_requests_total{path="none",route="/v1/completions",status="400"}' in text
     assert "ucm_proxy_time_to_first_byte_seconds_bucket" in text
     assert "ucm_proxy_backend_healthy" in text
     assert c.__class__ is httpx.Client

@@ -15,7 +15,7 @@ from typing import Any
 
 from ucm.deploy.autoscaling import Autoscaler, autoscaling
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
-from ucm.deploy.spec import GROUP, KIND, VERSION, Scraper, UCMDeploymentSpec
+from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION, Scraper, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -152,7 +152,10 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         # vLLM's workers exchange tensors through shared memory; the default 64 MiB /dev/shm is too small.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
     env += [{"name": k, "value": v} for k, v in role.env.items()]
     env += [
         {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
@@ -264,16 +267,25 @@ def _pdb(owner: Owner, role: Role) -> dict[str, Any]:
 
 
 def _proxy_rbac(owner: Owner) -> list[dict[str, Any]]:
-    """The proxy watches its pools' EndpointSlices; nothing else."""
+    """The proxy watches its pools' EndpointSlices and writes its PD path check into its own
+    resource's status (``status.pdPath``); nothing else."""
     name = f"{owner.name}-proxy"
-    rule = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    rules = [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": [GROUP],
+            "resources": [f"{PLURAL}/status"],
+            "resourceNames": [owner.name],
+            "verbs": ["patch"],
+        },
+    ]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": owner.meta("proxy", "proxy")},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": owner.meta("proxy", "proxy"),
-            "rules": [rule],
+            "rules": rules,
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

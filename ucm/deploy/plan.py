@@ -202,7 +202,7 @@ def _engine(
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
     secret_env = {"VLLM_API_KEY": SecretRef(credentials_secret(deployment), BACKEND_KEY)}
     for i, e in enumerate(pool.env):
-        if e.name in ("VLLM_API_KEY", "POD_IP"):
+        if e.name in ("VLLM_API_KEY", "POD_IP", "POD_NAME"):
             raise fail(f"{component}.env[{i}].name", f"{e.name} is set by the deployment")
         if e.value_from is not None:
             secret_env[e.name] = SecretRef(e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key)
@@ -244,6 +244,7 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, eng
             "prefill_service": f"{name}-prefill",
             "decode_service": f"{name}-decode",
             "port_name": "http",
+            "resource": name,
         }
         if p.api_key_secret is not None:
             config["api_keys_file"] = f"{API_KEYS_DIR}/{p.api_key_secret.key}"

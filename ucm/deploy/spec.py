@@ -335,7 +335,17 @@ class UCMDeploymentSpec(Spec):
 
 
 class Condition(Spec):
-    type: Literal["Ready", "StoreReady", "PrefillReady", "DecodeReady", "ProxyReady", "Progressing", "Degraded"]
+    type: Literal[
+        "Ready",
+        "StoreReady",
+        "PrefillReady",
+        "DecodeReady",
+        "ProxyReady",
+        "PDPathHealthy",
+        "DisaggregationEffective",
+        "Progressing",
+        "Degraded",
+    ]
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
     message: str = ""
@@ -349,6 +359,19 @@ class ReadyReplicas(Spec):
     proxy: int = 0
 
 
+class PDPathStatus(Spec):
+    """Written by the proxy (``ucm_proxy.pdpath``), read by the operator into conditions."""
+
+    healthy: bool
+    reason: str = Field(description="Healthy, or the broken hop: NoPrefill, PrefillFailed, DecodeNotLoading, ...")
+    message: str = ""
+    checked_at: str | None = None
+    effective: bool | None = Field(None, description="Most recent requests went through prefill and reused its KV")
+    effective_reason: str = ""
+    effective_message: str = ""
+    reporter: str = Field("", description="The proxy pod that checked")
+
+
 class UCMDeploymentStatus(Spec):
     conditions: list[Condition] = Field(default_factory=list)
     ready_replicas: ReadyReplicas = ReadyReplicas()
@@ -357,3 +380,4 @@ class UCMDeploymentStatus(Spec):
     decode_selector: str = Field(
         "", description="The decode pods' label selector: the scale subresource's, for an HorizontalPodAutoscaler"
     )
+    pd_path: PDPathStatus | None = Field(None, description="The proxy's last check through prefill, store and decode")

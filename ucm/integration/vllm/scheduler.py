@@ -24,8 +24,11 @@ from ucm.store.deadline import Deadlined
 logger = logging.getLogger(__name__)
 HASHERS_KEPT = 256
 
-# kv_transfer_params keys. A producer answers with PARAM_BLOCKS so a consumer knows what to wait for.
+# kv_transfer_params keys. A producer answers with PARAM_BLOCKS so a consumer knows what to wait for;
+# a consumer answers with PARAM_LOADED, the prompt tokens the store gave it (the proxy's PD path check
+# reads it: vLLM's usage reports the *prefill's* cached tokens on a decode).
 PARAM_BLOCKS = "ucm_blocks"
+PARAM_LOADED = "ucm_loaded_tokens"
 
 
 class RequestLike(Protocol):
@@ -48,6 +51,7 @@ class _RequestState:
     stored: int = 0  # leading blocks present in the store at the last lookup
     load: tuple[int, int] | None = None  # blocks [start, end) to load once vLLM allocated them
     load_tokens: int = 0  # tokens those blocks give vLLM (one less than the blocks on a full hit)
+    loaded_tokens: int = 0  # tokens handed to workers to load so far (a failed load is recomputed by vLLM)
     blocks: list[int] = field(default_factory=list)  # vLLM block ids of the request
     next_save: int = 0  # first block not yet handed to workers for saving
     wait_started: float | None = None
@@ -194,6 +198,7 @@ class SchedulerSide:
             start, end = state.load
             meta.loads.append(BlockTransfer(req_id, state.ids[start:end], state.blocks[start:end]))
             self._stats.add("external_hit_tokens", state.load_tokens)
+            state.loaded_tokens += state.load_tokens
             state.load = None
         if not self._can_save:
             return
@@ -223,6 +228,8 @@ class SchedulerSide:
     def finished(self, request: RequestLike) -> dict[str, Any] | None:
         state = self._requests.pop(request.request_id, None)
         params = request.kv_transfer_params or {}
+        if state is not None and params.get("do_remote_prefill"):
+            return {PARAM_LOADED: state.loaded_tokens}  # a PD consumer says what the store gave it
         if state is None or not self._can_save or not params.get("do_remote_decode"):
             return None
         # A consumer given these waits until this many leading blocks are visible in the store.
