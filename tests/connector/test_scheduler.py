@@ -206,7 +206,9 @@ def test_producer_promises_its_blocks_only_when_asked(store):
     for r in (plain, pd):
         s.num_new_matched_tokens(r, 0)
         s.after_alloc(r, [1, 2, 3, 4, 5], 0)
-    s.build_meta(step(new=[("a", [1, 2, 3, 4, 5], 0), ("b", [1, 2, 3, 4, 5], 0)], scheduled={"a": 18, "b": 18}))
+    meta = s.build_meta(step(new=[("a", [1, 2, 3, 4, 5], 0), ("b", [1, 2, 3, 4, 5], 0)], scheduled={"a": 18, "b": 18}))
+    # The PD prefill's step ends once its blocks are written (its answer promises them).
+    assert [(t.req_id, t.wait) for t in meta.saves] == [("a", False), ("b", True)]
     assert s.finished(plain) is None
     assert s.finished(pd) == {"do_remote_prefill": True, PARAM_BLOCKS: 4}
     assert s.finished(pd) is None  # state is gone once finished

@@ -1,5 +1,8 @@
 """The worker half moving real tensors through a real store, without an engine."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -7,6 +10,7 @@ from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import create_store
+from ucm.store.base import Task
 
 NB, LAYERS = 16, 3
 
@@ -107,3 +111,61 @@ def test_saves_do_not_block_on_the_store_and_survive_buffer_reuse(tmp_path):
     for name in dst_kv:
         assert torch.equal(dst_kv[name][0:2], expected[name])
     r.close()
+
+
+class GatedDumps:
+    """A store whose dumps reach the real one only once ``gate`` opens (a slow or distant store)."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def dump(self, ids, blobs) -> Task:
+        task = Task(len(ids))
+
+        def later() -> None:
+            self.gate.wait()
+            task._set(range(len(ids)), self.inner.dump(ids, blobs).wait())
+
+        threading.Thread(target=later, daemon=True).start()
+        return task
+
+
+@pytest.mark.parametrize("pd", [True, False], ids=["pd_prefill", "other"])
+def test_a_pd_prefills_step_ends_once_its_blocks_are_in_the_store(tmp_path, pd):
+    """The step's end is when vLLM answers the request: a PD prefill's answer promises blocks that
+    are in the store (a prefill stopped right after cannot lose them); other saves do not wait."""
+    gate = threading.Event()
+    store = GatedDumps(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}), gate)
+    stats = StatsRecorder()
+    w = WorkerSide(store, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=stats, pd_save_wait_s=10)
+    kv = kv_caches(True)
+    w.register(kv, NB)
+    threading.Timer(0.3, gate.set).start()
+    started = time.perf_counter()
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [0, 1], wait=pd)]))
+    took = time.perf_counter() - started
+    if pd:
+        assert took >= 0.3 and store.inner.lookup_prefix(IDS[:2]) == 2
+        assert stats.take().data["pd_save_wait_seconds"][0] >= 0.3
+    else:
+        assert took < 0.3 and store.inner.lookup_prefix(IDS[:2]) == 0
+    w.close()
+
+
+def test_a_pd_prefill_waits_for_its_saves_no_longer_than_pd_save_wait_s(tmp_path):
+    gate = threading.Event()
+    store = GatedDumps(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}), gate)
+    stats = StatsRecorder()
+    w = WorkerSide(store, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=stats, pd_save_wait_s=0.2)
+    kv = kv_caches(True)
+    w.register(kv, NB)
+    started = time.perf_counter()
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [0, 1], wait=True)]))
+    assert 0.2 <= time.perf_counter() - started < 2
+    assert stats.take().data["pd_save_wait_timeouts"] == 1
+    gate.set()
+    w.close()
+    assert store.inner.lookup_prefix(IDS[:2]) == 2  # it landed later

@@ -43,6 +43,13 @@ class ConnectorConfig(StrictModel):
     pd_wait_timeout_s: float = Field(
         30.0, ge=0, description="A consumer waits this long for blocks a producer promised, then recomputes"
     )
+    pd_save_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="A PD prefill answers only once its blocks are in the store, waiting up to this long: decode "
+        "finds them at once, and a prefill stopped right after answering has lost nothing (vLLM kills its "
+        "workers on exit). 0: answer at once, the blocks land later",
+    )
     load_timeout_s: float | None = Field(
         10.0,
         gt=0,

@@ -118,6 +118,7 @@ class UCMConnector(KVConnectorBase_V1):
                 stats=self._stats,
                 load_timeout_s=config.load_timeout_s,
                 staging_bytes=int(config.load_staging),
+                pd_save_wait_s=config.pd_save_wait_s,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])

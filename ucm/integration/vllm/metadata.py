@@ -15,6 +15,8 @@ class BlockTransfer:
     req_id: str
     store_ids: list[bytes]  # rank-0 store keys; a worker of another rank derives its own
     block_ids: list[int]  # vLLM block ids, pairwise with store_ids
+    # A PD prefill's save: the step (and so the request's answer) waits until it is in the store.
+    wait: bool = False
 
 
 @dataclass

@@ -207,7 +207,9 @@ class SchedulerSide:
             full = self._decoded_blocks(state, computed_after)
         if full > state.next_save:
             lo = state.next_save
-            meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full]))
+            # A PD prefill's decode waits for these: the prefill answers once they are written.
+            pd = bool((state.request.kv_transfer_params or {}).get("do_remote_decode"))
+            meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full], wait=pd))
             state.next_save = full
 
     def _decoded_blocks(self, state: _RequestState, computed_after: int) -> int:

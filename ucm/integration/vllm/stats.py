@@ -25,6 +25,7 @@ COUNTERS: dict[str, str] = {
     "save_failed_blocks": "Blocks whose save failed (a later request recomputes them)",
     "external_hit_tokens": "Prompt tokens served from the store instead of computed",
     "pd_wait_timeouts": "Consumer requests that stopped waiting for a producer's blocks and recomputed",
+    "pd_save_wait_timeouts": "PD prefill steps that answered before their saves were in the store",
     "load_timeouts": "Loads abandoned at their deadline (their blocks recomputed)",
     "lookup_timeouts": "Store lookups answered as misses because the store did not answer in time",
     "store_corrupt_blocks": "Stored blocks that failed their integrity check in this engine's workers",
@@ -34,6 +35,7 @@ HISTOGRAMS: dict[str, str] = {
     "load_seconds": "Time to load one request's blocks in one step",
     "save_seconds": "Time to write one request's blocks in one step",
     "pd_wait_seconds": "Time a consumer request waited for a producer's blocks to become visible",
+    "pd_save_wait_seconds": "Time a PD prefill step waited for its saves to be in the store",
 }
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

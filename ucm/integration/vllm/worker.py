@@ -80,9 +80,11 @@ class WorkerSide:
         load_timeout_s: float | None = None,
         staging_bytes: int = 0,
         in_place_loads: bool | None = None,
+        pd_save_wait_s: float = 0.0,
     ) -> None:
         self._store = store
         self._load_timeout_s = load_timeout_s
+        self._pd_save_wait_s = pd_save_wait_s
         self._staging_bytes = staging_bytes
         # None: whenever the layout allows it and no deadline can abandon a read in flight
         self._in_place_option = in_place_loads
@@ -229,8 +231,8 @@ class WorkerSide:
             self._saves = [(t, self.layout.new_staging(len(t.block_ids))) for t in meta.saves]
             for transfer, staging in self._saves:
                 self.layout.gather(transfer.block_ids, staging)
-        for transfer, staging in self._saves:
-            self._dump(transfer, staging)
+        tasks = [self._dump(transfer, staging) for transfer, staging in self._saves]
+        self._wait_for_pd_saves([t for t, (transfer, _) in zip(tasks, self._saves, strict=True) if transfer.wait])
         if self._loads and len(self._scattered) < len(self.layout.slots):
             # Loaded KV never reached some layers: fail those blocks so vLLM recomputes them.
             missing = sorted(set(range(len(self.layout.slots))) - self._scattered)
@@ -245,7 +247,21 @@ class WorkerSide:
         self._loads = []
         self._scattered = set()
 
-    def _dump(self, transfer: BlockTransfer, staging: torch.Tensor) -> None:
+    def _wait_for_pd_saves(self, tasks: list[Task]) -> None:
+        """A PD prefill's blocks are in the store before its answer leaves (up to pd_save_wait_s)."""
+        if not tasks or self._pd_save_wait_s <= 0:
+            return
+        started = time.perf_counter()
+        deadline = started + self._pd_save_wait_s
+        try:
+            for task in tasks:
+                task.wait(max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            self._stats.add("pd_save_wait_timeouts", 1)
+            logger.warning("UCM: PD saves not in the store after %.1f s; answering anyway", self._pd_save_wait_s)
+        self._stats.observe("pd_save_wait_seconds", time.perf_counter() - started)
+
+    def _dump(self, transfer: BlockTransfer, staging: torch.Tensor) -> Task:
         started = time.perf_counter()
         task = self._store.dump(self._keys(transfer), list(staging.numpy()))
         block_bytes = staging.shape[1]
@@ -263,8 +279,11 @@ class WorkerSide:
         with self._inflight_lock:
             self._inflight.add(task)
         task.add_done_callback(done)
+        return task
 
     def close(self) -> None:
+        """Dumps still being written finish first. vLLM calls this only on some exits (its process
+        manager kills workers on SIGTERM): a PD prefill's own saves are waited for in the step."""
         with self._inflight_lock:
             pending = list(self._inflight)
         for task in pending:
