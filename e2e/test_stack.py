@@ -120,6 +120,12 @@ def test_the_pd_path_check_sees_decode_load_what_prefill_saved(stack: Stack):
     # The earlier tests' requests went through prefill, and decode loaded their KV.
     assert report["effective"]["value"] is True, report
     assert metric(proxy, "ucm_proxy_pd_path_healthy") == 1.0
+    # Both pools name the same pairing identity on /health (the proxy pairs by it).
+    identities = set()
+    for role in ("prefill-0", "decode-0"):
+        with urllib.request.urlopen(stack.state()["roles"][role]["url"] + "/health", timeout=10) as r:
+            identities.add(r.headers["X-UCM-KV-Identity"])
+    assert len(identities) == 1 and None not in identities, identities
 
 
 def test_the_openai_client_works_unchanged(stack: Stack):

@@ -20,7 +20,8 @@ from typing import Any
 
 from ucm.config import ConfigError
 from ucm.integration.vllm.config import WHERE, parse_connector_config
-from ucm.integration.vllm.health import HEALTH_FILE_ENV, MIDDLEWARE, WARMUP_ENV
+from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV
+from ucm.integration.vllm.identity import pairing_identity
 from ucm.store.factory import validate_store_config
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -35,6 +36,13 @@ def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> d
     Expansion runs after parsing and only inside values, so a variable's content can never add
     keys or change the JSON's structure."""
     env = os.environ if environ is None else environ
+    config = _expand(read_kv_config(path), env, f"--kv-config: {path}: ")
+    parse_connector_config(config["kv_connector_extra_config"])
+    return config
+
+
+def read_kv_config(path: str | Path) -> dict[str, Any]:
+    """The file's kv-transfer-config as written (``${VAR}`` references not filled in)."""
     try:
         config = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -43,8 +51,6 @@ def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> d
         raise ConfigError(f"--kv-config: {path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("kv_connector_extra_config"), dict):
         raise ConfigError(f"--kv-config: {path} must be a kv-transfer-config with kv_connector_extra_config")
-    config = _expand(config, env, f"--kv-config: {path}: ")
-    parse_connector_config(config["kv_connector_extra_config"])
     return config
 
 
@@ -115,5 +121,6 @@ def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
     Path(health).unlink(missing_ok=True)  # left by a stuck store before a restart: not this start's state
     os.environ[HEALTH_FILE_ENV] = health
     os.environ[WARMUP_ENV] = "1"
+    os.environ[IDENTITY_ENV] = pairing_identity(read_kv_config(kv_config)["kv_connector_extra_config"], vllm_args)
     sys.stdout.flush()
     os.execv(command[0], command)

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import metrics
-from ucm_proxy.backends import Backend, Pool
+from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, other_identities, unpaired
 from ucm_proxy.config import ProxyConfig
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.keys import ApiKeys
@@ -117,6 +117,8 @@ class Proxy:
             try:
                 async with self.session.get(backend.url + self.config.health.path, timeout=timeout) as r:
                     ok = r.status == 200
+                    if ok:
+                        backend.identity = r.headers.get(IDENTITY_HEADER)
                 if ok:
                     async with self.session.get(backend.url + "/v1/models", timeout=timeout) as r:
                         if r.status == 200:
@@ -191,18 +193,20 @@ class Proxy:
         started: float,
         trace: Trace,
     ) -> Response:
-        decode_body, promised = without_params(raw, body), 0
+        decode_body, promised, avoid = without_params(raw, body), 0, frozenset[str]()
         trace.path = "decode_only"
         if self.config.mode == "pd":
-            params = await self._prefill(route, body, headers, key)
-            trace.path = "fallback" if params is None else "pd"
-            if params is not None:
+            prefilled = await self._prefill(route, body, headers, key)
+            trace.path = "fallback" if prefilled is None else "pd"
+            if prefilled is not None:
+                params, identity = prefilled
+                avoid = other_identities(self.decode, identity)  # decodes that could not see its KV
                 decode_body = with_params(raw, body, params)
                 blocks = params.get(PARAM_BLOCKS) if isinstance(params, dict) else None
                 promised = blocks if isinstance(blocks, int) else 0
         if body.get("stream"):
-            return await self._decode_stream(route, decode_body, headers, key, started)
-        return await self._decode(route, decode_body, headers, key, started, promised)
+            return await self._decode_stream(route, decode_body, headers, key, started, avoid)
+        return await self._decode(route, decode_body, headers, key, started, promised, avoid)
 
     def authorize(self, request: Request) -> str | None:
         """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""
@@ -233,11 +237,18 @@ class Proxy:
             raise ProxyError(408, f"Request body not received within {self.config.timeouts.body_s} s.") from None
         return b"".join(chunks)
 
-    async def _prefill(self, route: str, body: dict[str, Any], headers: dict[str, str], key: bytes) -> Any:
-        """kv_transfer_params from a prefill backend; None when decode must do it all (fallback)."""
+    async def _prefill(
+        self, route: str, body: dict[str, Any], headers: dict[str, str], key: bytes
+    ) -> tuple[Any, str | None] | None:
+        """kv_transfer_params from a prefill backend and that backend's pairing identity; None when
+        decode must do it all (fallback)."""
         payload = prefill_body(body)
+        avoid = unpaired(self.prefill, self.decode)
+        if avoid and not self.prefill.available(avoid):
+            # Mid-rollout, no prefill matches a decode: KV from one could not be used, decode serves alone.
+            return None
 
-        async def attempt(backend: Backend) -> Any:
+        async def attempt(backend: Backend) -> tuple[Any, str | None]:
             async with self._post(backend, route, payload, headers, self._prefill_timeout) as resp:
                 if resp.status >= 500:
                     raise Retry(f"prefill {backend.url} answered {resp.status}")
@@ -248,19 +259,26 @@ class Proxy:
                     params = json.loads(data).get("kv_transfer_params")
                 except (ValueError, AttributeError):
                     raise Retry(f"prefill {backend.url} answered a non-JSON body") from None
-                return params or {}
+                return params or {}, backend.identity
 
         # With a fallback, decode serves at once rather than after a wait for prefill.
         queue_s = 0.0 if self.config.fallback_to_decode else None
         try:
-            return await self._with_retries(self.prefill, key, attempt, queue_s)
+            return await self._with_retries(self.prefill, key, attempt, queue_s, avoid)
         except NoBackend:
             if self.config.fallback_to_decode:
                 return None
             raise no_backend("prefill") from None
 
     async def _decode(
-        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, promised: int
+        self,
+        route: str,
+        payload: bytes,
+        headers: dict[str, str],
+        key: bytes,
+        started: float,
+        promised: int,
+        avoid: frozenset[str],
     ) -> Response:
         async def attempt(backend: Backend) -> Response:
             upstream = self._post(backend, route, payload, headers, self._whole_timeout)
@@ -281,12 +299,12 @@ class Proxy:
             return Response(data, resp.status, headers=_response_headers(resp, headers), media_type=media_type)
 
         try:
-            return await self._with_retries(self.decode, key, attempt)
+            return await self._with_retries(self.decode, key, attempt, avoid=avoid)
         except NoBackend:
             raise no_backend("decode") from None
 
     async def _decode_stream(
-        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float
+        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, avoid: frozenset[str]
     ) -> Response:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
@@ -316,23 +334,28 @@ class Proxy:
             )
 
         try:
-            return await self._with_retries(self.decode, key, attempt)
+            return await self._with_retries(self.decode, key, attempt, avoid=avoid)
         except NoBackend:
             raise no_backend("decode") from None
 
     async def _with_retries(
-        self, pool: Pool, key: bytes, attempt: Callable[[Backend], Awaitable[T]], queue_s: float | None = None
+        self,
+        pool: Pool,
+        key: bytes,
+        attempt: Callable[[Backend], Awaitable[T]],
+        queue_s: float | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> T:
         """``attempt`` on one backend after another (up to ``retries`` more) until one answers. A pool
         with none available is waited on for ``queue_s`` (default ``timeouts.queue_s``) first; a
-        backend that failed this request is not waited for."""
+        backend that failed this request is not waited for. ``avoid``: backends never to use."""
         if queue_s is None:
             queue_s = self.config.timeouts.queue_s
-        exclude: set[str] = set()
+        exclude: set[str] = set(avoid)
         for n in range(self.config.retries + 1):
             backend = pool.pick(key, frozenset(exclude))
-            if backend is None and not exclude and await pool.wait_available(queue_s):
-                backend = pool.pick(key)
+            if backend is None and exclude == avoid and await pool.wait_available(queue_s):
+                backend = pool.pick(key, avoid)
             if backend is None:
                 break
             if n:

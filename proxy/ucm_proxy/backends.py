@@ -7,6 +7,11 @@ backend whose ``/health`` answers while its requests fail is not let back early 
 starts over only once the backend serves a request again. A failing health check takes a backend
 out until one passes.
 
+Engines started by ``ucm serve`` name their *pairing identity* in ``/health`` (``X-UCM-KV-Identity``:
+model, dtypes, block size, layout, store and hashing; ``ucm.integration.vllm.identity``): a prefill
+is paired only with a decode of the same identity, so during a rollout that changes any of them an
+old prefill's KV never goes to a new decode that cannot see it (it would wait, then recompute).
+
 A request that finds no backend available may wait (``Pool.wait_available``) for one to come back:
 a health check passing again, discovery adding an endpoint, or an ejection ending wakes it.
 """
@@ -25,7 +30,17 @@ from ucm_proxy.config import HealthConfig, Policy, RoutingConfig
 
 
 class Backend:
-    __slots__ = ("consecutive_failures", "ejected_until", "ejections", "healthy", "in_flight", "key", "role", "url")
+    __slots__ = (
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "healthy",
+        "identity",
+        "in_flight",
+        "key",
+        "role",
+        "url",
+    )
 
     def __init__(self, url: str, role: str) -> None:
         self.url = url
@@ -35,6 +50,7 @@ class Backend:
         self.consecutive_failures = 0
         self.ejected_until = 0.0
         self.ejections = 0
+        self.identity: str | None = None  # its pairing identity, from its last health check (None: unknown)
         self.key = hashlib.blake2b(url.encode(), digest_size=8).digest()
 
     def available(self, now: float) -> bool:
@@ -133,3 +149,22 @@ class Pool:
             return True
         finally:
             metrics.WAITING.labels(self.role).dec()
+
+
+IDENTITY_HEADER = "X-UCM-KV-Identity"
+
+
+def unpaired(prefill: Pool, decode: Pool) -> frozenset[str]:
+    """URLs of prefill backends that no available decode can share KV with. Unknown identities
+    (engines not started by ``ucm serve``) pair with anything."""
+    identities = {b.identity for b in decode.available()}
+    if None in identities:
+        return frozenset()
+    return frozenset(b.url for b in prefill.backends if b.identity is not None and b.identity not in identities)
+
+
+def other_identities(pool: Pool, identity: str | None) -> frozenset[str]:
+    """URLs of the pool's backends whose known identity differs from ``identity``."""
+    if identity is None:
+        return frozenset()
+    return frozenset(b.url for b in pool.backends if b.identity is not None and b.identity != identity)

@@ -11,6 +11,7 @@ prefill's cached tokens on a decode, so it cannot tell). The reason of a failed 
 broken hop:
 
 - ``NoPrefill`` / ``NoDecode``: no backend of that pool is available;
+- ``Unpaired``: no available decode has the prefills' pairing identity (mid-rollout);
 - ``PrefillFailed`` / ``DecodeFailed``: the backend answered an error or not at all;
 - ``PrefillNotSaving``: the prefill promised no blocks (its saves are failing, or the prompt
   is shorter than one KV block: raise ``pd_check.prompt_words``);
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from ucm_proxy import metrics
-from ucm_proxy.backends import Backend, Pool
+from ucm_proxy.backends import Backend, Pool, other_identities, unpaired
 
 if TYPE_CHECKING:
     from ucm_proxy.app import Proxy
@@ -124,9 +125,13 @@ class PathChecker:
 
     async def check(self) -> PathCheck:
         proxy, now, turn = self.proxy, time.time(), next(self._turn)
-        prefill, decode = _in_turn(proxy.prefill, turn), _in_turn(proxy.decode, turn)
+        prefill = _in_turn(proxy.prefill, turn, unpaired(proxy.prefill, proxy.decode))
+        if prefill is None and proxy.prefill.available():
+            message = "no available decode shares a configuration with the available prefills (a rollout?)"
+            return PathCheck(False, "Unpaired", message, now)
         if prefill is None:
             return PathCheck(False, "NoPrefill", "no prefill backend is available", now)
+        decode = _in_turn(proxy.decode, turn, other_identities(proxy.decode, prefill.identity))
         if decode is None:
             return PathCheck(False, "NoDecode", "no decode backend is available", now, prefill.url)
         if not proxy.models:
@@ -186,8 +191,8 @@ class PathChecker:
         return PathCheck(True, "Healthy", message, now, *sides)
 
 
-def _in_turn(pool: Pool, turn: int) -> Backend | None:
-    candidates = pool.available()
+def _in_turn(pool: Pool, turn: int, avoid: frozenset[str]) -> Backend | None:
+    candidates = pool.available(avoid)
     return candidates[turn % len(candidates)] if candidates else None
 
 

@@ -37,6 +37,7 @@ class Behaviour:
     healthy: bool = True
     saves: bool = True  # as prefill: promises blocks (false: its saves are failing)
     loads: bool = True  # as decode: reuses promised blocks (false: computes the whole prompt)
+    identity: str | None = None  # its pairing identity, sent with /health as ucm serve's engines do
 
 
 class FakeVLLM:
@@ -75,7 +76,9 @@ class FakeVLLM:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.probes += 1
-        return web.Response(status=200 if self.behaviour.healthy else 503)
+        identity = self.behaviour.identity
+        headers = {"X-UCM-KV-Identity": identity} if identity else None
+        return web.Response(status=200 if self.behaviour.healthy else 503, headers=headers)
 
     async def _models(self, request: web.Request) -> web.Response:
         self.probes += 1

@@ -4,6 +4,7 @@ bound into keys, or refused."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import types
 
@@ -13,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 from ucm.config import ConfigError
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import check_parallel_layout
-from ucm.integration.vllm.identity import weights_fingerprint
+from ucm.integration.vllm.health import IDENTITY_ENV, HealthMiddleware
+from ucm.integration.vllm.identity import pairing_identity, weights_fingerprint
 from ucm.integration.vllm.metadata import rank_keys, store_keys
 
 TOKENS = list(range(64))
@@ -69,3 +71,33 @@ def test_context_parallel_layouts_are_refused():
     check_parallel_layout(types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
     with pytest.raises(ConfigError, match="decode_context_parallel_size=2 is not supported"):
         check_parallel_layout(types.SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
+
+
+def test_engines_that_can_share_kv_have_one_pairing_identity():
+    store = {"spec": "mooncake", "mooncake": {"master_server_address": "m:50051", "local_hostname": "${POD_IP}"}}
+    args = ["--model", "/models/llama", "--dtype", "bfloat16", "--block-size", "32", "--port", "8000"]
+    prefill = pairing_identity({"store": store, "pd_save_wait_s": 5}, args)
+    # another pod of the pool, and a decode: other ports, waits and sparse attention, same KV
+    decode = pairing_identity({"store": store, "sparse": {"algorithm": "esa"}}, [*args[:-1], "8001"])
+    assert prefill == decode and len(prefill) == 16
+    # what changes block ids or where blocks live makes another identity
+    assert pairing_identity({"store": store}, [*args[:5], "16"]) != prefill  # block size
+    assert pairing_identity({"store": store}, ["--model", "/models/other", *args[2:]]) != prefill
+    assert pairing_identity({"store": store, "salt": "acme"}, args) != prefill
+    assert pairing_identity({"store": {**store, "spec": "cache|mooncake"}}, args) != prefill
+    assert pairing_identity({"store": store}, [*args, "--tensor-parallel-size=2"]) != prefill
+
+
+def test_health_carries_the_pairing_identity(monkeypatch):
+    monkeypatch.setenv(IDENTITY_ENV, "abc123")
+    sent: list[dict] = []
+
+    async def engine(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(HealthMiddleware(engine)({"type": "http", "path": "/health", "method": "GET"}, None, send))
+    assert (b"x-ucm-kv-identity", b"abc123") in sent[0]["headers"]

@@ -183,3 +183,48 @@ async def test_the_check_is_written_into_the_resource_status(kmock, tmp_path):
         status = (await (await http.get(f"{resource}/chat")).json())["status"]
         assert status["pdPath"]["healthy"] is True and status["pdPath"]["effective"] is True
     await asyncio.sleep(0)
+
+
+def wait_identities(proxy, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while sum(b.identity is not None for p in proxy.proxy.pools for b in p.backends) < n:
+        assert time.monotonic() < deadline, "health checks did not report identities"
+        time.sleep(0.05)
+
+
+def test_a_prefill_is_paired_only_with_a_decode_of_its_configuration(fakes, make_proxy):
+    """Mid-rollout, old and new engines serve side by side: KV from an old prefill goes to an old
+    decode only (a new one could not see its blocks)."""
+    old_p, new_p = fakes.add("old-p", Behaviour(identity="v1")), fakes.add("new-p", Behaviour(identity="v2"))
+    old_d, new_d = fakes.add("old-d", Behaviour(identity="v1")), fakes.add("new-d", Behaviour(identity="v2"))
+    proxy = make_proxy(
+        prefill=[old_p.url, new_p.url],
+        decode=[old_d.url, new_d.url],
+        routing={"prefill": "round_robin", "decode": "round_robin"},
+        pd_check=FAST,
+    )
+    wait_identities(proxy, 4)
+    with proxy.client() as c:
+        for i in range(8):
+            assert c.post("/v1/completions", json={**COMPLETION, "prompt": f"p{i}"}).status_code == 200
+        check = wait_check(c, lambda check: check is not None and check["healthy"])["check"]
+    prefilled_by = {
+        d.name: {r["body"]["kv_transfer_params"]["prefilled_by"] for r in d.requests} for d in (old_d, new_d)
+    }
+    assert prefilled_by == {"old-d": {"old-p"}, "new-d": {"new-p"}}
+    assert (check["prefill"], check["decode"]) in {(old_p.url, old_d.url), (new_p.url, new_d.url)}
+
+
+def test_with_no_pair_decode_serves_alone(fakes, make_proxy):
+    p, d = fakes.add("p", Behaviour(identity="v1")), fakes.add("d", Behaviour(identity="v2"))
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], pd_check=FAST)
+    wait_identities(proxy, 2)
+    with proxy.client() as c:
+        before = len(p.requests)
+        r = c.post("/v1/completions", json=COMPLETION)
+        check = wait_check(c, lambda check: check is not None and check["reason"] == "Unpaired")["check"]
+        paths = c.get("/pd-path").json()["paths"]
+    assert r.status_code == 200 and "kv_transfer_params" not in d.requests[-1]["body"]
+    assert len(p.requests) == before  # no prefill whose KV decode could not use
+    assert paths["fallback"] == 1
+    assert "no available decode shares a configuration" in check["message"]

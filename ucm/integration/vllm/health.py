@@ -17,6 +17,10 @@ answers ``/health`` with 503 once the call has been stuck for ``store_unhealthy_
 Until then the engine keeps serving: lookups count as misses and blocks are recomputed. A short
 stall should not take every engine sharing the store out of service at once.
 
+**Pairing.** ``ucm serve`` puts the engine's pairing identity (``identity.pairing_identity``) in
+``UCM_KV_IDENTITY``; a healthy ``/health`` answer carries it as ``X-UCM-KV-Identity``, which the
+proxy reads in its health checks to pair prefills and decodes that can share KV.
+
 **Drain.** On SIGTERM vLLM (``--shutdown-timeout``) finishes the requests it has but keeps its HTTP
 server open, and answers each request that arrives meanwhile with a 200 and no text
 (``finish_reason: abort``): a client takes that for an answer. From SIGTERM on, the middleware
@@ -40,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_FILE_ENV = "UCM_STORE_HEALTH_FILE"
 WARMUP_ENV = "UCM_ENGINE_WARMUP"
+IDENTITY_ENV = "UCM_KV_IDENTITY"
+IDENTITY_HEADER = b"x-ucm-kv-identity"
 MIDDLEWARE = f"{__name__}.HealthMiddleware"
 WARMUP_TIMEOUT_S = 300.0
 
@@ -91,6 +97,7 @@ class HealthMiddleware:
         self.warm = os.environ.get(WARMUP_ENV) != "1"
         self._warming: asyncio.Task[None] | None = None
         self.draining = False
+        self.identity = os.environ.get(IDENTITY_ENV, "").encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -109,7 +116,18 @@ class HealthMiddleware:
             if stuck is not None:
                 await _unavailable(send, f"the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)")
                 return
+            if self.identity:
+                await self.app(scope, receive, self._with_identity(send))
+                return
         await self.app(scope, receive, send)
+
+    def _with_identity(self, send: Any) -> Any:
+        async def send_with_identity(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (IDENTITY_HEADER, self.identity)]}
+            await send(message)
+
+        return send_with_identity
 
     def _watch_for_sigterm(self) -> None:
         """Mark the drain when SIGTERM arrives. The server's own handling goes on: asyncio learns of

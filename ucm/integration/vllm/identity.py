@@ -1,4 +1,5 @@
-"""What a model *is*, for block ids: a fingerprint of its weights, not just its name or path.
+"""What a model *is*, for block ids: a fingerprint of its weights, not just its name or path; and
+which engines can share KV at all (``pairing_identity``).
 
 Two deployments serving different weights under one served name, or weights replaced at the same
 path, would otherwise compute identical block ids and load each other's KV — wrong tokens that
@@ -10,9 +11,13 @@ so samples differ; a copy of the same files at another path fingerprints the sam
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -53,3 +58,32 @@ def _samples(size: int) -> list[tuple[int, int]]:
         return [(0, size)]
     inner = [(EDGE + (size - 2 * EDGE - WINDOW) * i // (WINDOWS - 1), WINDOW) for i in range(WINDOWS)]
     return [(0, EDGE), *inner, (size - EDGE, EDGE)]
+
+
+# Connector options that change block ids or where blocks live; the others (kv_role, waits, sparse
+# attention, modes) may differ between a prefill and its decode.
+PAIRING_OPTIONS = ("store", "hash_algorithm", "model_id", "salt")
+
+
+def pairing_identity(extra_config: Mapping[str, Any], vllm_args: Sequence[str]) -> str:
+    """A short digest of what a prefill and a decode must agree on to share KV through the store:
+    the model and its revision, dtypes, block size, parallel layout (vLLM's flags) and the
+    connector's store and hashing options, as written — before ``${POD_IP}``-style expansion, so
+    every pod of a pool has the same identity. During a rollout that changes any of them, old and
+    new engines differ, and the proxy pairs each prefill only with a decode of the same identity
+    (``X-UCM-KV-Identity`` on ``/health``): a mismatched pair would make decode wait for blocks
+    it can never see, then recompute."""
+    flags = argparse.ArgumentParser(add_help=False)
+    for names in (
+        ("--model",),
+        ("--revision",),
+        ("--dtype",),
+        ("--kv-cache-dtype",),
+        ("--block-size",),
+        ("--tensor-parallel-size", "-tp"),
+        ("--pipeline-parallel-size", "-pp"),
+    ):
+        flags.add_argument(*names)
+    known, _ = flags.parse_known_args(list(vllm_args))
+    what = {"vllm": vars(known), "connector": {k: extra_config.get(k) for k in PAIRING_OPTIONS}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
