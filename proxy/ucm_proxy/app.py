@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import metrics
 from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, other_identities, unpaired
-from ucm_proxy.config import ProxyConfig
+from ucm_proxy.config import ProxyConfig, read_backends_file
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
@@ -56,12 +56,12 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         routing, health = config.routing, config.health
-        if config.mode == "mixed":
-            self.prefill = Pool("prefill", [], routing.prefill, routing, health)
-            self.decode = Pool("decode", [*config.decode, *config.prefill], routing.decode, routing, health)
-        else:
-            self.prefill = Pool("prefill", config.prefill, routing.prefill, routing, health)
-            self.decode = Pool("decode", config.decode, routing.decode, routing, health)
+        urls = {"prefill": config.prefill, "decode": config.decode}
+        if config.backends_file is not None:
+            urls = read_backends_file(config.backends_file)
+        self.prefill = Pool("prefill", [], routing.prefill, routing, health)
+        self.decode = Pool("decode", [], routing.decode, routing, health)
+        self.set_backends(urls)
         self.keys = ApiKeys(config.api_keys, config.api_keys_file)
         self.models: set[str] = set()
         self.recent = RecentPaths()
@@ -84,6 +84,10 @@ class Proxy:
         auth = {"Authorization": f"Bearer {key}"} if key else {}  # on every backend call, probes included
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
         self._tasks.append(asyncio.create_task(self._health_loop()))
+        if self.config.backends_file is not None:
+            from ucm_proxy.discovery import watch_backends_file
+
+            self._tasks.append(asyncio.create_task(watch_backends_file(self, self.config.backends_file)))
         if self.config.discovery is not None:
             from ucm_proxy.discovery import watch_endpoints, write_pd_path
 
@@ -101,6 +105,14 @@ class Proxy:
                 await task
         if self.session is not None:
             await self.session.close()
+
+    def set_backends(self, urls: dict[str, list[str]]) -> None:
+        """The pools' members (mixed mode: every backend serves whole requests)."""
+        if self.config.mode == "mixed":
+            self.decode.set_urls([*urls["decode"], *urls["prefill"]])
+        else:
+            self.prefill.set_urls(urls["prefill"])
+            self.decode.set_urls(urls["decode"])
 
     @property
     def pools(self) -> list[Pool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -81,6 +82,11 @@ class ProxyConfig(StrictModel):
     prefill: list[str] = Field(default_factory=list, description="Prefill backend base URLs")
     decode: list[str] = Field(default_factory=list, description="Decode (or mixed) backend base URLs")
     discovery: DiscoveryConfig | None = None
+    backends_file: Path | None = Field(
+        None,
+        description='A JSON file {"prefill": [URLs], "decode": [URLs]} re-read whenever it changes, instead of '
+        "prefill/decode (ucm up rewrites it to roll a pool)",
+    )
     routing: RoutingConfig = RoutingConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
@@ -113,14 +119,24 @@ class ProxyConfig(StrictModel):
     @field_validator("prefill", "decode")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        for u in urls:
-            if not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
-                raise ValueError(f"{u!r} is not an http(s):// URL")
-        return [u.rstrip("/") for u in urls]
+        return checked_urls(urls)
 
     @model_validator(mode="after")
     def _enough_backends(self) -> ProxyConfig:
-        if self.discovery is None:
+        sources = [
+            s
+            for s, given in (
+                ("prefill/decode", self.prefill or self.decode),
+                ("discovery", self.discovery),
+                ("backends_file", self.backends_file),
+            )
+            if given
+        ]
+        if len(sources) > 1:
+            raise ValueError(f"{' and '.join(sources)}: give one source of backends")
+        if self.backends_file is not None:
+            read_backends_file(self.backends_file)  # a missing or malformed file is a startup error
+        elif self.discovery is None:
             if not self.decode and not (self.mode == "mixed" and self.prefill):
                 raise ValueError("decode: at least one backend URL is needed (or discovery)")
             if self.mode == "pd" and not self.prefill and not self.fallback_to_decode:
@@ -150,3 +166,32 @@ class ProxyConfig(StrictModel):
         if not key:
             raise ConfigError(f"backend_api_key_file: {self.backend_api_key_file} is empty")
         return key
+
+
+def checked_urls(urls: list[str]) -> list[str]:
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
+            raise ValueError(f"{u!r} is not an http(s):// URL")
+    return [u.rstrip("/") for u in urls]
+
+
+def read_backends_file(path: Path) -> dict[str, list[str]]:
+    """The prefill and decode URLs of a backends file, checked like the config's own lists."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"backends_file: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError(f"backends_file: {path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or set(data) - {"prefill", "decode"}:
+        raise ConfigError(f'backends_file: {path} must be an object with "prefill" and "decode" lists of URLs')
+    out = {}
+    for role in ("prefill", "decode"):
+        urls = data.get(role, [])
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ConfigError(f"backends_file: {path}: {role} must be a list of URLs")
+        try:
+            out[role] = checked_urls(urls)
+        except ValueError as exc:
+            raise ConfigError(f"backends_file: {path}: {role}: {exc}") from None
+    return out

@@ -1,5 +1,6 @@
-"""The proxy and the Kubernetes API: backends from EndpointSlices (list, then watch, per role's
-Service), and the PD path check's result written into the resource's status.
+"""Where backends come from besides fixed URLs, and the PD path check's result written back:
+a file ``ucm up`` rewrites (``backends_file``), or the Kubernetes API — EndpointSlices (list,
+then watch, per role's Service), and the resource's status.
 
 Only ready endpoints are backends: a pod going away (readiness false, terminating) leaves the
 pool before it stops serving. Needs list/watch on discovery.k8s.io endpointslices in the
@@ -17,12 +18,14 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from ucm.config import ConfigError
 from ucm_proxy.backends import Pool
-from ucm_proxy.config import DiscoveryConfig
+from ucm_proxy.config import DiscoveryConfig, read_backends_file
 from ucm_proxy.pdpath import PathCheck
 
 logger = logging.getLogger("ucm_proxy.discovery")
@@ -49,6 +52,25 @@ def slice_urls(slices: dict[str, dict[str, Any]], service: str, port_name: str) 
                 host = f"[{address}]" if ":" in address else address
                 urls.append(f"http://{host}:{ports[0]}")
     return urls
+
+
+async def watch_backends_file(proxy: Any, path: Path, interval_s: float = 0.25) -> None:
+    """Follow a backends file: its writer replaces it whole (rename), so a change is one stat away.
+    A file that turns unreadable or malformed leaves the pools as they were."""
+    seen: int | None = None
+    while True:
+        changed: int | None = None
+        try:
+            changed = path.stat().st_mtime_ns
+            if changed != seen:
+                urls = read_backends_file(path)
+                proxy.set_backends(urls)
+                logger.info("backends from %s: prefill %s, decode %s", path, urls["prefill"], urls["decode"])
+        except (OSError, ConfigError) as exc:
+            if changed != seen:
+                logger.warning("%s; keeping the backends as they are", exc)
+        seen = changed
+        await asyncio.sleep(interval_s)
 
 
 class ApiServer:

@@ -13,8 +13,8 @@ broken hop:
 - ``NoPrefill`` / ``NoDecode``: no backend of that pool is available;
 - ``Unpaired``: no available decode has the prefills' pairing identity (mid-rollout);
 - ``PrefillFailed`` / ``DecodeFailed``: the backend answered an error or not at all;
-- ``PrefillNotSaving``: the prefill promised no blocks (its saves are failing, or the prompt
-  is shorter than one KV block: raise ``pd_check.prompt_words``);
+- ``StoreWritesFailing``: the prefill promised no blocks: its saves to the store fail (or the
+  prompt is shorter than one KV block: raise ``pd_check.prompt_words``);
 - ``DecodeNotLoading``: decode computed the whole prompt (it cannot read what prefill wrote).
 
 Backends are taken in turn, so one broken pod among many shows within a few checks. Checks do not
@@ -161,9 +161,9 @@ class PathChecker:
         if not isinstance(promised, int) or promised <= 0:
             return PathCheck(
                 False,
-                "PrefillNotSaving",
-                f"prefill {prefill.url} promised no KV blocks: its saves to the store are failing (or the "
-                f"check's {self.config.prompt_words}-word prompt is shorter than a block)",
+                "StoreWritesFailing",
+                f"the store is not taking prefill {prefill.url}'s blocks: it promised none, so its saves are "
+                f"failing (or the check's {self.config.prompt_words}-word prompt is shorter than a block)",
                 now,
                 *sides,
             )

@@ -166,6 +166,7 @@ def test_files_and_state(tmp_path):
     stack = LocalStack(spec(tmp_path), tmp_path / "run", 0)
     stack.write_files()
     assert sorted(f.name for f in (tmp_path / "run").iterdir()) == [
+        "backends.json",
         "credentials",
         "kv",
         "kv-transfer-config.json",

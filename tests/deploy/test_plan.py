@@ -8,7 +8,7 @@ from itertools import count
 import pytest
 import yaml
 
-from ucm.deploy.plan import KV_CONFIG_FILE, KV_DECODE_CONFIG_FILE, PROXY_CONFIG_FILE, build_plan
+from ucm.deploy.plan import BACKENDS_FILE, KV_CONFIG_FILE, KV_DECODE_CONFIG_FILE, PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.quantity import quantity_bytes
 from ucm.deploy.roles import PlanError, Site
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -54,9 +54,14 @@ def test_local_plan_gives_each_replica_a_port_and_the_proxy_their_urls(tmp_path)
     assert names == ["prefill-0", "prefill-1", "decode-0", "proxy"]
     ports = [r.ports[0].number for r in plan.roles]
     assert len(set(ports)) == 4
+    # The proxy reads its backends from a file `ucm restart` rewrites to roll a pool.
+    assert yaml.safe_load(plan.files[PROXY_CONFIG_FILE])["backends_file"] == str(tmp_path / BACKENDS_FILE)
+    assert json.loads(plan.files[BACKENDS_FILE]) == {
+        "prefill": [f"http://127.0.0.1:{p}" for p in ports[:2]],
+        "decode": [f"http://127.0.0.1:{ports[2]}"],
+    }
+    (tmp_path / BACKENDS_FILE).write_text(plan.files[BACKENDS_FILE])
     proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
-    assert proxy.prefill == [f"http://127.0.0.1:{p}" for p in ports[:2]]
-    assert proxy.decode == [f"http://127.0.0.1:{ports[2]}"]
     assert proxy.host == "127.0.0.1" and proxy.discovery is None
     assert kv(plan)["store"]["posix"]["roots"] == [str(tmp_path / "kv")]
     assert all(not r.volumes for r in plan.roles)

@@ -64,7 +64,7 @@ def test_each_check_prompt_is_new():
 @pytest.mark.parametrize(
     ("prefill", "decode", "reason", "names"),
     [
-        (Behaviour(saves=False), Behaviour(), "PrefillNotSaving", "prefill"),
+        (Behaviour(saves=False), Behaviour(), "StoreWritesFailing", "prefill"),
         (Behaviour(), Behaviour(loads=False), "DecodeNotLoading", "decode"),
         (Behaviour(fail_next=["500"] * 100), Behaviour(), "PrefillFailed", "prefill"),
         (Behaviour(), Behaviour(fail_next=["500"] * 100), "DecodeFailed", "decode"),

@@ -546,3 +546,42 @@ def test_a_backend_that_comes_back_is_seen_within_the_unhealthy_interval(fakes, 
     while not backend.healthy and time.monotonic() - back < 10:
         time.sleep(0.05)
     assert backend.healthy and time.monotonic() - back < 2  # not the 30 s interval
+
+
+def test_backends_follow_a_backends_file_replaced_whole(fakes, make_proxy, tmp_path):
+    """ucm up rolls a pool by rewriting the file: a new engine joins before the old one leaves."""
+    old, new, p = fakes.add("old"), fakes.add("new"), fakes.add("p")
+    path = tmp_path / "backends.json"
+
+    def write(decode: list[str]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"prefill": [p.url], "decode": decode}))
+        tmp.replace(path)
+
+    write([old.url])
+    proxy = make_proxy(backends_file=str(path), routing={"decode": "round_robin"})
+    with proxy.client() as c:
+        assert "old" in c.post("/v1/completions", json=COMPLETION).text
+        write([old.url, new.url])
+        deadline = time.monotonic() + 5
+        while len(proxy.proxy.decode.backends) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served = {c.post("/v1/completions", json=COMPLETION).json()["served_by"] for _ in range(4)}
+        assert served == {"old", "new"}
+        path.write_text("{not json")  # a half-written file (no rename) changes nothing
+        write([new.url])
+        deadline = time.monotonic() + 5
+        while len(proxy.proxy.decode.backends) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {c.post("/v1/completions", json=COMPLETION).json()["served_by"] for _ in range(3)} == {"new"}
+
+
+def test_a_backends_file_is_one_source_and_must_be_readable(tmp_path):
+    with pytest.raises(ConfigError, match="backends_file: cannot read"):
+        parse_config(ProxyConfig, {"backends_file": str(tmp_path / "none.json")}, "proxy")
+    (tmp_path / "b.json").write_text('{"prefill": [], "decode": ["ftp://x"]}')
+    with pytest.raises(ConfigError, match="decode: 'ftp://x' is not an http"):
+        parse_config(ProxyConfig, {"backends_file": str(tmp_path / "b.json")}, "proxy")
+    (tmp_path / "b.json").write_text('{"prefill": [], "decode": ["http://d"]}')
+    with pytest.raises(ConfigError, match="prefill/decode and backends_file: give one source of backends"):
+        parse_config(ProxyConfig, {"backends_file": str(tmp_path / "b.json"), "decode": ["http://d"]}, "proxy")

@@ -7,6 +7,10 @@ servers, then the engines together, then the proxy) and each counts as started o
 readiness probe answers. A role that dies before it is ready stops the whole stack with its log's
 tail; one that dies later is restarted (as Kubernetes would restart its pod), at most
 ``MAX_RESTARTS`` times.
+
+``ucm restart`` rolls engine pools as a Deployment with ``maxSurge: 1, maxUnavailable: 0`` does
+(:meth:`LocalStack.roll`): the proxy reads its backends from a file (``plan.BACKENDS_FILE``) that
+``ucm up`` rewrites, so a new engine joins before the old one leaves and drains.
 """
 
 from __future__ import annotations
@@ -24,19 +28,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic.alias_generators import to_camel
 
-from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
+from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan
 from ucm.deploy.ports import free_port, port_is_free
-from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Probe, Role, Site, credentials_secret
+from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Port, Probe, Role, Site, credentials_secret
 from ucm.deploy.spec import UCMDeploymentSpec
 
 MAX_RESTARTS = 3
+PROXY_SEES_S = 10.0  # how long a roll waits for the proxy to take up a new backends file
 
 
 class StackError(RuntimeError):
@@ -219,6 +224,7 @@ class LocalStack:
         self.credentials = {key: self._credential(key) for key in self.plan.credentials}
         engines = [r.name for r in self.plan.roles if r.component in ENGINES]
         self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
+        self.rollout: dict[str, Any] | None = None  # the last `ucm restart`'s outcome
 
     @property
     def proxy(self) -> Process:
@@ -278,6 +284,7 @@ class LocalStack:
             "start": start_time(os.getpid()),
             "base_url": self.base_url,
             "stop_timeout_s": self.stop_timeout_s(),  # how long `ucm down` lets it drain
+            "rollout": self.rollout,
             "roles": {
                 p.role.name: {
                     "pid": p.popen.pid,
@@ -349,6 +356,61 @@ class LocalStack:
             p.start()
             self.save_state()
 
+    def roll(
+        self, components: Sequence[str], progress: Callable[[str, list[Process]], None], timeout: float = 600.0
+    ) -> None:
+        """Replace every engine of these pools, one at a time: a new one starts on a new port and
+        becomes ready, the proxy takes it up, the old one leaves the proxy's pools and then drains
+        (its requests in flight finish). The pool never has fewer ready engines than before. A new
+        engine that does not become ready is stopped and the old one serves on (StackError)."""
+        for old in [p for p in self.processes if p.role.component in components]:
+            port = free_port(taken=[p.port for p in self.processes])
+            # Not pinned: the cores its role was given are busy with the engine it replaces (pinned
+            # there too, a new engine took minutes to start under load on a 2-core machine).
+            env = {**old.env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            new = Process(on_port(old.role, port), old.log, env)
+            progress(f"rolling {old.role.name}: a new one on port {port}", [])
+            try:
+                new.start()
+                self._wait_ready([new], time.monotonic() + timeout, progress)
+                self._serve_from([p for p in self.processes if p.role.component in ENGINES] + [new])
+                self._serve_from([p for p in self.processes if p.role.component in ENGINES and p is not old] + [new])
+            except BaseException:
+                new.stop()
+                self._serve_from([p for p in self.processes if p.role.component in ENGINES])
+                raise
+            self.processes[self.processes.index(old)] = new
+            self.save_state()
+            progress(f"{old.role.name}: port {old.port} draining", [])
+            old.stop()
+
+    def _serve_from(self, engines: list[Process]) -> None:
+        """Point the proxy at these engines (its backends file, replaced whole) and wait until its
+        pools say so (its /metrics names each backend it has)."""
+        urls: dict[str, list[str]] = {}
+        for p in engines:
+            urls.setdefault(p.role.component, []).append(f"http://127.0.0.1:{p.port}")
+        path = self.run_dir / BACKENDS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(backends_json(urls))
+        tmp.replace(path)
+        want = {u for pool in urls.values() for u in pool}
+        deadline = time.monotonic() + PROXY_SEES_S
+        while time.monotonic() < deadline:
+            if self._proxy_backends() == want:
+                return
+            time.sleep(0.1)
+        raise StackError(f"the proxy did not take up {path} within {PROXY_SEES_S:g} s; see {self.proxy.log}")
+
+    def _proxy_backends(self) -> set[str] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.proxy.port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        prefix = 'ucm_proxy_backend_healthy{backend="'
+        return {line[len(prefix) :].split('"', 1)[0] for line in text.splitlines() if line.startswith(prefix)}
+
     def stop(self) -> None:
         """In the reverse of the start order: proxy first (no new requests), then engines, then the
         store's own servers; the roles of a group drain together."""
@@ -364,6 +426,13 @@ class LocalStack:
             max((p.stop_grace_s for p in self.processes if p.role in roles), default=0.0)
             for roles in self.plan.start_groups()
         )
+
+
+def on_port(role: Role, port: int) -> Role:
+    """The role listening on another port (its command's ``--port`` and its port)."""
+    command = list(role.command)
+    command[command.index("--port") + 1] = str(port)
+    return replace(role, command=command, ports=[Port(role.ports[0].name, port)])
 
 
 def check_proxy_config(path: Path) -> None:

@@ -43,6 +43,7 @@ PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it wit
 KV_CONFIG_FILE = "kv-transfer-config.json"
 KV_DECODE_CONFIG_FILE = "kv-transfer-config-decode.json"  # with spec.sparse: what decode engines read
 PROXY_CONFIG_FILE = "proxy.yaml"
+BACKENDS_FILE = "backends.json"  # locally: the proxy's backends, rewritten by `ucm restart`
 API_KEYS_DIR = "/etc/ucm/api-keys"
 MODEL_MOUNT = "/models"
 VLLM_PORT = 8000
@@ -58,6 +59,7 @@ PROXY_PLANNED = (
     "prefill",
     "decode",
     "discovery",
+    "backends_file",
     "api_keys",
     "api_keys_file",
     "backend_api_key_file",
@@ -98,7 +100,9 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
             roles.append(role)
             engines.setdefault(component, []).append(f"http://{site.host(name, role_name)}:{port}")
     proxy_port = site.port("proxy", PROXY_PORT)
-    files[PROXY_CONFIG_FILE] = _proxy_config(name, spec, site, proxy_port, engines)
+    files[PROXY_CONFIG_FILE] = _proxy_config(name, spec, site, proxy_port)
+    if site.local:
+        files[BACKENDS_FILE] = backends_json(engines)
     roles.append(_proxy(name, spec, site, proxy_port))
     claim = kind.claim(opts, site)
     return Plan(
@@ -227,7 +231,11 @@ def _engine(
     )
 
 
-def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, engines: dict[str, list[str]]) -> str:
+def backends_json(engines: dict[str, list[str]]) -> str:
+    return _json({"prefill": engines.get("prefill", []), "decode": engines.get("decode", [])})
+
+
+def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> str:
     """The proxy's config file: the user's ``proxy.config`` plus what the deployment decides."""
     p = spec.proxy
     for key in PROXY_PLANNED:
@@ -236,8 +244,7 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int, eng
     config: dict[str, Any] = {**p.config, "host": site.bind, "port": port, "mode": "pd"}
     config["backend_api_key_file"] = f"{site.credentials_dir}/{BACKEND_KEY}"
     if site.local:
-        config["prefill"] = engines.get("prefill", [])
-        config["decode"] = engines.get("decode", [])
+        config["backends_file"] = f"{site.config_dir}/{BACKENDS_FILE}"
     else:
         config["discovery"] = {
             "namespace": site.namespace,

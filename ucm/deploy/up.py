@@ -1,10 +1,17 @@
-"""``ucm up`` / ``ucm down``: run a ``UCMDeployment`` on this machine (see ``ucm.deploy.local``)."""
+"""``ucm up`` / ``ucm down`` / ``ucm restart``: run a ``UCMDeployment`` on this machine (see
+``ucm.deploy.local``).
+
+``ucm restart`` asks the running ``ucm up`` to roll pools: it writes ``restart.json`` (the pools
+and a request id) next to ``stack.json`` and sends SIGUSR1; ``ucm up`` rolls them between its
+supervision rounds and records the outcome under ``rollout`` in ``stack.json``, which ``ucm
+restart`` waits for."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -12,12 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from ucm.config import ConfigError
-from ucm.deploy.local import LocalStack, Process, StackError, default_spec, kubernetes_only_fields, same_process
+from ucm.deploy.local import (
+    LocalStack,
+    Process,
+    StackError,
+    default_spec,
+    kubernetes_only_fields,
+    same_process,
+    write_state,
+)
 from ucm.deploy.resource import load_resource
 from ucm.deploy.roles import PlanError
 from ucm.deploy.spec import UCMDeploymentSpec
 
 STATE_FILE = "stack.json"
+RESTART_FILE = "restart.json"
+POOLS = ("prefill", "decode")
 
 
 class _Stop(Exception):
@@ -36,6 +53,14 @@ def add_parsers(sub: Any) -> None:
     down.add_argument("--name", default="local")
     down.add_argument("--run-dir", default=".ucm")
     down.set_defaults(func=cmd_down)
+    restart = sub.add_parser(
+        "restart", help="roll engine pools of a stack started with ucm up (new engines join before old ones drain)"
+    )
+    restart.add_argument("--role", choices=POOLS, action="append", help="a pool to roll (repeatable; default: both)")
+    restart.add_argument("--name", default="local")
+    restart.add_argument("--run-dir", default=".ucm")
+    restart.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the rollout")
+    restart.set_defaults(func=cmd_restart)
 
 
 def load_spec(path: str | None) -> tuple[UCMDeploymentSpec, bool]:
@@ -89,6 +114,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal went away
         signal.signal(sig, stop_signal)
+    asked = []  # a restart was asked for (SIGUSR1): handled between supervision rounds
+    signal.signal(signal.SIGUSR1, lambda _s, _f: asked.append(True))
     progress = Progress()
     state_file = run_dir / STATE_FILE
     try:
@@ -97,6 +124,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         while True:
             time.sleep(1.0)
             stack.supervise(lambda m: progress(m, []))
+            if asked:
+                asked.clear()
+                _restart(stack, run_dir, progress, args.timeout)
     except _Stop as why:
         print(f"\nucm up: {why}: stopping", flush=True)
         stack.stop()
@@ -107,6 +137,56 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         state_file.unlink(missing_ok=True)
+
+
+def _restart(stack: LocalStack, run_dir: Path, progress: Progress, timeout: float) -> None:
+    try:
+        request = json.loads((run_dir / RESTART_FILE).read_text())
+        pools = [p for p in request["roles"] if p in POOLS]
+        rid = str(request["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing readable asked for: a stray signal
+    (run_dir / RESTART_FILE).unlink(missing_ok=True)
+    started = time.monotonic()
+    outcome: dict[str, Any] = {"id": rid, "roles": pools}
+    try:
+        stack.roll(pools, progress, timeout=timeout)
+        outcome.update(status="done", message=f"rolled {', '.join(pools)} in {time.monotonic() - started:.0f} s")
+    except StackError as exc:
+        outcome.update(status="failed", message=str(exc))
+    progress(f"restart: {outcome['message']}", [])
+    stack.rollout = outcome
+    stack.save_state()
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).resolve() / args.name
+    try:
+        state = json.loads((run_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        print(f"ucm restart: no stack named {args.name!r} is running (no {run_dir / STATE_FILE})", file=sys.stderr)
+        return 1
+    if not same_process(state["pid"], state.get("start")):
+        print(f"ucm restart: the ucm up of {args.name!r} is gone (stale {run_dir / STATE_FILE})", file=sys.stderr)
+        return 1
+    rid = secrets.token_hex(4)
+    write_state(run_dir / RESTART_FILE, {"id": rid, "roles": args.role or list(POOLS)})
+    os.kill(state["pid"], signal.SIGUSR1)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            rollout = json.loads((run_dir / STATE_FILE).read_text()).get("rollout") or {}
+        except (OSError, ValueError):
+            rollout = {}  # being replaced, or ucm up ended
+        if rollout.get("id") == rid:
+            print(f"ucm restart: {rollout['message']}")
+            return 0 if rollout["status"] == "done" else 1
+        if not same_process(state["pid"], state.get("start")):
+            print("ucm restart: ucm up exited during the rollout", file=sys.stderr)
+            return 1
+    print(f"ucm restart: no outcome after {args.timeout:g} s; see the logs in {run_dir / 'logs'}", file=sys.stderr)
+    return 1
 
 
 def _announce(stack: LocalStack, progress: Progress) -> None:
