@@ -205,20 +205,20 @@ class Proxy:
         started: float,
         trace: Trace,
     ) -> Response:
-        decode_body, promised, avoid = without_params(raw, body), 0, frozenset[str]()
+        decode_body, promised, pair = without_params(raw, body), 0, None
         trace.path = "decode_only"
         if self.config.mode == "pd":
             prefilled = await self._prefill(route, body, headers, key)
             trace.path = "fallback" if prefilled is None else "pd"
             if prefilled is not None:
                 params, identity = prefilled
-                avoid = other_identities(self.decode, identity)  # decodes that could not see its KV
+                pair = Pair(identity, other_identities(self.decode, identity))
                 decode_body = with_params(raw, body, params)
                 blocks = params.get(PARAM_BLOCKS) if isinstance(params, dict) else None
                 promised = blocks if isinstance(blocks, int) else 0
         if body.get("stream"):
-            return await self._decode_stream(route, decode_body, headers, key, started, avoid)
-        return await self._decode(route, decode_body, headers, key, started, promised, avoid)
+            return await self._decode_stream(route, decode_body, headers, key, started, pair)
+        return await self._decode(route, decode_body, headers, key, started, promised, pair)
 
     def authorize(self, request: Request) -> str | None:
         """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""
@@ -290,7 +290,7 @@ class Proxy:
         key: bytes,
         started: float,
         promised: int,
-        avoid: frozenset[str],
+        pair: Pair | None,
     ) -> Response:
         async def attempt(backend: Backend) -> Response:
             upstream = self._post(backend, route, payload, headers, self._whole_timeout)
@@ -305,18 +305,20 @@ class Proxy:
             finally:
                 await upstream.__aexit__(None, None, None)
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
+            if pair is not None:
+                pair.record(backend)
             if resp.status == 200:
                 self.recent.record_decode(promised, data)
             media_type = resp.headers.get("Content-Type", "application/json")
             return Response(data, resp.status, headers=_response_headers(resp, headers), media_type=media_type)
 
         try:
-            return await self._with_retries(self.decode, key, attempt, avoid=avoid)
+            return await self._with_retries(self.decode, key, attempt, avoid=pair.avoid if pair else frozenset())
         except NoBackend:
             raise no_backend("decode") from None
 
     async def _decode_stream(
-        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, avoid: frozenset[str]
+        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, pair: Pair | None
     ) -> Response:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
@@ -336,6 +338,8 @@ class Proxy:
                 await upstream.__aexit__(None, None, None)
                 raise
             metrics.TTFB.labels(route).observe(time.perf_counter() - started)
+            if pair is not None:
+                pair.record(backend)
             upstream.hold()  # in flight until the stream ends
             return Relay(
                 upstream,
@@ -346,7 +350,7 @@ class Proxy:
             )
 
         try:
-            return await self._with_retries(self.decode, key, attempt, avoid=avoid)
+            return await self._with_retries(self.decode, key, attempt, avoid=pair.avoid if pair else frozenset())
         except NoBackend:
             raise no_backend("decode") from None
 
@@ -391,6 +395,19 @@ class Proxy:
     ) -> Upstream:
         assert self.session is not None
         return Upstream(self.session, backend, route, payload, headers, timeout)
+
+
+class Pair:
+    """A PD request's prefill identity, and the decodes that could not use its KV."""
+
+    __slots__ = ("avoid", "identity")
+
+    def __init__(self, identity: str | None, avoid: frozenset[str]) -> None:
+        self.identity, self.avoid = identity, avoid
+
+    def record(self, decode: Backend) -> None:
+        known = self.identity is not None and decode.identity is not None
+        metrics.PD_PAIRS.labels(str(decode.identity == self.identity).lower() if known else "unknown").inc()
 
 
 class Trace:

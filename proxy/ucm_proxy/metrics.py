@@ -29,6 +29,11 @@ PD_PATH_HEALTHY = Gauge(
 PD_PATH_CHECKS = Counter(
     "ucm_proxy_pd_path_checks_total", "PD path checks by result (a reason naming the hop)", ["result"]
 )
+PD_PAIRS = Counter(
+    "ucm_proxy_pd_pairs_total",
+    "PD requests by whether decode's pairing identity matched the prefill's (unknown: an engine named none)",
+    ["matched"],
+)
 PD_DECODE_KV = Counter(
     "ucm_proxy_pd_decode_kv_total",
     "PD answers (not streamed) where decode loaded the prompt's KV from the store, or computed it all",

@@ -258,3 +258,22 @@ def test_state_is_written_as_each_role_starts(tmp_path, monkeypatch):
         stack.start(lambda *_: None)
     roles = json.loads(state_path.read_text())["roles"]
     assert set(roles) == {"prefill-0", "decode-0"} and all(r["pid"] and "start" in r for r in roles.values())
+
+
+def test_a_restart_with_a_changed_spec_rolls_only_the_pools_it_changes(tmp_path):
+    stack = LocalStack(spec(tmp_path), tmp_path / "run")
+    stack.write_files()
+    ports = [p.port for p in stack.processes]
+    base = default_spec(tmp_path)
+    assert stack.reconfigure(UCMDeploymentSpec.model_validate(base)) == []
+    sparse = {**base, "sparse": {"algorithm": "esa"}}  # decode engines only
+    assert stack.reconfigure(UCMDeploymentSpec.model_validate(sparse)) == ["decode"]
+    assert (tmp_path / "run" / "kv-transfer-config-decode.json").exists()
+    model = {**base, "model": {**base["model"], "blockSize": 64}}
+    assert stack.reconfigure(UCMDeploymentSpec.model_validate(model)) == ["prefill", "decode"]
+    assert [r.ports[0].number for r in stack.plan.roles] == ports  # the same engines, until rolled
+    assert "64" in stack.plan.roles[0].command
+    with pytest.raises(StackError, match="cannot change the number of engines"):
+        stack.reconfigure(UCMDeploymentSpec.model_validate({**base, "decode": {"replicas": 2}}))
+    with pytest.raises(StackError, match="cannot change the proxy"):
+        stack.reconfigure(UCMDeploymentSpec.model_validate({**base, "proxy": {"config": {"retries": 3}}}))

@@ -204,10 +204,15 @@ def test_a_prefill_is_paired_only_with_a_decode_of_its_configuration(fakes, make
         pd_check=FAST,
     )
     wait_identities(proxy, 4)
+    matched = 'ucm_proxy_pd_pairs_total{matched="true"}'
     with proxy.client() as c:
+        before = c.get("/metrics").text
         for i in range(8):
             assert c.post("/v1/completions", json={**COMPLETION, "prompt": f"p{i}"}).status_code == 200
         check = wait_check(c, lambda check: check is not None and check["healthy"])["check"]
+        after = c.get("/metrics").text
+    assert metric(after, matched) - metric(before, matched) == 8
+    assert metric(after, 'ucm_proxy_pd_pairs_total{matched="false"}') == 0
     prefilled_by = {
         d.name: {r["body"]["kv_transfer_params"]["prefilled_by"] for r in d.requests} for d in (old_d, new_d)
     }

@@ -202,29 +202,49 @@ class LocalStack:
         self.logs = run_dir / "logs"
         if proxy_port and not port_is_free(proxy_port):
             raise StackError(f"--port: {proxy_port} is in use; choose another (0 picks any free port)")
-        ports: dict[str, int] = {"proxy": proxy_port} if proxy_port else {}
-
-        def port(role: str) -> int:  # stable per name
-            if role not in ports:
-                ports[role] = free_port(taken=ports.values())
-            return ports[role]
-
-        site = Site(
-            "local",
-            config_dir=str(run_dir),
-            kv_dir=str(run_dir / "kv"),
-            ports=port,
-        )
-        self.plan: Plan = build_plan(name, spec, site)
+        self._ports: dict[str, int] = {"proxy": proxy_port} if proxy_port else {}
+        self.plan: Plan = build_plan(name, spec, self._site())
         source = spec.model.source
         if source.host_path is not None and not Path(source.host_path).is_dir():
             raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
         # Made once per run directory, like the operator's Secret per deployment (the MAC key must
         # outlive a restart, or the blocks already stored fail their check): files, and env for engines.
         self.credentials = {key: self._credential(key) for key in self.plan.credentials}
-        engines = [r.name for r in self.plan.roles if r.component in ENGINES]
+        engines = self._engine_names()
         self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
         self.rollout: dict[str, Any] | None = None  # the last `ucm restart`'s outcome
+
+    def _engine_names(self) -> list[str]:
+        return [r.name for r in self.plan.roles if r.component in ENGINES]
+
+    def reconfigure(self, spec: UCMDeploymentSpec) -> list[str]:
+        """Take a changed spec for the engines (model, store, block size, ...): its files are written
+        and the next :meth:`roll` starts engines from it. Returns the pools whose engines change.
+        What cannot change in a roll (the pools' sizes, the proxy) is refused: ``ucm down``/``up``."""
+        plan = build_plan(self.name, spec, self._site())
+        if [(r.name, r.component) for r in plan.roles] != [(r.name, r.component) for r in self.plan.roles]:
+            raise StackError("a restart cannot change the number of engines; use ucm down, then ucm up")
+        if plan.files[PROXY_CONFIG_FILE] != self.plan.files[PROXY_CONFIG_FILE]:
+            raise StackError("a restart cannot change the proxy; use ucm down, then ucm up")
+        for filename, text in plan.files.items():
+            if filename != BACKENDS_FILE:  # the live one: the roll rewrites it
+                (self.run_dir / filename).write_text(text)
+        changed = [
+            r.component
+            for r, was in zip(plan.roles, self.plan.roles, strict=True)
+            if r.component in ENGINES and (r != was or any(plan.files[f] != self.plan.files[f] for f in r.files))
+        ]
+        self.spec, self.plan = spec, plan
+        return list(dict.fromkeys(changed))
+
+    def _site(self) -> Site:
+        return Site("local", config_dir=str(self.run_dir), kv_dir=str(self.run_dir / "kv"), ports=self._port)
+
+    def _port(self, role: str) -> int:
+        """A role's port, stable per name (a rolled engine's is its new one)."""
+        if role not in self._ports:
+            self._ports[role] = free_port(taken=self._ports.values())
+        return self._ports[role]
 
     @property
     def proxy(self) -> Process:
@@ -365,10 +385,11 @@ class LocalStack:
         engine that does not become ready is stopped and the old one serves on (StackError)."""
         for old in [p for p in self.processes if p.role.component in components]:
             port = free_port(taken=[p.port for p in self.processes])
+            role = next(r for r in self.plan.roles if r.name == old.role.name)  # after reconfigure: the new one
             # Not pinned: the cores its role was given are busy with the engine it replaces (pinned
             # there too, a new engine took minutes to start under load on a 2-core machine).
-            env = {**old.env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-            new = Process(on_port(old.role, port), old.log, env)
+            env = {**self._env(role, self._engine_names()), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            new = Process(on_port(role, port), old.log, env)
             progress(f"rolling {old.role.name}: a new one on port {port}", [])
             try:
                 new.start()
@@ -380,6 +401,8 @@ class LocalStack:
                 self._serve_from([p for p in self.processes if p.role.component in ENGINES])
                 raise
             self.processes[self.processes.index(old)] = new
+            self._ports[role.name] = port
+            self.plan.roles[self.plan.roles.index(role)] = new.role
             self.save_state()
             progress(f"{old.role.name}: port {old.port} draining", [])
             old.stop()

@@ -56,7 +56,13 @@ def add_parsers(sub: Any) -> None:
     restart = sub.add_parser(
         "restart", help="roll engine pools of a stack started with ucm up (new engines join before old ones drain)"
     )
-    restart.add_argument("--role", choices=POOLS, action="append", help="a pool to roll (repeatable; default: both)")
+    restart.add_argument(
+        "--role",
+        choices=POOLS,
+        action="append",
+        help="a pool to roll (repeatable; default: both, or with -f the pools the change touches)",
+    )
+    restart.add_argument("-f", "--file", help="a changed UCMDeployment: its engines replace the running ones")
     restart.add_argument("--name", default="local")
     restart.add_argument("--run-dir", default=".ucm")
     restart.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the rollout")
@@ -142,17 +148,22 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _restart(stack: LocalStack, run_dir: Path, progress: Progress, timeout: float) -> None:
     try:
         request = json.loads((run_dir / RESTART_FILE).read_text())
-        pools = [p for p in request["roles"] if p in POOLS]
-        rid = str(request["id"])
+        pools = [p for p in request["roles"] or POOLS if p in POOLS]
+        rid, file = str(request["id"]), request.get("file")
     except (OSError, ValueError, KeyError, TypeError):
         return  # nothing readable asked for: a stray signal
     (run_dir / RESTART_FILE).unlink(missing_ok=True)
     started = time.monotonic()
     outcome: dict[str, Any] = {"id": rid, "roles": pools}
     try:
-        stack.roll(pools, progress, timeout=timeout)
-        outcome.update(status="done", message=f"rolled {', '.join(pools)} in {time.monotonic() - started:.0f} s")
-    except StackError as exc:
+        if file is not None:
+            changed = stack.reconfigure(load_spec(file)[0])
+            pools = request["roles"] or changed
+        if pools:
+            stack.roll(pools, progress, timeout=timeout)
+        message = f"rolled {', '.join(pools)}" if pools else "nothing to roll: the engines did not change"
+        outcome.update(status="done", roles=pools, message=f"{message} in {time.monotonic() - started:.0f} s")
+    except (StackError, ConfigError, PlanError) as exc:
         outcome.update(status="failed", message=str(exc))
     progress(f"restart: {outcome['message']}", [])
     stack.rollout = outcome
@@ -170,7 +181,8 @@ def cmd_restart(args: argparse.Namespace) -> int:
         print(f"ucm restart: the ucm up of {args.name!r} is gone (stale {run_dir / STATE_FILE})", file=sys.stderr)
         return 1
     rid = secrets.token_hex(4)
-    write_state(run_dir / RESTART_FILE, {"id": rid, "roles": args.role or list(POOLS)})
+    file = str(Path(args.file).resolve()) if args.file else None
+    write_state(run_dir / RESTART_FILE, {"id": rid, "roles": args.role or [], "file": file})
     os.kill(state["pid"], signal.SIGUSR1)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
