@@ -31,6 +31,9 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
     # Watched whether or not KEDA is installed: Kopf serves it once its CRD exists.
     "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
+    # Likewise the Prometheus Operator's, rendered with --prometheus-operator.
+    "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors"),
+    "ServiceMonitor": ("monitoring.coreos.com", "v1", "servicemonitors"),
 }
 # Rendered but not watched: the operator creates the credentials Secret once and never reads it
 # back (RBAC: get and create on Secrets, no list or watch of every Secret in the namespace).

@@ -219,7 +219,7 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
         await refresh(state, namespace, name, kwargs)
         return
     spec, plan = planned
-    desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler)
+    desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler, state.policy.monitors)
     failure: ApiError | None = None
     with RECONCILE_SECONDS.time():
         try:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from ucm.deploy.autoscaling import Autoscaler
+from ucm.deploy.monitors import Monitors
 from ucm.deploy.policy import Policy
 from ucm.deploy.ports import free_port
 from ucm_operator.api import path as child_path
@@ -547,3 +548,22 @@ async def test_the_proxys_pd_path_check_becomes_conditions(kmock, cluster, tmp_p
             assert obj["status"]["pdPath"]["healthy"] is True
 
         await eventually(kept)
+
+
+@pytest.mark.asyncio
+async def test_with_the_prometheus_operator_each_deployment_gets_its_monitors(kmock, cluster):
+    monitors = Monitors(enabled=True, labels=(("release", "prom"),))
+    async with operator_running(cluster.url, Policy(monitors=monitors)):
+        await cluster.apply_ucmd(NS, "a", SPEC, uid="uid-a")
+        want = CHILDREN | {("PodMonitor", "a-engines"), ("ServiceMonitor", "a-proxy")}
+
+        async def all_children() -> dict:
+            kids = await cluster.children(NS, "a")
+            assert set(kids) == want
+            return kids
+
+        kids = await eventually(all_children)
+    for kind in ("PodMonitor", "ServiceMonitor"):
+        (obj,) = [o for (k, _), o in kids.items() if k == kind]
+        assert obj["metadata"]["labels"]["release"] == "prom"
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-a"  # deleted with the deployment

@@ -14,6 +14,8 @@ import yaml
 from tests.operator.conftest import CHART, ROOT, helm
 from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
+from ucm.deploy.monitors import Monitors
+from ucm.deploy.monitors import from_args as monitors_from_args
 from ucm.deploy.plan import build_plan
 from ucm.deploy.roles import Site
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -63,23 +65,31 @@ def validate_strict(docs: list[dict], tmp_path: Path) -> None:
 
 
 NODE_MODELS = Path(sys.executable).parent.parent / "node"  # scripts/install-node-models.sh
-VALIDATE_KEDA = """
-import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
+# Kinds kubernetes-validate does not know, checked against their projects' own CRD schemas.
+MODELS = {
+    "ScaledObject": "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject",
+    "PodMonitor": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor",
+    "ServiceMonitor": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor",
+}
+VALIDATE_MODELS = """
 import { readFileSync } from "node:fs";
+const { modules, objects } = JSON.parse(readFileSync(0, "utf8"));
 const errors = [];
-for (const obj of JSON.parse(readFileSync(0, "utf8"))) {
-  try { new ScaledObject(obj).validate(); } catch (e) { errors.push(`${obj.metadata.name}: ${e}`); }
+for (const obj of objects) {
+  const model = (await import(modules[obj.kind]))[obj.kind];
+  try { new model(obj).validate(); } catch (e) { errors.push(`${obj.kind} ${obj.metadata.name}: ${e}`); }
 }
 if (errors.length) { console.error(errors.join("\\n")); process.exit(1); }
 """
 
 
-def validate_keda(docs: list[dict]) -> None:
-    """ScaledObjects against KEDA's own CRD schema (kubernetes-validate knows core kinds only)."""
-    scaled = [d for d in docs if d["kind"] == "ScaledObject"]
+def validate_models(docs: list[dict]) -> None:
+    """ScaledObjects, PodMonitors and ServiceMonitors against KEDA's and the Prometheus Operator's
+    own schemas (the npm packages of kubernetes-models)."""
+    objects = [d for d in docs if d["kind"] in MODELS]
     r = subprocess.run(
-        ["node", "--input-type=module", "-e", VALIDATE_KEDA],
-        input=json.dumps(scaled),
+        ["node", "--input-type=module", "-e", VALIDATE_MODELS],
+        input=json.dumps({"modules": MODELS, "objects": objects}),
         capture_output=True,
         text=True,
         cwd=NODE_MODELS,
@@ -98,9 +108,10 @@ def specs() -> list[tuple[str, dict]]:
 def test_rendered_objects_are_valid_kubernetes(name, spec, provider, tmp_path):
     model = UCMDeploymentSpec.model_validate(spec)
     plan = build_plan("demo", model, Site("kubernetes", namespace="serving"))
-    objects = render(Owner("demo", "serving", "0000-uid"), model, plan, Autoscaler(provider=provider))
-    validate_strict(objects, tmp_path)
-    validate_keda(objects)
+    monitors = Monitors(enabled=True, labels=(("release", "kube-prometheus"),))
+    objects = render(Owner("demo", "serving", "0000-uid"), model, plan, Autoscaler(provider=provider), monitors)
+    validate_strict([o for o in objects if o["kind"] not in MODELS], tmp_path)
+    validate_models(objects)
     scalers = {"keda": "ScaledObject", "hpa": "HorizontalPodAutoscaler"}
     scaled = [o["metadata"]["name"] for o in objects if o["kind"] == scalers[provider]]
     assert scaled == [f"demo-{p}" for p in ("prefill", "decode") if spec.get(p, {}).get("autoscaling")]
@@ -146,8 +157,9 @@ def test_chart_lints(tmp_path):
         ["--set", "metrics.service.enabled=true", "--set", "watchNamespaces={serving,batch}"],
         ["--set", "metrics.serviceMonitor.enabled=true", "--set", "image.tag=dev"],
         ["--set", "policy.hostPathPrefixes={/data/models}", "--set", "policy.anyScheduling=true"],
+        ["--set", "monitoring.prometheusOperator=true", "--set", "monitoring.labels.release=prom"],
     ],
-    ids=["defaults", "metrics-namespaces", "servicemonitor", "policy"],
+    ids=["defaults", "metrics-namespaces", "servicemonitor", "policy", "monitors"],
 )
 def test_chart_renders_valid_manifests(values, tmp_path):
     out = helm("template", "ucm", str(CHART), "--namespace", "ucm-system", "--include-crds", *values, tmp=tmp_path)
@@ -164,7 +176,10 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     if "policy.anyScheduling=true" in values:
         assert "--allow-host-path=/data/models" in args and "--allow-any-scheduling" in args
     # The operator accepts what the chart passes.
-    assert build_parser().parse_args(args).allow_host_path == (["/data/models"] if "policy" in str(values) else [])
+    parsed = build_parser().parse_args(args)
+    assert parsed.allow_host_path == (["/data/models"] if "policy" in str(values) else [])
+    monitored = "monitoring.prometheusOperator=true" in values
+    assert monitors_from_args(parsed) == Monitors(monitored, (("release", "prom"),) if monitored else ())
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
@@ -257,3 +272,30 @@ def test_with_watch_namespaces_the_operator_holds_rights_in_those_namespaces_onl
         == (everywhere["u-ucm-operator"]["rules"])
     )
     validate_strict(scoped, tmp_path)
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    return ok and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
+
+
+def test_monitors_scrape_every_engine_pod_and_the_proxy_and_nothing_else():
+    spec = UCMDeploymentSpec.model_validate(specs()[0][1])
+    plan = build_plan("demo", spec, Site("kubernetes", namespace="serving"))
+    assert not [o for o in render(Owner("demo", "serving", "u"), spec, plan) if o["kind"] in MODELS]  # off by default
+    objects = render(Owner("demo", "serving", "u"), spec, plan, None, Monitors(True, (("release", "prom"),)))
+    pods = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in objects if o["kind"] == "Deployment"
+    }
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    (pod_monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
+    (service_monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert pod_monitor["metadata"]["labels"]["release"] == "prom"
+    scraped = {name for name, labels in pods.items() if matches(pod_monitor["spec"]["selector"], labels)}
+    assert scraped == {"demo-prefill", "demo-decode"}
+    assert pod_monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    selected = [n for n, s in services.items() if matches(service_monitor["spec"]["selector"], s["metadata"]["labels"])]
+    assert selected == ["demo-proxy"]
+    assert {p["name"] for p in services["demo-proxy"]["spec"]["ports"]} >= {
+        service_monitor["spec"]["endpoints"][0]["port"]
+    }

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from ucm.deploy.autoscaling import Autoscaler, autoscaling
+from ucm.deploy.monitors import Monitors
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION, Scraper, UCMDeploymentSpec
 
@@ -74,10 +75,15 @@ class Owner:
 
 
 def render(
-    owner: Owner, spec: UCMDeploymentSpec, plan: Plan, autoscaler: Autoscaler | None = None
+    owner: Owner,
+    spec: UCMDeploymentSpec,
+    plan: Plan,
+    autoscaler: Autoscaler | None = None,
+    monitors: Monitors | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object, each stamped with its desired hash. ``autoscaler``: what scales an
-    autoscaled pool (default: KEDA, as the operator's default)."""
+    autoscaled pool (default: KEDA, as the operator's default); ``monitors``: whether Prometheus
+    Operator monitors are rendered (default: not)."""
     objects: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": owner.meta("config", None), "data": dict(plan.files)}
     ]
@@ -105,6 +111,13 @@ def render(
             objects.append((autoscaler or Autoscaler()).render(meta, deployment, proxy, role, scaling))
     objects += _proxy_rbac(owner)
     objects += _network_policies(owner, spec, plan)
+    engines = sorted({r.component for r in plan.roles if r.component in ENGINES})
+    engine_pods = {
+        "matchLabels": {LABEL_INSTANCE: owner.name},
+        "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": engines}],
+    }
+    proxy = {"matchLabels": selector(owner.name, "proxy")}
+    objects += (monitors or Monitors()).render(owner.meta, engine_pods, proxy)
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[DESIRED_HASH] = digest(obj)
     return objects

@@ -15,8 +15,9 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.deploy import autoscaling
+from ucm.deploy import autoscaling, monitors
 from ucm.deploy.autoscaling import Autoscaler
+from ucm.deploy.monitors import Monitors
 from ucm.deploy.roles import fail
 from ucm.deploy.spec import PoolSpec, UCMDeploymentSpec
 
@@ -46,6 +47,8 @@ class Policy:
     any_scheduling: bool = False
     # Not a bound but the cluster's fact the spec is checked against too: what scales a pool.
     autoscaler: Autoscaler = dataclasses.field(default_factory=Autoscaler)
+    # Another cluster fact: whether Prometheus Operator monitors are rendered, labelled how.
+    monitors: Monitors = dataclasses.field(default_factory=Monitors)
 
     def check(self, spec: UCMDeploymentSpec) -> None:
         """Raises :class:`PlanError` naming the first field outside the bounds."""
@@ -124,6 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--allow-any-scheduling", action="store_true", help="pass control-plane placement and keyless tolerations"
     )
     autoscaling.add_arguments(p)
+    monitors.add_arguments(p)
 
 
 def from_args(args: argparse.Namespace) -> Policy:
@@ -132,4 +136,5 @@ def from_args(args: argparse.Namespace) -> Policy:
         host_path_prefixes=tuple(args.allow_host_path),
         any_scheduling=args.allow_any_scheduling,
         autoscaler=autoscaling.from_args(args),
+        monitors=monitors.from_args(args),
     )

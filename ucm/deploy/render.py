@@ -59,7 +59,7 @@ def objects(
             check_proxy_config(proxy_config)
         except StackError as exc:
             raise ConfigError(f"spec.{exc}") from None
-    return render(Owner(name, namespace, uid or resource.uid), resource.spec, plan, bounds.autoscaler)
+    return render(Owner(name, namespace, uid or resource.uid), resource.spec, plan, bounds.autoscaler, bounds.monitors)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
