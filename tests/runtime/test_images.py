@@ -94,8 +94,9 @@ def test_the_proxy_image_command_serves_health(tmp_path):
     port = free_port()
     ports = iter([free_port(), free_port(), port])
     plan = build_plan("x", spec, Site("local", config_dir=str(tmp_path), ports=lambda role: next(ports)))
+    for name, text in plan.files.items():  # proxy.yaml, and the backends file it names
+        (tmp_path / name).write_text(text)
     config = tmp_path / "proxy.yaml"
-    config.write_text(plan.files["proxy.yaml"])
     (tmp_path / "credentials").mkdir()  # what the operator's Secret (ucm up: a file) provides
     (tmp_path / "credentials" / "backend-api-key").write_text("k" * 32)
     args = [str(config) if a == "/etc/ucm/proxy.yaml" else a for a in cmd]
