@@ -6,7 +6,7 @@ them through ``prometheus_client``'s default registry.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 # Store I/O spans memory copies (microseconds) to network filesystems (seconds).
 _LATENCY_BUCKETS = (
@@ -62,6 +62,20 @@ STORE_EVICTED_BYTES = Counter(
     "ucm_store_evicted_bytes_total",
     "Bytes removed to keep the store under its capacity",
     ["backend"],
+)
+# Set by each capacity check (a scan of the store); "livemax": the engine's /metrics shows the
+# latest-scanning live process's figure, not a sum over processes that share one store.
+STORE_USED_BYTES = Gauge(
+    "ucm_store_used_bytes",
+    "Bytes of blocks in the store at the last capacity check (stores with a capacity)",
+    ["backend"],
+    multiprocess_mode="livemax",
+)
+STORE_CAPACITY_BYTES = Gauge(
+    "ucm_store_capacity_bytes",
+    "The store's capacity: above it, least-recently-used blocks are evicted",
+    ["backend"],
+    multiprocess_mode="livemax",
 )
 STORE_OP_SECONDS = Histogram(
     "ucm_store_operation_seconds",

@@ -238,6 +238,8 @@ def test_eviction_keeps_the_store_under_capacity_and_evicts_lru_first(tmp_path):
         store.enforce_capacity()
         assert sum(b.size for b in store.scan()) <= capacity
     assert metric("ucm_store_evicted_blocks_total", backend="posix") > before
+    assert metric("ucm_store_capacity_bytes", backend="posix") == capacity
+    assert metric("ucm_store_used_bytes", backend="posix") == sum(b.size for b in store.scan())
     assert store.lookup(hot_ids) == [True] * 4
     store.close()
 
@@ -494,3 +496,46 @@ def test_a_short_mac_key_is_refused(tmp_path):
     (tmp_path / "key").write_bytes(b"short")
     with pytest.raises(ConfigError, match=r"mac_key_file: .* holds 5 bytes; at least 16 are needed"):
         posix(tmp_path, mac_key_file=str(tmp_path / "key"))
+
+
+def stored_bytes(root: Path) -> int:
+    total = 0
+    for p in block_files(root):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass  # evicted since it was listed
+    return total
+
+
+def _write_many(root: str, capacity: int, block: int, count: int) -> None:
+    store = create_store(
+        {"spec": "posix", "posix": {"roots": [root], "capacity": capacity, "eviction_interval_s": 0.5}}
+    )
+    for _ in range(count):
+        ids, data = blocks(4, block)
+        assert store.wait(store.dump(ids, data)) == [True] * 4
+    store.close()
+
+
+def test_several_writers_together_stay_under_capacity_and_still_hit(tmp_path):
+    """Engines sharing one volume each run the capacity check; they share the write budget
+    between checks (each marks itself in .ucm-writers), so together they stay under capacity."""
+    block = 16 << 10
+    capacity = 96 * (block + TRAILER.size)
+    spawn = mp.get_context("spawn")
+    writers = [spawn.Process(target=_write_many, args=(str(tmp_path), capacity, block, 60)) for _ in range(4)]
+    for w in writers:
+        w.start()
+    peak = 0
+    while any(w.is_alive() for w in writers):
+        peak = max(peak, stored_bytes(tmp_path))
+        time.sleep(0.002)
+    assert [w.exitcode for w in writers] == [0] * 4
+    assert 4 * 60 * 4 * block > 2 * capacity  # they wrote well past capacity ...
+    assert 0 < peak <= capacity  # ... and the store never held more
+    store = posix(tmp_path, capacity=capacity)
+    ids, data = blocks(8, block)
+    assert store.wait(store.dump(ids, data)) == [True] * 8
+    assert store.lookup(ids) == [True] * 8  # the latest blocks serve hits
+    store.close()

@@ -28,6 +28,7 @@ import fcntl
 import logging
 import mmap
 import os
+import socket
 import stat
 import struct
 import threading
@@ -59,6 +60,7 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 3600.0
 _ALIGN = 4096
 _GC_LOCK = ".ucm-gc.lock"
+_WRITERS = ".ucm-writers"  # a file per process that wrote lately: they share the write budget between checks
 _MAC_CONTEXT = "UCM posix store 2026-11 block MAC"
 T = TypeVar("T")
 
@@ -125,10 +127,15 @@ class PosixStore(PerBlockStore):
         self._written_since_check = 0
         self._evictor: threading.Thread | None = None
         if config.capacity is not None:
-            gap = int(config.capacity) * (1 - config.evict_to)
-            # Check often enough that one writer cannot pass capacity between two checks.
-            self._check_every_bytes = max(1, int(gap / 4))
+            # Between the high watermark and capacity lies half the eviction gap. The writers of the
+            # store share an eighth of the gap: a writer wakes its evictor after its share and, if
+            # no check has run by twice its share, runs one itself before writing on. Together they
+            # write at most a quarter of the gap between two checks. Shares are recounted per check.
+            self._write_budget = int(int(config.capacity) * (1 - config.evict_to) / 8)
+            self._writer_mark = os.path.join(self._roots[0], _WRITERS, f"{socket.gethostname()}-{os.getpid()}")
+            self._check_every_bytes = max(1, self._write_budget // self._active_writers())
             self._high_watermark = int(int(config.capacity) * (config.evict_to + (1 - config.evict_to) / 2))
+            metrics.STORE_CAPACITY_BYTES.labels(backend).set(int(config.capacity))
             self._evictor = threading.Thread(target=self._evict_loop, name=f"ucm-{backend}-evict", daemon=True)
             self._evictor.start()
 
@@ -324,8 +331,13 @@ class PosixStore(PerBlockStore):
             return
         with self._written_lock:
             self._written_since_check += nbytes
-            due = self._written_since_check >= self._check_every_bytes
-        if due:
+            pending = self._written_since_check
+            behind = pending >= 2 * self._check_every_bytes
+            if behind:
+                self._written_since_check = 0
+        if behind:  # the evictor has not caught up with this writer: it waits for a check
+            self.enforce_capacity(wait=True)
+        elif pending >= self._check_every_bytes:
             self._gc_wakeup.set()
 
     def _evict_loop(self) -> None:
@@ -338,9 +350,20 @@ class PosixStore(PerBlockStore):
                 wrote, self._written_since_check = self._written_since_check, 0
             if wrote:  # a process that writes nothing leaves eviction to those that do
                 try:
+                    self._check_every_bytes = max(1, self._write_budget // self._active_writers())
                     self.enforce_capacity(wait=False)
                 except Exception:
                     logger.exception("%s: eviction pass failed", self.backend)
+        _unlink_quietly(self._writer_mark)
+
+    def _active_writers(self) -> int:
+        """This process and the others that marked a write within the last few check intervals."""
+        os.makedirs(os.path.dirname(self._writer_mark), exist_ok=True)
+        with open(self._writer_mark, "a"):
+            os.utime(self._writer_mark)
+        recent = time.time() - 3 * self.config.eviction_interval_s
+        with os.scandir(os.path.dirname(self._writer_mark)) as it:
+            return max(1, sum(1 for e in it if _mtime(e) >= recent))
 
     def enforce_capacity(self, wait: bool = True) -> tuple[int, int]:
         """One capacity check: above the high watermark, evict down to ``evict_to`` x capacity.
@@ -355,9 +378,12 @@ class PosixStore(PerBlockStore):
             except BlockingIOError:
                 return 0, 0
             entries = list(self._scan_entries())
-            if sum(e.size for e in entries) <= self._high_watermark:
-                return 0, 0
-            return self._evict(entries, int(int(self.config.capacity) * self.config.evict_to))
+            used = sum(e.size for e in entries)
+            evicted = (0, 0)
+            if used > self._high_watermark:
+                evicted = self._evict(entries, int(int(self.config.capacity) * self.config.evict_to))
+            metrics.STORE_USED_BYTES.labels(self.backend).set(used - evicted[1])
+            return evicted
 
     def remove(self, ids: Sequence[bytes]) -> list[bool]:
         removed = []
@@ -497,6 +523,13 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
 
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _mtime(entry: os.DirEntry[str]) -> float:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0  # gone meanwhile: that writer stopped
 
 
 def _subdirs(path: str) -> list[str]:
