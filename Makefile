@@ -7,7 +7,7 @@ NATIVE_STAMP := $(VENV)/.ucm-native-stamp
 NATIVE_SOURCES := $(wildcard runtime/native/src/*) runtime/native/CMakeLists.txt runtime/native/pyproject.toml
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: dev test up images images-offline lint fmt crds clean bench-deps
+.PHONY: dev test up images images-offline lint fmt generate clean bench-deps
 
 dev: $(STAMP) $(NATIVE_STAMP)
 
@@ -83,10 +83,13 @@ fmt: dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Regenerate the CRD from the spec models (a test fails when the checked-in copy drifts).
-crds: dev
+# Regenerate the checked-in generated files (tests fail when one drifts): the CRD from the spec
+# models, the chart's Prometheus rules and Grafana dashboard from ucm/deploy/{rules,dashboard}.py.
+generate: dev
 	$(BIN)/python -m ucm.deploy.crd crds/ucm.io_ucmdeployments.yaml
 	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/crds/
+	$(BIN)/python -m ucm.deploy.rules charts/ucm-operator/files/ucm-rules.yaml
+	$(BIN)/python -m ucm.deploy.dashboard charts/ucm-operator/files/ucm-dashboard.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runtime/native/build

@@ -11,6 +11,8 @@ dpkg -s libfuse3-3 >/dev/null 2>&1 || missing+=(fuse3)
 # Docker's engine and mmdebstrap: `make images-offline` builds and tests run the images.
 command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
+# Prometheus and promtool: ucm up --monitor, and the tests that run the shipped rules and dashboard.
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 # node and npm: the tests validate rendered KEDA objects with kubernetes-models' schemas.
 command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 [ ${#missing[@]} -eq 0 ] && exit 0

@@ -21,7 +21,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
 @pytest.mark.parametrize("copy_", ["crds", "charts/ucm-operator/crds"])
 def test_checked_in_crds_are_what_the_models_generate(copy_):
     checked_in = (ROOT / copy_ / CRD_FILE).read_text()
-    assert checked_in == render(), f"run: make crds ({copy_}/{CRD_FILE} drifted from the models)"
+    assert checked_in == render(), f"run: make generate ({copy_}/{CRD_FILE} drifted from the models)"
 
 
 def walk(node, path="schema"):

@@ -70,6 +70,7 @@ MODELS = {
     "ScaledObject": "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject",
     "PodMonitor": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor",
     "ServiceMonitor": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor",
+    "PrometheusRule": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule",
 }
 VALIDATE_MODELS = """
 import { readFileSync } from "node:fs";
@@ -157,7 +158,14 @@ def test_chart_lints(tmp_path):
         ["--set", "metrics.service.enabled=true", "--set", "watchNamespaces={serving,batch}"],
         ["--set", "metrics.serviceMonitor.enabled=true", "--set", "image.tag=dev"],
         ["--set", "policy.hostPathPrefixes={/data/models}", "--set", "policy.anyScheduling=true"],
-        ["--set", "monitoring.prometheusOperator=true", "--set", "monitoring.labels.release=prom"],
+        [
+            "--set",
+            "monitoring.prometheusOperator=true",
+            "--set",
+            "monitoring.labels.release=prom",
+            "--set",
+            "monitoring.grafanaDashboard.enabled=true",
+        ],
     ],
     ids=["defaults", "metrics-namespaces", "servicemonitor", "policy", "monitors"],
 )
@@ -166,8 +174,9 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"} <= kinds
-    # ServiceMonitor is the Prometheus operator's custom resource: not in the offline schemas.
-    validate_strict([d for d in docs if d["kind"] != "ServiceMonitor"], tmp_path)
+    # The Prometheus Operator's custom resources, against its own schemas; the rest strictly.
+    validate_strict([d for d in docs if d["kind"] not in MODELS], tmp_path)
+    validate_models(docs)
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     if "watchNamespaces={serving,batch}" in values:
@@ -293,7 +302,17 @@ def test_monitors_scrape_every_engine_pod_and_the_proxy_and_nothing_else():
     assert pod_monitor["metadata"]["labels"]["release"] == "prom"
     scraped = {name for name, labels in pods.items() if matches(pod_monitor["spec"]["selector"], labels)}
     assert scraped == {"demo-prefill", "demo-decode"}
-    assert pod_monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "30s")
+    # The labels the shipped rules and dashboard group by, from each pod's own labels.
+    for name, labels in pods.items():
+        meta = {
+            f"__meta_kubernetes_pod_label_{k.replace('.', '_').replace('/', '_').replace('-', '_')}": v
+            for k, v in labels.items()
+        }
+        relabelled = {r["targetLabel"]: meta[r["sourceLabels"][0]] for r in endpoint["relabelings"]}
+        assert relabelled == {"ucm_deployment": "demo", "ucm_role": name.removeprefix("demo-")}
+    assert service_monitor["spec"]["endpoints"][0]["relabelings"] == endpoint["relabelings"]
     selected = [n for n, s in services.items() if matches(service_monitor["spec"]["selector"], s["metadata"]["labels"])]
     assert selected == ["demo-proxy"]
     assert {p["name"] for p in services["demo-proxy"]["spec"]["ports"]} >= {

@@ -16,6 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 API_VERSION = "monitoring.coreos.com/v1"
+# Every series gets the deployment and the pool it came from, which the shipped rules and dashboard
+# group by (ucm.deploy.rules); ``ucm up --monitor`` sets the same labels on its targets.
+RELABELINGS = [
+    {"sourceLabels": [f"__meta_kubernetes_pod_label_{label}"], "targetLabel": target}
+    for label, target in (
+        ("app_kubernetes_io_instance", "ucm_deployment"),
+        ("app_kubernetes_io_component", "ucm_role"),
+    )
+]
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,7 @@ class Monitors:
         selectors of the engine pods and of the proxy's Service."""
         if not self.enabled:
             return []
-        endpoint = {"port": "http", "path": "/metrics", "interval": self.interval}
+        endpoint = {"port": "http", "path": "/metrics", "interval": self.interval, "relabelings": RELABELINGS}
         return [
             {
                 "apiVersion": API_VERSION,

@@ -1,0 +1,158 @@
+"""The shipped Prometheus rules and Grafana dashboard: generated, checked by Prometheus' own
+promtool (syntax, and the alerts' behaviour on synthetic series), and what the chart installs.
+That every query returns data from a real stack: e2e/test_monitor.py."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ucm.deploy import dashboard, rules
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ROOT / "charts" / "ucm-operator" / "files"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool: Debian's prometheus (make dev installs it)")
+
+
+def test_checked_in_rules_and_dashboard_are_what_the_code_generates():
+    assert (FILES / "ucm-rules.yaml").read_text() == rules.render(), "run: make generate"
+    assert (FILES / "ucm-dashboard.json").read_text() == dashboard.render(), "run: make generate"
+
+
+@needs_promtool
+def test_promtool_accepts_the_rules():
+    r = subprocess.run([PROMTOOL, "check", "rules", str(FILES / "ucm-rules.yaml")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(rules.RECORDS) + len(rules.ALERTS)} rules found" in r.stdout
+
+
+SERIES = {
+    "prefill": 'ucm_deployment="d", ucm_role="prefill", instance="p:1", backend="posix"',
+    "proxy": 'ucm_deployment="d", ucm_role="proxy", instance="x:1"',
+}
+# promtool's unit tests: one-minute samples, then what the rules must record and which alerts fire.
+UNIT_TESTS = {
+    "rule_files": [str(FILES / "ucm-rules.yaml")],
+    "evaluation_interval": "1m",
+    "tests": [
+        {
+            "interval": "1m",
+            "input_series": [
+                {"series": f"ucm_store_lookup_blocks_total{{{SERIES['prefill']}}}", "values": "0+60x30"},
+                {"series": f"ucm_store_lookup_hits_total{{{SERIES['prefill']}}}", "values": "0+45x30"},
+                {"series": f"ucm_store_used_bytes{{{SERIES['prefill']}}}", "values": "990x30"},
+                {"series": f"ucm_store_capacity_bytes{{{SERIES['prefill']}}}", "values": "1000x30"},
+                {"series": f"ucm_proxy_pd_path_healthy{{{SERIES['proxy']}}}", "values": "1 1 1 0x27"},
+                {
+                    "series": f'ucm_proxy_requests_total{{{SERIES["proxy"]}, route="/v1/completions", status="200", '
+                    'path="pd"}',
+                    "values": "0+60x30",
+                },
+                {
+                    "series": f'ucm_proxy_requests_total{{{SERIES["proxy"]}, route="/v1/completions", status="200", '
+                    'path="fallback"}',
+                    "values": "0+20x30",
+                },
+            ],
+            "promql_expr_test": [
+                {
+                    "expr": "ucm_cache_hit_rate",
+                    "eval_time": "10m",
+                    "exp_samples": [
+                        {"labels": 'ucm_cache_hit_rate{ucm_deployment="d", backend="posix"}', "value": 0.75}
+                    ],
+                },
+                {
+                    "expr": "ucm_pd_fallback_ratio",
+                    "eval_time": "10m",
+                    "exp_samples": [{"labels": 'ucm_pd_fallback_ratio{ucm_deployment="d"}', "value": 0.25}],
+                },
+                {
+                    "expr": "ucm_proxy_error_ratio",  # 0 while no request failed, not "no data"
+                    "eval_time": "10m",
+                    "exp_samples": [{"labels": 'ucm_proxy_error_ratio{ucm_deployment="d"}', "value": 0}],
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "UCMPDPathBroken", "exp_alerts": []},  # not for 2m yet
+                {
+                    "eval_time": "6m",
+                    "alertname": "UCMPDPathBroken",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "critical", "ucm_deployment": "d"},
+                            "exp_annotations": {
+                                "summary": "Prefill -> store -> decode is broken for d",
+                                "description": rules.ALERTS[0].description,
+                            },
+                        }
+                    ],
+                },
+                {"eval_time": "12m", "alertname": "UCMStoreNearCapacity", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "UCMStoreNearCapacity",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "ucm_deployment": "d", "backend": "posix"},
+                            "exp_annotations": {
+                                "summary": "The posix store of d stays near its capacity",
+                                "description": next(
+                                    a for a in rules.ALERTS if a.name == "UCMStoreNearCapacity"
+                                ).description,
+                            },
+                        }
+                    ],
+                },
+                {
+                    "eval_time": "20m",
+                    "alertname": "UCMPDFallbackHigh",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "ucm_deployment": "d"},
+                            "exp_annotations": {
+                                "summary": "25% of PD requests of d ran on decode alone",
+                                "description": next(
+                                    a for a in rules.ALERTS if a.name == "UCMPDFallbackHigh"
+                                ).description,
+                            },
+                        }
+                    ],
+                },
+                {"eval_time": "20m", "alertname": "UCMProxyErrors", "exp_alerts": []},
+            ],
+        }
+    ],
+}
+
+
+@needs_promtool
+def test_the_rules_record_and_alert_as_documented(tmp_path):
+    path = tmp_path / "tests.yaml"
+    path.write_text(yaml.safe_dump(UNIT_TESTS, sort_keys=False))
+    r = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_chart_ships_the_rules_and_the_dashboard(tmp_path):
+    helm = Path(sys.executable).parent / "helm"
+    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
+    sets = ["monitoring.prometheusOperator=true", "monitoring.grafanaDashboard.enabled=true"]
+    sets.append("monitoring.grafanaDashboard.namespace=grafana")
+    args = [str(helm), "template", "u", str(ROOT / "charts" / "ucm-operator")]
+    out = subprocess.run(
+        [*args, *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    docs = {d["kind"]: d for d in yaml.safe_load_all(out) if d}
+    assert docs["PrometheusRule"]["spec"] == rules.rule_groups()
+    config_map = docs["ConfigMap"]
+    assert config_map["metadata"]["namespace"] == "grafana"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(config_map["data"]["ucm-deployments.json"]) == dashboard.dashboard()
+    off = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
+    assert "PrometheusRule" not in off and "ucm-deployments.json" not in off
