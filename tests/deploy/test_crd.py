@@ -148,6 +148,21 @@ CEL_CASES = [
         "store.mac: only file stores (posix, nfs, ds3fs) sign blocks",
     ),
     (
+        with_("store", {"type": "mooncake", "mooncake": {"master": {}}, "files": {"capacity": "1Gi"}}),
+        "store.files: only for file stores (posix, nfs, ds3fs)",
+    ),
+    (
+        with_(
+            "store",
+            {"type": "posix", "pvc": {"claimName": "a"}, "mac": True, "files": {"verifyChecksum": False}},
+        ),
+        "store.files.verifyChecksum: signed blocks (store.mac) are always verified",
+    ),
+    (
+        with_("store", {"type": "mooncake", "mooncake": {"master": {}, "deviceName": "mlx5_0"}}),
+        "store.mooncake.deviceName: only with protocol rdma",
+    ),
+    (
         with_("decode", {"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]}),
         "envFrom: set exactly one of secretRef, configMapRef",
     ),

@@ -186,3 +186,35 @@ def test_named_scrapers_reach_the_engines_metrics_and_nobody_else_does():
         "podSelector": {"matchLabels": {"app": "prom"}},
     }
     assert "ports" not in engines and len(api["from"]) == 2  # the proxy and the scraper, nothing else
+
+
+def test_file_store_tuning_and_connector_timing_reach_every_engine(tmp_path):
+    files = {"capacity": "10Gi", "ioThreads": 16, "directIO": True, "fsync": True, "verifyChecksum": False}
+    connector = {"loadMode": "step", "pdWaitTimeoutS": 5, "pdSaveWaitS": 0}
+    overrides = {"store": {**BASE["store"], "files": files}, "connector": connector}
+    for site in (K8S, local_site(tmp_path)):  # the operator and `ucm up` alike
+        extra = kv(plan_for(overrides, site))
+        assert extra["store"]["posix"] == {
+            "roots": [site.kv_dir],
+            "capacity": 10 << 30,
+            "io_threads": 16,
+            "direct_io": True,
+            "fsync": True,
+            "verify_checksum": False,
+        }
+        assert (extra["load_mode"], extra["pd_wait_timeout_s"], extra["pd_save_wait_s"]) == ("step", 5, 0)
+        assert "save_mode" not in extra  # unset: the connector's default
+
+
+def test_a_claim_the_deployment_creates_gets_a_capacity_by_default():
+    created = {"type": "posix", "pvc": {"create": {"size": "100Gi"}}}
+    assert kv(plan_for({"store": created}))["store"]["posix"]["capacity"] == int(100 * (1 << 30) * 0.9)
+    assert "capacity" not in kv(plan_for({}))["store"]["posix"]  # an existing claim: its size is unknown
+    explicit = {**created, "files": {"capacity": "1Ti"}}
+    assert kv(plan_for({"store": explicit}))["store"]["posix"]["capacity"] == 1 << 40
+
+
+def test_mooncake_over_rdma_names_its_device():
+    store = {"type": "mooncake", "mooncake": {"master": {}, "protocol": "rdma", "deviceName": "mlx5_0"}}
+    mooncake = kv(plan_for({"store": store}))["store"]["mooncake"]
+    assert (mooncake["protocol"], mooncake["device_name"]) == ("rdma", "mlx5_0")

@@ -36,7 +36,7 @@ from ucm.deploy.roles import (
     fail,
     quantity_bytes,
 )
-from ucm.deploy.spec import PoolSpec, UCMDeploymentSpec
+from ucm.deploy.spec import FILE_KINDS, FileStoreSpec, PoolSpec, UCMDeploymentSpec
 from ucm.integration.vllm.config import kv_transfer_config
 
 PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it with the release
@@ -46,6 +46,9 @@ PROXY_CONFIG_FILE = "proxy.yaml"
 BACKENDS_FILE = "backends.json"  # locally: the proxy's backends, rewritten by `ucm restart`
 API_KEYS_DIR = "/etc/ucm/api-keys"
 MODEL_MOUNT = "/models"
+# A store on a claim the deployment creates keeps this share of it: the rest is room for the file
+# system's own use and the blocks written while an eviction pass runs.
+DEFAULT_CAPACITY_SHARE = 0.9
 VLLM_PORT = 8000
 PROXY_PORT = 8000
 # Seconds a stopping pod keeps serving after it leaves its Service's endpoints: the proxy's
@@ -74,7 +77,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     files: dict[str, str] = {}
     model_path, model_volumes = _model(spec, site)
     store_volumes = kind.volumes(opts, name, site)
-    stage = kind.connector(opts, name, site)
+    stage = _file_options(spec, kind.connector(opts, name, site))
     credentials = [BACKEND_KEY]
     if store.mac:
         (backend,) = stage
@@ -146,7 +149,7 @@ def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any], sparse: bool = Fa
     if spec.store.cache_size is not None:
         store["spec"] = f"cache|{backend}"
         store["cache"] = {"capacity": quantity_bytes(spec.store.cache_size, "store.cacheSize")}
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = spec.connector.model_dump(exclude_unset=True)
     if sparse and spec.sparse is not None:
         extra["sparse"] = spec.sparse.model_dump(mode="json", exclude_unset=True)
     try:
@@ -161,6 +164,23 @@ def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any], sparse: bool = Fa
         )
     except ConfigError as exc:
         raise fail("store", str(exc)) from None
+
+
+def _file_options(spec: UCMDeploymentSpec, stage: dict[str, Any]) -> dict[str, Any]:
+    """``store.files`` on a file store's stage (what is set; the store's defaults otherwise), and a
+    capacity by default where the volume's size is known: a claim the deployment creates."""
+    store = spec.store
+    if store.type not in FILE_KINDS:
+        return stage
+    files = store.files or FileStoreSpec()
+    options = files.model_dump(exclude_unset=True, exclude={"capacity"})
+    claim = getattr(store.options, "create", None)
+    if files.capacity is not None:
+        options["capacity"] = quantity_bytes(files.capacity, "store.files.capacity")
+    elif claim is not None:
+        options["capacity"] = int(quantity_bytes(claim.size, "store.pvc.create.size") * DEFAULT_CAPACITY_SHARE)
+    (backend,) = stage
+    return {backend: {**stage[backend], **options}}
 
 
 def _source_id(spec: UCMDeploymentSpec) -> str:

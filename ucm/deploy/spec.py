@@ -204,7 +204,46 @@ class HashingSpec(Spec):
     salt: str = ""
 
 
-SIGNING_KINDS = tuple(k.name for k in KINDS.values() if k.signs_blocks)
+FILE_KINDS = tuple(k.name for k in KINDS.values() if k.signs_blocks)  # block files; they can carry a MAC
+
+
+class FileStoreSpec(Spec):
+    """How engines use a file store (posix, nfs, ds3fs): what a platform team tunes per volume."""
+
+    capacity: Quantity | None = Field(
+        None,
+        description="Least-recently-used blocks are evicted above this (every engine checks; one evicts at a "
+        "time). Default: 90% of store.pvc.create.size when the deployment creates the claim; otherwise none, "
+        "since the volume's size is unknown (then `ucm store gc` frees space)",
+    )
+    evict_to: float = Field(0.9, gt=0, lt=1, description="Fraction of capacity left after an eviction pass")
+    io_threads: int = Field(8, ge=1, le=256, description="Parallel block reads and writes per engine process")
+    direct_io: bool = Field(
+        False, alias="directIO", description="Bypass the page cache (O_DIRECT); for fast local NVMe or 3FS"
+    )
+    fsync: bool | None = Field(
+        None, description="fsync every block and its directory (survives power loss). Default: true for nfs only"
+    )
+    verify_checksum: bool = Field(
+        True, description="Hash every loaded block; false trusts storage that checksums end to end (not with mac)"
+    )
+
+
+class ConnectorSpec(Spec):
+    """The connector's timing and transfer modes, the same on every engine."""
+
+    load_mode: Literal["layer", "step"] = Field(
+        "layer", description="layer: copy loaded blocks into each layer just before it runs; step: all up front"
+    )
+    save_mode: Literal["layer", "step"] = Field(
+        "layer", description="layer: save each layer's new blocks as it finishes; step: all at the step's end"
+    )
+    pd_wait_timeout_s: float = Field(
+        30.0, ge=0, le=600, description="Decode waits this long for blocks prefill promised, then recomputes them"
+    )
+    pd_save_wait_s: float = Field(
+        10.0, ge=0, le=600, description="Prefill answers once its blocks are in the store, waiting up to this long"
+    )
 
 
 class _StoreSpec(Spec):
@@ -216,8 +255,16 @@ class _StoreSpec(Spec):
             for k in KINDS.values()
         ),
         (
-            "!self.mac || self.type in [" + ", ".join(f"'{k}'" for k in SIGNING_KINDS) + "]",
-            f"store.mac: only file stores ({', '.join(SIGNING_KINDS)}) sign blocks",
+            "!self.mac || self.type in [" + ", ".join(f"'{k}'" for k in FILE_KINDS) + "]",
+            f"store.mac: only file stores ({', '.join(FILE_KINDS)}) sign blocks",
+        ),
+        (
+            "!has(self.files) || self.type in [" + ", ".join(f"'{k}'" for k in FILE_KINDS) + "]",
+            f"store.files: only for file stores ({', '.join(FILE_KINDS)})",
+        ),
+        (
+            "!has(self.files) || !self.mac || !has(self.files.verifyChecksum) || self.files.verifyChecksum",
+            "store.files.verifyChecksum: signed blocks (store.mac) are always verified",
         ),
     )
 
@@ -241,7 +288,12 @@ class _StoreSpec(Spec):
         if self.options is None:
             raise ValueError(f"store.{self.kind.field}: required when type is {self.kind.name}")
         if self.mac and not self.kind.signs_blocks:
-            raise ValueError(f"store.mac: only file stores ({', '.join(SIGNING_KINDS)}) sign blocks, not {self.type}")
+            raise ValueError(f"store.mac: only file stores ({', '.join(FILE_KINDS)}) sign blocks, not {self.type}")
+        files = self.files  # type: ignore[attr-defined]
+        if files is not None and self.type not in FILE_KINDS:
+            raise ValueError(f"store.files: only for file stores ({', '.join(FILE_KINDS)}), not {self.type}")
+        if files is not None and self.mac and not files.verify_checksum:
+            raise ValueError("store.files.verifyChecksum: signed blocks (store.mac) are always verified")
         return self
 
 
@@ -251,6 +303,7 @@ StoreSpec = create_model(
     type=(Literal[tuple(KINDS)], Field(description="The kind of shared store: " + ", ".join(KINDS))),
     **{k.field: (k.options | None, Field(None, alias=k.field, description=k.description)) for k in KINDS.values()},
     cache_size=(Quantity | None, Field(None, description="A DRAM tier in front of the store, per vLLM pod")),
+    files=(FileStoreSpec | None, Field(None, description="Capacity and I/O of a file store (posix, nfs, ds3fs)")),
     hashing=(HashingSpec, HashingSpec()),
 )
 
@@ -329,6 +382,7 @@ class UCMDeploymentSpec(Spec):
     prefill: PoolSpec = PoolSpec()
     decode: PoolSpec = PoolSpec()
     store: StoreSpec  # type: ignore[valid-type]
+    connector: ConnectorSpec = ConnectorSpec()
     proxy: ProxySpec = ProxySpec()
     sparse: SparseSpec | None = Field(None, description="Sparse attention for long decodes (decode engines)")
     monitoring: MonitoringSpec = MonitoringSpec()

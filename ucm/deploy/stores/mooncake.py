@@ -3,12 +3,12 @@ master runs in the deployment (``master``) or outside it (``address``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ucm.deploy.roles import Port, Probe, Role, Site, fail, quantity_bytes
-from ucm.deploy.schema import Quantity, Spec
+from ucm.deploy.schema import Quantity, Spec, cel
 from ucm.deploy.stores.base import StoreKind
 
 MASTER = "mooncake-master"
@@ -22,10 +22,24 @@ class MooncakeMaster(Spec):
 
 
 class MooncakeSpec(Spec):
+    model_config = Spec.model_config | cel(
+        ("self.protocol == 'rdma' || !has(self.deviceName)", "store.mooncake.deviceName: only with protocol rdma"),
+    )
+
     master: MooncakeMaster | None = Field(None, description="Run a master in the deployment")
     address: str | None = Field(None, description="An external master, host:port")
     metadata_server: str | None = Field(None, description="With address: its metadata URL")
     segment_size: Quantity = Field("4Gi", description="DRAM each vLLM pod adds to the pool")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="How engines move blocks to and from the pool")
+    device_name: str | None = Field(
+        None, min_length=1, description="RDMA device(s) to use, e.g. mlx5_0 (protocol rdma only)"
+    )
+
+    @model_validator(mode="after")
+    def _device_with_rdma(self) -> MooncakeSpec:
+        if self.device_name is not None and self.protocol != "rdma":
+            raise ValueError("store.mooncake.deviceName: only with protocol rdma")
+        return self
 
 
 class Mooncake(StoreKind):
@@ -53,6 +67,8 @@ class Mooncake(StoreKind):
                 # Other clients reach this pod at its own IP: `ucm serve` expands the variable.
                 "local_hostname": "127.0.0.1" if site.local else "${POD_IP}",
                 "global_segment_size": quantity_bytes(opts.segment_size, "store.mooncake.segmentSize"),
+                "protocol": opts.protocol,
+                **({"device_name": opts.device_name} if opts.device_name else {}),
             }
         }
 
