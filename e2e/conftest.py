@@ -30,12 +30,12 @@ UCM = str(Path(sys.executable).parent / "ucm")
 class Stack:
     """A running ``ucm up`` process and what it printed."""
 
-    def __init__(self, run_dir: Path, spec: dict[str, Any], name: str = "e2e") -> None:
+    def __init__(self, run_dir: Path, spec: dict[str, Any], name: str = "e2e", args: tuple[str, ...] = ()) -> None:
         self.run_dir, self.name = run_dir, name
         spec_file = run_dir / f"{name}.yaml"
         spec_file.write_text(yaml.safe_dump({"apiVersion": "ucm.io/v1alpha1", "kind": "UCMDeployment", "spec": spec}))
         self.proc = subprocess.Popen(
-            [UCM, "up", "-f", str(spec_file), "--port", "0", "--run-dir", str(run_dir), "--name", name],
+            [UCM, "up", "-f", str(spec_file), "--port", "0", "--run-dir", str(run_dir), "--name", name, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ucm.deploy import prometheus
 from ucm.deploy.local import (
     LocalStack,
     Process,
@@ -277,3 +279,29 @@ def test_a_restart_with_a_changed_spec_rolls_only_the_pools_it_changes(tmp_path)
         stack.reconfigure(UCMDeploymentSpec.model_validate({**base, "decode": {"replicas": 2}}))
     with pytest.raises(StackError, match="cannot change the proxy"):
         stack.reconfigure(UCMDeploymentSpec.model_validate({**base, "proxy": {"config": {"retries": 3}}}))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (make dev installs it)")
+def test_the_monitor_scrapes_every_engine_and_the_proxy_with_the_shipped_rules(tmp_path):
+    stack = LocalStack(spec(tmp_path, decode={"replicas": 2}), tmp_path / "run", monitor_port=0)
+    stack.write_files()
+    prometheus.write_config(stack.run_dir)
+    stack._write_scrape_targets()
+    check = subprocess.run(
+        ["promtool", "check", "config", str(stack.run_dir / prometheus.CONFIG_FILE)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr  # the rules file it names included
+    targets = json.loads((stack.run_dir / prometheus.TARGETS_FILE).read_text())
+    scraped = sorted((t["labels"]["ucm_role"], t["targets"][0]) for t in targets)
+    expected = sorted(
+        (p.role.component, f"127.0.0.1:{p.port}") for p in stack.processes if p.role.component != "prometheus"
+    )
+    assert scraped == expected and len(scraped) == 4  # prefill, 2 decode, proxy
+    assert {t["labels"]["ucm_deployment"] for t in targets} == {"local"}
+    assert stack.monitor is not None and stack.monitor.port not in [p for _, p in scraped]
+
+
+def test_monitor_without_prometheus_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(StackError, match="apt-get install prometheus"):
+        LocalStack(spec(tmp_path), tmp_path / "run", monitor_port=0)

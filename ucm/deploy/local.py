@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic.alias_generators import to_camel
 
+from ucm.deploy import prometheus
 from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan
 from ucm.deploy.ports import free_port, port_is_free
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Port, Probe, Role, Site, credentials_secret
@@ -195,6 +196,7 @@ class LocalStack:
         proxy_port: int = 0,
         name: str = "local",
         state_path: Path | None = None,
+        monitor_port: int | None = None,
     ) -> None:
         self.spec, self.name = spec, name
         self.state_path = state_path  # written whenever a process starts: `ucm down` finds them all
@@ -212,6 +214,16 @@ class LocalStack:
         self.credentials = {key: self._credential(key) for key in self.plan.credentials}
         engines = self._engine_names()
         self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
+        # --monitor: a Prometheus beside the deployment's roles, supervised and recorded like them.
+        self.monitor: Process | None = None
+        if monitor_port is not None:
+            if shutil.which("prometheus") is None:
+                raise StackError("--monitor: prometheus is not installed (Debian: apt-get install prometheus)")
+            if monitor_port and not port_is_free(monitor_port):
+                raise StackError(f"--monitor-port: {monitor_port} is in use; choose another (0 picks any free port)")
+            port = monitor_port or free_port(taken=self._ports.values())
+            self.monitor = Process(prometheus.role(run_dir, port), self.logs / "prometheus.log", dict(os.environ))
+            self.processes.append(self.monitor)
         self.rollout: dict[str, Any] | None = None  # the last `ucm restart`'s outcome
 
     def _engine_names(self) -> list[str]:
@@ -334,9 +346,21 @@ class LocalStack:
                     self.save_state()
                     progress(f"starting {p.role.name} on port {p.port} (log: {p.log})", [])
                 self._wait_ready(group, deadline, progress)
+            if self.monitor is not None:
+                prometheus.write_config(self.run_dir)
+                self._write_scrape_targets()
+                self.monitor.start()
+                self.save_state()
+                progress(f"starting prometheus on port {self.monitor.port} (log: {self.monitor.log})", [])
+                self._wait_ready([self.monitor], deadline, progress)
         except BaseException:
             self.stop()
             raise
+
+    def _write_scrape_targets(self) -> None:
+        if self.monitor is not None:
+            scraped = [p for p in self.processes if p.role.component in (*ENGINES, "proxy")]
+            prometheus.write_targets(self.run_dir, self.name, [(p.role.component, p.port) for p in scraped])
 
     def _wait_ready(
         self, group: list[Process], deadline: float, progress: Callable[[str, list[Process]], None]
@@ -404,6 +428,7 @@ class LocalStack:
             self._ports[role.name] = port
             self.plan.roles[self.plan.roles.index(role)] = new.role
             self.save_state()
+            self._write_scrape_targets()
             progress(f"{old.role.name}: port {old.port} draining", [])
             old.stop()
 
@@ -436,7 +461,9 @@ class LocalStack:
 
     def stop(self) -> None:
         """In the reverse of the start order: proxy first (no new requests), then engines, then the
-        store's own servers; the roles of a group drain together."""
+        store's own servers; the roles of a group drain together. A monitor goes first."""
+        if self.monitor is not None:
+            self.monitor.stop()
         for roles in reversed(self.plan.start_groups()):
             group = [p for p in self.processes if p.role in roles]
             deadlines = [p.begin_stop() for p in group]

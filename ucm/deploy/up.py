@@ -48,6 +48,12 @@ def add_parsers(sub: Any) -> None:
     up.add_argument("--run-dir", default=".ucm", help="where config, logs, blocks and state go")
     up.add_argument("--port", type=int, default=8000, help="proxy port (0: any free port)")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every role to be ready")
+    up.add_argument(
+        "--monitor",
+        action="store_true",
+        help="also run Prometheus (Debian's prometheus) scraping the stack with UCM's rules and alerts",
+    )
+    up.add_argument("--monitor-port", type=int, default=9090, help="Prometheus' port (0: any free port)")
     up.set_defaults(func=cmd_up)
     down = sub.add_parser("down", help="stop a stack started with ucm up")
     down.add_argument("--name", default="local")
@@ -107,7 +113,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         spec, given = load_spec(args.file)
         run_dir = Path(args.run_dir).resolve() / args.name
-        stack = LocalStack(spec, run_dir, args.port, args.name, state_path=run_dir / STATE_FILE)
+        monitor_port = args.monitor_port if args.monitor else None
+        stack = LocalStack(
+            spec, run_dir, args.port, args.name, state_path=run_dir / STATE_FILE, monitor_port=monitor_port
+        )
     except (ConfigError, PlanError, StackError) as exc:
         print(f"ucm up: error: {exc}", file=sys.stderr)
         return 2
@@ -207,6 +216,11 @@ def _announce(stack: LocalStack, progress: Progress) -> None:
     progress(f"ready in {time.monotonic() - progress.t0:.0f} s; logs in {stack.logs}", [])
     print(f"  try: curl -s {stack.base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     print("  stop: Ctrl-C, or `ucm down`")
+    if stack.monitor is not None:
+        print(
+            f"  Prometheus: http://127.0.0.1:{stack.monitor.port} (UCM's rules and alerts; e.g. ucm_cache_hit_rate, "
+            "ucm_io_throughput_gbps)"
+        )
     print(f"  OpenAI base URL: {stack.base_url}", flush=True)
 
 
