@@ -156,3 +156,29 @@ def test_the_chart_ships_the_rules_and_the_dashboard(tmp_path):
     assert json.loads(config_map["data"]["ucm-deployments.json"]) == dashboard.dashboard()
     off = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
     assert "PrometheusRule" not in off and "ucm-deployments.json" not in off
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["crds-installed", "no-crds"])
+def test_auto_follows_whether_the_cluster_serves_the_prometheus_operator(served, tmp_path):
+    helm = Path(sys.executable).parent / "helm"
+    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
+    args = [
+        str(helm),
+        "template",
+        "u",
+        str(ROOT / "charts" / "ucm-operator"),
+        "--set",
+        "monitoring.prometheusOperator=auto",
+    ]
+    if served:
+        args += ["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
+    docs = [
+        d
+        for d in yaml.safe_load_all(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
+        if d
+    ]
+    operator_args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert ("--prometheus-operator" in operator_args) is served
+    assert any(d["kind"] == "PrometheusRule" for d in docs) is served

@@ -22,3 +22,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "ucm-operator.serviceAccountName" -}}
 {{- default (include "ucm-operator.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- /* "true" when the deployments get monitors and the chart its PrometheusRule: asked for, or
+"auto" and the cluster serves the Prometheus Operator's API. */ -}}
+{{- define "ucm-operator.prometheusOperator" -}}
+{{- $want := .Values.monitoring.prometheusOperator -}}
+{{- if or (eq (toString $want) "true") (and (eq (toString $want) "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/PrometheusRule")) -}}
+true
+{{- end -}}
+{{- end -}}
