@@ -4,7 +4,11 @@ on each site, claims, extra roles, how status describes it, what ``ucm up`` igno
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
+import time
 from itertools import count
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -14,7 +18,9 @@ from ucm.deploy.roles import PlanError, Site
 from ucm.deploy.spec import UCMDeploymentSpec
 from ucm.deploy.stores import KINDS
 from ucm.integration.vllm.config import parse_connector_config
+from ucm.store import create_store
 from ucm.store.factory import REGISTRY
+from ucm.store.posix import TRAILER
 
 K8S = Site("kubernetes", namespace="serving")
 MODEL = {"source": {"hostPath": "/models/tiny"}}
@@ -158,3 +164,57 @@ def test_a_kind_without_its_options_names_the_field(kind):
     field = KINDS[kind].field
     with pytest.raises(ValidationError, match=rf"store.{field}: required when type is {kind}"):
         UCMDeploymentSpec.model_validate({"model": MODEL, "store": {"type": kind}})
+
+
+def _engine_writes(store_config: dict, block: int, count: int) -> None:
+    """What an engine's workers do to the store: build it from the plan's config and dump blocks."""
+    store = create_store(store_config)
+    for _ in range(count):
+        ids = [os.urandom(32) for _ in range(4)]
+        assert store.wait(store.dump(ids, [os.urandom(block) for _ in ids])) == [True] * 4
+    store.close()
+
+
+def stored_bytes(root: Path) -> int:
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            if len(path.name) == 64 and path.is_file():
+                total += path.stat().st_size
+        except FileNotFoundError:
+            pass  # evicted since it was listed
+    return total
+
+
+def test_several_engines_on_one_volume_stay_under_the_resources_capacity_and_still_hit(tmp_path):
+    """store.files.capacity in the resource reaches every engine's store through the plan; the
+    engines share the write budget between capacity checks (each marks itself in .ucm-writers),
+    so together they stay under it."""
+    block = 16 << 10
+    # The blocks in flight (4 engines x 2 I/O threads) fit in the room above the high watermark,
+    # as they do many times over at real capacities.
+    capacity = 300 * (block + TRAILER.size)
+    files = {"capacity": str(capacity), "ioThreads": 2}
+    spec = UCMDeploymentSpec.model_validate({"model": MODEL, "store": {**STORES["posix"], "files": files}})
+    store_config = json.loads(build_plan("d", spec, local_site(tmp_path)).files[KV_CONFIG_FILE])[
+        "kv_connector_extra_config"
+    ]["store"]
+    assert store_config["posix"]["capacity"] == capacity
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    spawn = mp.get_context("spawn")
+    engines = [spawn.Process(target=_engine_writes, args=(store_config, block, 60)) for _ in range(4)]
+    for e in engines:
+        e.start()
+    peak = 0
+    while any(e.is_alive() for e in engines):
+        peak = max(peak, stored_bytes(kv))
+        time.sleep(0.002)
+    assert [e.exitcode for e in engines] == [0] * 4
+    assert 4 * 60 * 4 * block > 3 * capacity  # they wrote well past capacity ...
+    assert 0 < peak <= capacity  # ... and the store never held more
+    store = create_store(store_config)
+    ids = [os.urandom(32) for _ in range(8)]
+    assert store.wait(store.dump(ids, [os.urandom(block) for _ in ids])) == [True] * 8
+    assert store.lookup(ids) == [True] * 8  # the latest blocks serve hits
+    store.close()

@@ -336,7 +336,7 @@ class PosixStore(PerBlockStore):
             if behind:
                 self._written_since_check = 0
         if behind:  # the evictor has not caught up with this writer: it waits for a check
-            self.enforce_capacity(wait=True)
+            self.enforce_capacity()
         elif pending >= self._check_every_bytes:
             self._gc_wakeup.set()
 
@@ -351,7 +351,9 @@ class PosixStore(PerBlockStore):
             if wrote:  # a process that writes nothing leaves eviction to those that do
                 try:
                     self._check_every_bytes = max(1, self._write_budget // self._active_writers())
-                    self.enforce_capacity(wait=False)
+                    if self._check(wait=False) is None:  # another's pass ran: these writes stay counted
+                        with self._written_lock:
+                            self._written_since_check += wrote
                 except Exception:
                     logger.exception("%s: eviction pass failed", self.backend)
         _unlink_quietly(self._writer_mark)
@@ -365,18 +367,22 @@ class PosixStore(PerBlockStore):
         with os.scandir(os.path.dirname(self._writer_mark)) as it:
             return max(1, sum(1 for e in it if _mtime(e) >= recent))
 
-    def enforce_capacity(self, wait: bool = True) -> tuple[int, int]:
+    def enforce_capacity(self) -> tuple[int, int]:
         """One capacity check: above the high watermark, evict down to ``evict_to`` x capacity.
+        Returns the blocks and bytes evicted."""
+        return self._check(wait=True) or (0, 0)
 
-        One pass at a time runs over a store (an advisory lock on the first root). The background
-        evictor passes ``wait=False`` and skips when a pass is already running: that one serves it."""
+    def _check(self, wait: bool) -> tuple[int, int] | None:
+        """One pass at a time runs over a store (an advisory lock on the first root). The background
+        evictor does not wait for another process's pass (None: skipped); a writer it has not
+        caught up with does."""
         assert self.config.capacity is not None
         lock_path = os.path.join(self._roots[0], _GC_LOCK)
         with open(lock_path, "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
-                return 0, 0
+                return None
             entries = list(self._scan_entries())
             used = sum(e.size for e in entries)
             evicted = (0, 0)
