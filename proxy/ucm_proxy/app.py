@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from ucm_proxy import metrics
 from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, other_identities, unpaired
 from ucm_proxy.config import ProxyConfig, read_backends_file
+from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
@@ -65,6 +66,8 @@ class Proxy:
         self.keys = ApiKeys(config.api_keys, config.api_keys_file)
         self.models: set[str] = set()
         self.recent = RecentPaths()
+        split = config.disaggregation
+        self.decider = Decider(split.min_prefill_tokens, split.chars_per_token, split.remembered_chunks)
         self.first_health_round = asyncio.Event()
         checks = config.mode == "pd" and config.pd_check.interval_s > 0
         self.path_checker = PathChecker(self) if checks else None
@@ -205,20 +208,28 @@ class Proxy:
         started: float,
         trace: Trace,
     ) -> Response:
-        decode_body, promised, pair = without_params(raw, body), 0, None
+        decode_body, promised, pair, chunks = without_params(raw, body), 0, None, []
         trace.path = "decode_only"
         if self.config.mode == "pd":
-            prefilled = await self._prefill(route, body, headers, key)
-            trace.path = "fallback" if prefilled is None else "pd"
-            if prefilled is not None:
-                params, identity = prefilled
-                pair = Pair(identity, other_identities(self.decode, identity))
-                decode_body = with_params(raw, body, params)
-                blocks = params.get(PARAM_BLOCKS) if isinstance(params, dict) else None
-                promised = blocks if isinstance(blocks, int) else 0
+            decision, chunks = self.decider.decide(body, route)
+            metrics.DISAGGREGATION.labels(decision.reason).inc()
+            trace.path = "direct"
+            if decision.disaggregate:
+                prefilled = await self._prefill(route, body, headers, key)
+                trace.path = "fallback" if prefilled is None else "pd"
+                if prefilled is not None:
+                    params, identity = prefilled
+                    pair = Pair(identity, other_identities(self.decode, identity))
+                    decode_body = with_params(raw, body, params)
+                    blocks = params.get(PARAM_BLOCKS) if isinstance(params, dict) else None
+                    promised = blocks if isinstance(blocks, int) else 0
         if body.get("stream"):
-            return await self._decode_stream(route, decode_body, headers, key, started, pair)
-        return await self._decode(route, decode_body, headers, key, started, promised, pair)
+            response = await self._decode_stream(route, decode_body, headers, key, started, pair)
+        else:
+            response = await self._decode(route, decode_body, headers, key, started, promised, pair)
+        if response.status_code == 200:
+            self.decider.remember(chunks)  # prefill, or decode as it computed them, stored its blocks
+        return response
 
     def authorize(self, request: Request) -> str | None:
         """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""
@@ -416,7 +427,7 @@ class Trace:
     __slots__ = ("path",)
 
     def __init__(self) -> None:
-        self.path = "none"  # refused before routing; else pd, fallback or decode_only
+        self.path = "none"  # refused before routing; else pd, direct, fallback or decode_only
 
 
 # vLLM answers a request it aborted before any token (one that arrived while it shut down, say) with

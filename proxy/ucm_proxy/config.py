@@ -60,6 +60,27 @@ class PDCheckConfig(StrictModel):
     timeout_s: float = Field(30.0, gt=0, description="Each of the check's two requests")
 
 
+class DisaggregationConfig(StrictModel):
+    """Mode pd: which requests go through prefill and which straight to decode (``ucm_proxy.decider``)."""
+
+    min_prefill_tokens: int = Field(
+        256,
+        ge=0,
+        description="Prefill remotely only when about this many prompt tokens are not in the store yet: shorter "
+        "prompts, and prompts whose prefix earlier requests stored, go straight to decode (it computes a few "
+        "tokens, or loads the prefix, faster than a prefill round trip); 0: every request through prefill",
+    )
+    chars_per_token: float = Field(
+        4.0, gt=0, le=64, description="How the proxy estimates a text prompt's tokens (it has no tokenizer)"
+    )
+    remembered_chunks: int = Field(
+        200_000,
+        ge=0,
+        description="Prompt chunks (64 estimated tokens each, ~100 bytes of memory) remembered as stored, the "
+        "least recently used forgotten first; 0: only a prompt's length decides",
+    )
+
+
 class DiscoveryConfig(StrictModel):
     """Backends from Kubernetes EndpointSlices (the proxy's ServiceAccount may list/watch them)."""
 
@@ -91,6 +112,7 @@ class ProxyConfig(StrictModel):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
     pd_check: PDCheckConfig = PDCheckConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     retries: int = Field(1, ge=0, le=10, description="Extra attempts on another backend per request phase")
     fallback_to_decode: bool = Field(False, description="pd: with no prefill backend, let decode do it all")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth")

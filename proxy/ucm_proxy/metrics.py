@@ -8,8 +8,9 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 REQUESTS = Counter(
     "ucm_proxy_requests_total",
-    "Client requests by route, status and path (pd: prefill then decode; fallback: decode alone, no prefill "
-    "available; decode_only: a mixed pool; none: refused before routing)",
+    "Client requests by route, status and path (pd: prefill then decode; direct: decode alone, the prompt "
+    "short or its prefix stored; fallback: decode alone, no prefill available; decode_only: a mixed pool; "
+    "none: refused before routing)",
     ["route", "status", "path"],
 )
 LATENCY = Histogram("ucm_proxy_request_seconds", "Client request duration", ["route"], buckets=_BUCKETS)
@@ -48,3 +49,10 @@ def forget_backend(url: str, role: str) -> None:
             metric.remove(url, role)
         except KeyError:
             pass  # it never had that series
+
+
+DISAGGREGATION = Counter(
+    "ucm_proxy_disaggregation_decisions_total",
+    "PD requests by decision: cold (prefilled remotely), short or stored (straight to decode)",
+    ["decision"],
+)

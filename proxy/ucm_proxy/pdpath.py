@@ -21,10 +21,11 @@ Backends are taken in turn, so one broken pod among many shows within a few chec
 count as client traffic (``ucm_proxy_requests_total``) and do not touch backends' passive health.
 
 ``RecentPaths`` keeps the paths of the last client requests (``pd``: prefill then decode;
+``direct``: decode alone by choice, the prompt short or its prefix stored (``ucm_proxy.decider``);
 ``fallback``: decode alone because no prefill backend was available; ``decode_only``: a mixed
 pool) and, for PD answers the proxy reads whole (not streamed), whether decode loaded the
-prompt's KV from the store. Disaggregation is *effective* when most recent requests went through prefill and
-decode loaded what prefill computed.
+prompt's KV from the store. Disaggregation is *effective* when most recent requests meant for
+prefill went through it and decode loaded what prefill computed.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ _WORDS = (
     "into than them can only other new some could time these two may then do first any my now such like "
     "our over man me even most made after also did many before must through back years where much your way"
 )
+PATHS = ("pd", "direct", "fallback", "decode_only")
 EFFECTIVE_SHARE = 0.5  # of recent requests through prefill, and of PD answers that loaded the KV
 
 
@@ -226,10 +228,14 @@ class RecentPaths:
         """(effective, reason, message); None when there is nothing to judge yet."""
         if not self.paths:
             return None, "NoTraffic", "no client requests yet"
-        counts = {p: self.paths.count(p) for p in ("pd", "fallback", "decode_only")}
-        share = counts["pd"] / len(self.paths)
-        seen = f"{counts['pd']} of the last {len(self.paths)} requests went through prefill"
-        if share < EFFECTIVE_SHARE:
+        counts = {p: self.paths.count(p) for p in PATHS}
+        meant = counts["pd"] + counts["fallback"] + counts["decode_only"]
+        if not meant:
+            return None, "AllDirect", f"the last {len(self.paths)} requests were short or stored: decode served them"
+        seen = f"{counts['pd']} of the last {meant} requests meant for prefill went through it"
+        if counts["direct"]:
+            seen += f" ({counts['direct']} more were short or stored and went straight to decode)"
+        if counts["pd"] / meant < EFFECTIVE_SHARE:
             return False, "NotDisaggregated", f"{seen} ({counts['fallback']} fell back to decode alone)"
         if self.loaded:
             loaded = sum(self.loaded) / len(self.loaded)
@@ -247,5 +253,5 @@ class RecentPaths:
         return {
             "check": asdict(check) if check is not None else None,
             "effective": {"value": effective, "reason": reason, "message": message},
-            "paths": {p: self.paths.count(p) for p in ("pd", "fallback", "decode_only")},
+            "paths": {p: self.paths.count(p) for p in PATHS},
         }

@@ -56,6 +56,8 @@ def make_proxy():
             options.setdefault("health", {"interval_s": 0.2, "backoff_s": 0.2})
             # Tests count the requests fake engines get: the PD path check only where a test asks.
             options.setdefault("pd_check", {"interval_s": 0})
+            # Fake engines' prompts are short: every request through prefill unless a test decides.
+            options.setdefault("disaggregation", {"min_prefill_tokens": 0})
             config = parse_config(ProxyConfig, options, "proxy")
             return stack.enter_context(RunningProxy(config))
 

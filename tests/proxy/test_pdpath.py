@@ -106,7 +106,7 @@ def test_effective_when_requests_go_through_prefill_and_decode_loads_the_kv(fake
         report = c.get("/pd-path").json()
         text = c.get("/metrics").text
     assert report["effective"]["value"] is True and report["effective"]["reason"] == "Disaggregated"
-    assert report["paths"] == {"pd": 4, "fallback": 0, "decode_only": 0}
+    assert report["paths"] == {"pd": 4, "direct": 0, "fallback": 0, "decode_only": 0}
     assert metric(text, series) == before + 4
     assert report["check"] is None  # the check is off in this test
 

@@ -57,7 +57,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
         [
             Panel(
                 "Requests by path",
-                "pd: prefill then decode; fallback: decode alone (prefill unavailable); decode_only: no PD needed",
+                "pd: prefill then decode; direct: decode alone, the prompt short or its prefix stored; "
+                "fallback: decode alone, prefill unavailable; decode_only: a mixed pool",
                 (Query(f"sum by (path) (rate(ucm_proxy_requests_total{{{SEL}}}[{RATE}]))", "{{path}}"),),
                 "reqps",
             ),

@@ -64,7 +64,9 @@ def default_spec(model_path: str | Path) -> dict[str, Any]:
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},
         "store": {"type": "posix", "pvc": {"claimName": "local"}},
-        "proxy": {"config": {"fallback_to_decode": True}},
+        # The demo's prompts are short: every request goes through prefill, so the demo shows the
+        # PD path (a deployment's default disaggregates only prompts decode would compute slowly).
+        "proxy": {"config": {"fallback_to_decode": True, "disaggregation": {"min_prefill_tokens": 0}}},
     }
 
 
