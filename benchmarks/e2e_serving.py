@@ -1,23 +1,31 @@
-"""Serving a small trace end to end: one plain vLLM vs the local PD stack (``ucm up``'s plan).
+"""Serving end to end: one plain vLLM vs the local PD stack (``ucm up``'s plan), same cores.
 
-The trace: N requests whose ~1,000-token prompts share a long system prefix (~800 tokens) and end
-in a unique question, 32 output tokens each, streamed, at a fixed concurrency. The two cases run
-one after the other on the same cores (never at once) with the same model and engine flags:
+Two workloads, streamed, greedy, each run on every case one after the other (never at once):
 
-  plain  one vLLM instance (its own prefix cache), no connector
-  pd     ucm-proxy -> prefill vLLM -> POSIX store -> decode vLLM (``LocalStack``, default spec)
+  shared_document  N requests whose ~1,000-token prompts share a long document (~800 tokens) and
+                   end in a unique question, 32 output tokens each, at a fixed concurrency
+  multi_turn       several conversations interleaved; each turn's prompt is the previous prompt,
+                   its answer and a new user message (the first turn carries a ~600-token
+                   context), 32 output tokens; a conversation's turns one after another
 
-Per case: TTFT and inter-token latency p50/p99, output tokens/s over the trace's wall time,
-``hit_rate`` (prompt tokens decode loaded from the store / prompt tokens; 0 for plain), and the
-prompt tokens vLLM reported as cached. On 2 CPU cores PD is not faster (two engines share the
-cores and every request is computed, dumped and loaded); this is the baseline to improve on GPUs.
+Cases, given the same two cores (plain: both; PD: one per engine):
 
-Then multi-turn chats (``multi_turn``): each turn's prompt is the previous prompt, its answer and a
-new user message (as token ids, so the blocks line up), sent to a UCMConnector engine without its
-own prefix cache — as when the next turn lands on another replica — once with
-``decode_save_blocks: 0`` (only prompt blocks saved: the old behaviour) and once with the default
-(blocks filled while decoding saved too). ``hit_rate``: prompt tokens of turns 2.. loaded from the
-store / their prompt tokens.
+  plain      one vLLM instance (its own prefix cache), no connector
+  pd         ucm-proxy -> prefill vLLM -> POSIX store -> decode vLLM, with the proxy's selective
+             disaggregation (the deployment default: prompts with >= 256 tokens not yet stored go
+             through prefill, the rest straight to decode)
+  pd_always  the same stack with every request through prefill (min_prefill_tokens: 0)
+
+The PD cases get exactly the prompts plain got (multi-turn prompts are built from plain's own
+answers), and their outputs are compared with plain's: ``mismatched_outputs`` counts the requests
+whose text differs. Per case: TTFT and inter-token latency p50/p99, output tokens/s over the
+workload's wall time, ``hit_rate`` (prompt tokens decode loaded from the store / prompt tokens),
+and the requests by path (``pd``, ``direct``). The summary ratios are over ``multi_turn``.
+
+Then ``decode_save_blocks``: multi-turn chats sent as token ids to a UCMConnector engine without
+its own prefix cache (as when the next turn lands on another replica), once with
+``decode_save_blocks: 0`` (only prompt blocks saved) and once with the default (blocks filled while
+decoding saved too); ``hit_rate``: prompt tokens of turns 2.. loaded from the store.
 
     python benchmarks/e2e_serving.py --quick --json OUT.json
 """
@@ -32,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +91,7 @@ async def one(http: aiohttp.ClientSession, url: str, prompt: str, out_tokens: in
     }
     t0 = time.perf_counter()
     stamps: list[float] = []
+    texts: list[str] = []
     usage: dict[str, Any] = {}
     async with http.post(url + "/completions", json=body) as r:
         r.raise_for_status()
@@ -94,7 +104,10 @@ async def one(http: aiohttp.ClientSession, url: str, prompt: str, out_tokens: in
                 usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
+                texts.append(chunk["choices"][0]["text"])
     return {
+        "prompt": prompt,
+        "text": "".join(texts),
         "ttft": stamps[0] - t0 if stamps else float("nan"),
         "itl": [b - a for a, b in itertools.pairwise(stamps)],
         "tokens": usage.get("completion_tokens", len(stamps)),
@@ -104,14 +117,16 @@ async def one(http: aiohttp.ClientSession, url: str, prompt: str, out_tokens: in
 
 
 async def run_trace(url: str, prompts: list[str], out_tokens: int, concurrency: int) -> tuple[list[dict], float]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    results: list[dict[str, Any]] = []
+    """The prompts at a fixed concurrency; results in the prompts' order."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(prompts)):
+        queue.put_nowait(i)
+    results: list[dict[str, Any]] = [{} for _ in prompts]
 
     async def worker(http: aiohttp.ClientSession) -> None:
         while not queue.empty():
-            results.append(await one(http, url, queue.get_nowait(), out_tokens))
+            i = queue.get_nowait()
+            results[i] = await one(http, url, prompts[i], out_tokens)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         await one(http, url, "warm up the engine", 4)  # first-request compilation, uncounted
@@ -119,6 +134,30 @@ async def run_trace(url: str, prompts: list[str], out_tokens: int, concurrency: 
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return results, wall
+
+
+async def run_conversations(
+    url: str, chats: list[list[str]], out_tokens: int, replay: list[list[str]] | None
+) -> tuple[list[dict], float]:
+    """Every conversation at once, each one's turns in order. A turn's prompt is the previous
+    prompt, its answer and the next user message; ``replay``: another case's prompts instead (so
+    both cases see the same inputs). Results conversation by conversation, turn by turn."""
+
+    async def conversation(http: aiohttp.ClientSession, c: int) -> list[dict[str, Any]]:
+        history, out = "", []
+        for t, user in enumerate(chats[c]):
+            prompt = replay[c][t] if replay else f"{history}\nUser: {user}\nAssistant:"
+            result = await one(http, url, prompt, out_tokens)
+            history = prompt + result["text"]
+            out.append(result)
+        return out
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await one(http, url, "warm up the engine", 4)
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(conversation(http, c) for c in range(len(chats))))
+        wall = time.perf_counter() - t0
+    return [r for turns in done for r in turns], wall
 
 
 def summarize(results: list[dict[str, Any]], wall: float, external_tokens: float) -> dict[str, float]:
@@ -134,8 +173,42 @@ def summarize(results: list[dict[str, Any]], wall: float, external_tokens: float
         "hit_rate": round(external_tokens / prompt_tokens, 3) if prompt_tokens else 0.0,
         "reported_cached_rate": round(sum(r["cached_tokens"] for r in results) / prompt_tokens, 3),
         "mean_prompt_tokens": round(prompt_tokens / len(results), 1),
+        "requests": len(results),
         "wall_s": round(wall, 2),
     }
+
+
+def chat_texts(model_path: Path, conversations: int, turns: int, context: int, user: int) -> list[list[str]]:
+    """Per conversation, per turn: the user's message (the first turn's with a long context)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    ids = tok(CORPUS.replace("\n", " "), add_special_tokens=False)["input_ids"]
+
+    def text(start: int, n: int) -> str:
+        start %= len(ids) - n
+        return tok.decode(ids[start : start + n])
+
+    return [
+        [
+            f"Read this: {text(c * 977, context)}\nWhat is it about?" if t == 0 else text(c * 977 + t * 131, user)
+            for t in range(turns)
+        ]
+        for c in range(conversations)
+    ]
+
+
+def proxy_paths(base_url: str) -> dict[str, float]:
+    """The proxy's client requests so far, by path (pd, direct, fallback)."""
+    root = base_url.removesuffix("/v1")
+    with urllib.request.urlopen(root + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    paths: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ucm_proxy_requests_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            paths[path] = paths.get(path, 0.0) + float(line.rsplit(" ", 1)[1])
+    return paths
 
 
 def chat_turns(model_path: Path, conversations: int, turns: int, user_tokens: int) -> list[list[list[int]]]:
@@ -181,9 +254,40 @@ def multi_turn(model: Path, run_dir: Path, decode_save_blocks: int, chats: list[
     return {"decode_save_blocks": decode_save_blocks, "hit_rate": round(hit_tokens / prompt_tokens, 3)}
 
 
+HITS = "ucm_connector_external_hit_tokens_total"
+CASES = {"pd": None, "pd_always": 0}  # the proxy's min_prefill_tokens: its default, or every request
+
+
+def run_case(url: str, decode_url: str | None, workloads: dict[str, Any], plain: dict[str, list[dict]] | None):
+    """Both workloads on one server or stack: summaries, and the results (prompts and outputs)."""
+    summaries, rows = {}, {}
+    for name, (kind, data, out_tokens, concurrency) in workloads.items():
+        before = metric_totals(decode_url).get(HITS, 0.0) if decode_url else 0.0
+        paths = proxy_paths(url) if decode_url else {}
+        if kind == "trace":
+            results, wall = asyncio.run(run_trace(url, data, out_tokens, concurrency))
+        else:
+            replay = None
+            if plain is not None:
+                turns = len(data[0])
+                replay = [[r["prompt"] for r in plain[name][c * turns : (c + 1) * turns]] for c in range(len(data))]
+            results, wall = asyncio.run(run_conversations(url, data, out_tokens, replay))
+        external = metric_totals(decode_url).get(HITS, 0.0) - before if decode_url else 0.0
+        summary = summarize(results, wall, external)
+        if decode_url:
+            after = proxy_paths(url)
+            summary["paths"] = {p: round(after[p] - paths.get(p, 0.0)) for p in sorted(after)}
+        if plain is not None:
+            summary["mismatched_outputs"] = sum(
+                r["text"] != p["text"] for r, p in zip(results, plain[name], strict=True)
+            )
+        summaries[name], rows[name] = summary, results
+    return summaries, rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="32 requests (the default trace is 64)")
+    p.add_argument("--quick", action="store_true", help="32 documents, 4 conversations x 4 turns")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=32)
@@ -191,44 +295,74 @@ def main() -> int:
     args = p.parse_args()
     n = 32 if args.quick else args.requests
     model = ensure_model(TINY)
-    prompts = build_trace(model, n, prefix_tokens=800, total_tokens=1000)
-    results: dict[str, Any] = {"requests": n, "concurrency": args.concurrency, "output_tokens": args.output_tokens}
+    conversations, turns = (4, 4) if args.quick else (8, 6)
+    workloads = {
+        "shared_document": (
+            "trace",
+            build_trace(model, n, prefix_tokens=800, total_tokens=1000),
+            args.output_tokens,
+            args.concurrency,
+        ),
+        "multi_turn": (
+            "chat",
+            chat_texts(model, conversations, turns, context=600, user=48),
+            args.output_tokens,
+            conversations,
+        ),
+    }
+    cases: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         plain = VLLMServer(model, Path(tmp) / "plain.log", extra_args=["--served-model-name", MODEL]).start()
         try:
             plain.wait_ready()
-            rows, wall = asyncio.run(run_trace(plain.url + "/v1", prompts, args.output_tokens, args.concurrency))
-            results["plain"] = summarize(rows, wall, 0.0)
+            cases["plain"], plain_rows = run_case(plain.url + "/v1", None, workloads, None)
         finally:
             plain.stop()
 
-        stack = LocalStack(UCMDeploymentSpec.model_validate(default_spec(model)), Path(tmp) / "pd")
-        stack.start(lambda message, waiting: print(f"  {message}", file=sys.stderr) if message else None)
-        try:
-            decode = next(x for x in stack.processes if x.role.component == "decode")
-            decode_url = f"http://127.0.0.1:{decode.port}"
-            hits = "ucm_connector_external_hit_tokens_total"
-            before = metric_totals(decode_url).get(hits, 0.0)
-            rows, wall = asyncio.run(run_trace(stack.base_url, prompts, args.output_tokens, args.concurrency))
-            external = metric_totals(decode_url).get(hits, 0.0) - before
-            results["pd"] = summarize(rows, wall, external)
-        finally:
-            stack.stop()
+        for case, min_tokens in CASES.items():
+            spec = default_spec(model)
+            split = {} if min_tokens is None else {"min_prefill_tokens": min_tokens}
+            spec["proxy"]["config"]["disaggregation"] = split
+            stack = LocalStack(UCMDeploymentSpec.model_validate(spec), Path(tmp) / case)
+            stack.start(lambda message, waiting: print(f"  {message}", file=sys.stderr) if message else None)
+            try:
+                decode = next(x for x in stack.processes if x.role.component == "decode")
+                cases[case], _ = run_case(stack.base_url, f"http://127.0.0.1:{decode.port}", workloads, plain_rows)
+            finally:
+                stack.stop()
 
         chats = chat_turns(model, conversations=2 if args.quick else 4, turns=6, user_tokens=96)
         default = ConnectorConfig.model_validate({"store": {"spec": "empty"}}).decode_save_blocks
-        results["multi_turn"] = {
+        saved = {
             "before": multi_turn(model, Path(tmp) / "mt-before", 0, chats, answer=64),
             "after": multi_turn(model, Path(tmp) / "mt-after", default, chats, answer=64),
         }
-    keys = list(results["plain"])
-    print(f"{'':24}{'plain':>12}{'pd':>12}{'pd/plain':>10}")
-    for k in keys:
-        a, b = results["plain"][k], results["pd"][k]
-        ratio = f"{b / a:.2f}" if a else "-"
-        print(f"{k:24}{a:>12}{b:>12}{ratio:>10}")
-    before, after = results["multi_turn"]["before"], results["multi_turn"]["after"]
-    print(f"multi-turn hit rate: {before['hit_rate']} prompt blocks only -> {after['hit_rate']} with decode blocks")
+    results: dict[str, Any] = {
+        "output_tokens": args.output_tokens,
+        "workloads": [{"name": name, **{case: cases[case][name] for case in cases}} for name in workloads],
+    }
+    turn = {case: cases[case]["multi_turn"] for case in cases}
+    results["pd_vs_plain_ttft_p50"] = round(turn["pd"]["ttft_p50_s"] / turn["plain"]["ttft_p50_s"], 3)
+    results["pd_vs_plain_ttft_p99"] = round(turn["pd"]["ttft_p99_s"] / turn["plain"]["ttft_p99_s"], 3)
+    results["pd_vs_plain_tokens_per_s"] = round(turn["pd"]["tokens_per_s"] / turn["plain"]["tokens_per_s"], 3)
+    results["decode_save_blocks"] = saved
+    for w in results["workloads"]:
+        print(f"\n{w['name']}")
+        print(f"{'':22}{'plain':>10}{'pd':>10}{'pd_always':>11}{'pd/plain':>10}{'always/plain':>14}")
+        for k, base in w["plain"].items():
+            if not isinstance(base, (int, float)):
+                continue
+            pd, always = w["pd"][k], w["pd_always"][k]
+            ratios = [f"{x / base:.2f}" if base else "-" for x in (pd, always)]
+            print(f"{k:22}{base:>10}{pd:>10}{always:>11}{ratios[0]:>10}{ratios[1]:>14}")
+        for case in CASES:
+            print(f"{case}: paths {w[case]['paths']}, mismatched outputs {w[case]['mismatched_outputs']}")
+    print(
+        f"\nmulti_turn pd/plain: TTFT p50 {results['pd_vs_plain_ttft_p50']}, p99 {results['pd_vs_plain_ttft_p99']}, "
+        f"tokens/s {results['pd_vs_plain_tokens_per_s']}"
+    )
+    before, after = saved["before"], saved["after"]
+    print(f"decode_save_blocks hit rate: {before['hit_rate']} prompt blocks only -> {after['hit_rate']} with decode's")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
