@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "round_robin",
                 "--decode-policy",
                 "round_robin",
+                # Every request through prefill, as the other proxies do (its prompt is short).
+                "--min-prefill-tokens",
+                "0",
             ],
             p,
         )
@@ -236,6 +239,31 @@ def _row_text(r: dict[str, Any]) -> str:
     )
 
 
+def decider_cost(rounds: int = 2000) -> dict[str, float]:
+    """CPU microseconds the proxy's selective disaggregation adds to a PD request (decide, then
+    remember), by prompt: a ~4k-token text, the same as token ids, an 8-turn chat of ~4k tokens."""
+    from ucm_proxy.decider import Decider
+
+    text = " ".join(f"word{i:05d}" for i in range(1600))  # ~16k characters
+    prompts = {
+        "text_4k_tokens": ("/v1/completions", {"prompt": text}),
+        "ids_4k_tokens": ("/v1/completions", {"prompt": list(range(4096))}),
+        "chat_8_turns_4k_tokens": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": text[i * 2000 : (i + 1) * 2000]} for i in range(8)]},
+        ),
+    }
+    out = {}
+    for name, (route, body) in prompts.items():
+        decider = Decider(256, 4.0, 200_000)
+        t0 = time.process_time()
+        for _ in range(rounds):
+            _, chunks = decider.decide(body, route)
+            decider.remember(chunks)
+        out[name] = round((time.process_time() - t0) / rounds * 1e6, 1)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 s per measurement")
@@ -245,6 +273,7 @@ def main() -> int:
         print("needs wrk and taskset (apt-get install wrk util-linux)", file=sys.stderr)
         return 2
     report = run(args)
+    report["decide_us"] = decider_cost()
     for key in (
         "rps_vs_toy",
         "rps_vs_vllm_router",
@@ -254,6 +283,8 @@ def main() -> int:
     ):
         if key in report and report[key] is not None:
             print(f"{key:<28} {report[key]:.2f}")
+    for name, us in report["decide_us"].items():
+        print(f"decide_us {name:<18} {us:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback-to-decode", action="store_true", default=None)
     p.add_argument("--api-keys-file", help="file with one accepted API key per line")
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        help="pd: prefill remotely only prompts with about this many tokens not yet stored (0: every request)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--check", action="store_true", help="validate the configuration (not the files it names), print it, exit"
@@ -55,6 +60,8 @@ def load_config(args: argparse.Namespace) -> ProxyConfig:
         routing["decode"] = args.decode_policy
     if routing:
         data["routing"] = routing
+    if args.min_prefill_tokens is not None:
+        data["disaggregation"] = {**(data.get("disaggregation") or {}), "min_prefill_tokens": args.min_prefill_tokens}
     return parse_config(ProxyConfig, data, "proxy")
 
 

@@ -19,7 +19,9 @@ that restarts remembers nothing and disaggregates until it has seen traffic agai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -36,21 +38,23 @@ class Decision:
     stored: int  # of which estimated to be in the store already
 
 
-def prompt_chunks(body: dict[str, Any], route: str, chars_per_token: float) -> tuple[list[str], int]:
+def prompt_chunks(body: dict[str, Any], route: str, chars_per_token: float) -> tuple[list[bytes], int]:
     """The prompt's whole chunks of ``CHUNK_TOKENS`` estimated tokens (a partial last chunk is no
     full block in the store either), and its estimated token count."""
     if route.endswith("/chat/completions"):
         text = _SEP.join(f"{m.get('role')}:{_content(m.get('content'))}" for m in body["messages"])
     else:
         prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = [str(t) for t in prompt]
-            whole = len(ids) - len(ids) % CHUNK_TOKENS
-            return [",".join(ids[i : i + CHUNK_TOKENS]) for i in range(0, whole, CHUNK_TOKENS)], len(ids)
+        if isinstance(prompt, list):
+            # Token ids; strings (TypeError) or ids beyond 64 bits (vLLM refuses them) hash as text.
+            with contextlib.suppress(TypeError, OverflowError):
+                ids = array("q", prompt).tobytes()
+                size = CHUNK_TOKENS * 8
+                return [ids[i : i + size] for i in range(0, len(ids) - len(ids) % size, size)], len(prompt)
         text = prompt if isinstance(prompt, str) else _SEP.join(map(str, prompt))
     size = max(1, round(CHUNK_TOKENS * chars_per_token))
     whole = len(text) - len(text) % size
-    return [text[i : i + size] for i in range(0, whole, size)], round(len(text) / chars_per_token)
+    return [text[i : i + size].encode() for i in range(0, whole, size)], round(len(text) / chars_per_token)
 
 
 def _content(content: Any) -> str:
@@ -73,7 +77,7 @@ class Decider:
         chunks, tokens = prompt_chunks(body, route, self.chars_per_token)
         hashes, h = [], b""
         for chunk in chunks:
-            h = hashlib.blake2b(h + chunk.encode(), digest_size=12).digest()
+            h = hashlib.blake2b(h + chunk, digest_size=12).digest()
             hashes.append(h)
         known = 0
         for h in hashes:

@@ -200,12 +200,15 @@ def test_yaml_config_and_flags(tmp_path):
     from ucm_proxy.cli import build_parser, load_config
 
     path = tmp_path / "proxy.yaml"
-    path.write_text("mode: pd\nprefill: [http://p:8000/]\ndecode: [http://d:8000]\nrouting: {prefill: round_robin}\n")
-    config = load_config(
-        build_parser().parse_args(["-c", str(path), "--decode-policy", "prefix_affinity", "--port", "9"])
+    path.write_text(
+        "mode: pd\nprefill: [http://p:8000/]\ndecode: [http://d:8000]\nrouting: {prefill: round_robin}\n"
+        "disaggregation: {chars_per_token: 3.5}\n"
     )
+    args = ["-c", str(path), "--decode-policy", "prefix_affinity", "--port", "9", "--min-prefill-tokens", "0"]
+    config = load_config(build_parser().parse_args(args))
     assert config.prefill == ["http://p:8000"] and config.port == 9
     assert (config.routing.prefill, config.routing.decode) == ("round_robin", "prefix_affinity")
+    assert (config.disaggregation.min_prefill_tokens, config.disaggregation.chars_per_token) == (0, 3.5)
 
 
 def test_check_validates_without_serving_or_reading_key_files(tmp_path):
