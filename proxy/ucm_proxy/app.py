@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import metrics
-from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, other_identities, unpaired
+from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, engine_figures, other_identities, unpaired
 from ucm_proxy.config import ProxyConfig, read_backends_file
 from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
@@ -87,6 +87,8 @@ class Proxy:
         auth = {"Authorization": f"Bearer {key}"} if key else {}  # on every backend call, probes included
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
         self._tasks.append(asyncio.create_task(self._health_loop()))
+        if self.config.routing.engine_metrics_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._engine_metrics_loop()))
         if self.config.backends_file is not None:
             from ucm_proxy.discovery import watch_backends_file
 
@@ -157,6 +159,32 @@ class Proxy:
             down = any(not b.healthy for p in self.pools for b in p.backends)
             health = self.config.health
             await asyncio.sleep(min(health.interval_s, health.unhealthy_interval_s) if down else health.interval_s)
+
+    async def read_engines(self) -> None:
+        """One reading of every backend's /metrics: the load the engine itself reports."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
+
+        async def read(pool: Pool, backend: Backend) -> None:
+            figures: tuple[float | None, float] = (None, 0.0)
+            try:
+                async with self.session.get(backend.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        figures = engine_figures(await r.text())
+            except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
+                pass  # no reading: its load is this proxy's own count until the next one
+            backend.read_engine(*figures)
+            metrics.ENGINE_LOAD.labels(backend.url, pool.role).set(backend.load)
+
+        await asyncio.gather(*(read(p, b) for p in self.pools for b in p.available()))
+
+    async def _engine_metrics_loop(self) -> None:
+        while True:
+            try:
+                await self.read_engines()
+            except Exception:
+                logger.exception("reading the engines' metrics failed")
+            await asyncio.sleep(self.config.routing.engine_metrics_interval_s)
 
     def ready(self) -> bool:
         if not self.decode.available():

@@ -12,6 +12,14 @@ model, dtypes, block size, layout, store and hashing; ``ucm.integration.vllm.ide
 is paired only with a decode of the same identity, so during a rollout that changes any of them an
 old prefill's KV never goes to a new decode that cannot see it (it would wait, then recompute).
 
+Load is what the engine reports (vLLM's running and waiting requests, read from its ``/metrics``
+every ``routing.engine_metrics_interval_s``: every proxy replica's requests) plus what this proxy
+sent it since that reading; this proxy's own in-flight count where the engine reports nothing.
+``least_outstanding`` takes the least loaded (then the emptiest KV cache); ``prefix_affinity`` ranks
+backends per prompt prefix by rendezvous hashing (a backend joining or leaving moves only the
+prefixes it takes or held) and takes the first whose load is within ``load_factor`` of the pool's
+average: consistent hashing with bounded load.
+
 A request that finds no backend available may wait (``Pool.wait_available``) for one to come back:
 a health check passing again, discovery adding an endpoint, or an ejection ending wakes it.
 """
@@ -22,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import math
 import time
 from collections.abc import Iterable
 
@@ -34,9 +43,12 @@ class Backend:
         "consecutive_failures",
         "ejected_until",
         "ejections",
+        "engine_kv_usage",
+        "engine_load",
         "healthy",
         "identity",
         "in_flight",
+        "in_flight_at_reading",
         "key",
         "role",
         "url",
@@ -52,9 +64,22 @@ class Backend:
         self.ejections = 0
         self.identity: str | None = None  # its pairing identity, from its last health check (None: unknown)
         self.key = hashlib.blake2b(url.encode(), digest_size=8).digest()
+        self.engine_load: float | None = None  # running + waiting at the last reading of its /metrics
+        self.engine_kv_usage = 0.0
+        self.in_flight_at_reading = 0
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
+
+    def read_engine(self, load: float | None, kv_usage: float = 0.0) -> None:
+        """The engine's own figures (None: it reported none)."""
+        self.engine_load, self.engine_kv_usage, self.in_flight_at_reading = load, kv_usage, self.in_flight
+
+    @property
+    def load(self) -> float:
+        if self.engine_load is None:
+            return self.in_flight
+        return max(self.in_flight, self.engine_load + self.in_flight - self.in_flight_at_reading)
 
     def __repr__(self) -> str:
         return f"Backend({self.url}, {self.role}, in_flight={self.in_flight}, healthy={self.healthy})"
@@ -97,11 +122,14 @@ class Pool:
         if self.policy == "round_robin":
             return candidates[next(self._rr) % len(candidates)]
         if self.policy == "prefix_affinity" and affinity_key is not None:
-            # Rendezvous hashing: a backend leaving only moves the prefixes it owned.
-            chosen = max(candidates, key=lambda b: hashlib.blake2b(affinity_key + b.key, digest_size=8).digest())
-            if chosen.in_flight < self.routing.saturation:
-                return chosen
-        return min(candidates, key=lambda b: b.in_flight)
+            ranked = sorted(
+                candidates, key=lambda b: hashlib.blake2b(affinity_key + b.key, digest_size=8).digest(), reverse=True
+            )
+            cap = math.ceil(self.routing.load_factor * (sum(b.load for b in candidates) + 1) / len(candidates))
+            owner = next((b for b in ranked if b.load + 1 <= cap), None)
+            if owner is not None:
+                return owner
+        return min(candidates, key=lambda b: (b.load, b.engine_kv_usage))
 
     # -- passive health --------------------------------------------------------------------------
     def record_success(self, backend: Backend) -> None:
@@ -168,3 +196,24 @@ def other_identities(pool: Pool, identity: str | None) -> frozenset[str]:
     if identity is None:
         return frozenset()
     return frozenset(b.url for b in pool.backends if b.identity is not None and b.identity != identity)
+
+
+# What an engine's /metrics says about its load: vLLM's gauges, summed over its engines (data parallel).
+_LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+_KV_SERIES = "vllm:kv_cache_usage_perc"
+
+
+def engine_figures(text: str) -> tuple[float | None, float]:
+    """(running + waiting requests, the fullest KV cache) from a vLLM /metrics page; load None
+    when the page has neither series (not a vLLM engine)."""
+    load, kv, seen = 0.0, 0.0, False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _LOAD_SERIES:
+            seen = True
+            load += float(line.rsplit(" ", 1)[1])
+        elif name == _KV_SERIES:
+            kv = max(kv, float(line.rsplit(" ", 1)[1]))
+    return (load if seen else None), kv

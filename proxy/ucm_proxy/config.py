@@ -17,8 +17,18 @@ class RoutingConfig(StrictModel):
     prefill: Policy = Field("prefix_affinity", description="How a prefill backend is chosen")
     decode: Policy = Field("least_outstanding", description="How a decode (or mixed) backend is chosen")
     prefix_chars: int = Field(512, ge=16, description="Leading prompt characters that prefix affinity hashes")
-    saturation: int = Field(
-        32, ge=1, description="In-flight requests at which prefix affinity gives way to the least-loaded backend"
+    load_factor: float = Field(
+        1.25,
+        ge=1,
+        description="prefix_affinity: a prefix stays on its backend while that one's load is at most this times "
+        "the pool's average (consistent hashing with bounded load); past it, the next backend in the prefix's "
+        "order takes it",
+    )
+    engine_metrics_interval_s: float = Field(
+        2.0,
+        ge=0,
+        description="How often the proxy reads each engine's /metrics (vLLM's running and waiting requests, KV "
+        "cache usage) to weigh load, so several proxy replicas see each other's requests; 0: only its own counts",
     )
 
 

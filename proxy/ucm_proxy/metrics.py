@@ -18,6 +18,12 @@ TTFB = Histogram(
     "ucm_proxy_time_to_first_byte_seconds", "From request to the first response byte", ["route"], buckets=_BUCKETS
 )
 IN_FLIGHT = Gauge("ucm_proxy_backend_in_flight", "Requests in flight per backend", ["backend", "role"])
+ENGINE_LOAD = Gauge(
+    "ucm_proxy_backend_load",
+    "Requests on the backend as routing weighs them: its engine's running + waiting at the last reading, plus "
+    "what this proxy sent since",
+    ["backend", "role"],
+)
 BACKEND_HEALTHY = Gauge("ucm_proxy_backend_healthy", "1 when the backend passes its health check", ["backend", "role"])
 EJECTIONS = Counter(
     "ucm_proxy_backend_ejections_total", "Backends ejected after consecutive failures", ["backend", "role"]
@@ -44,7 +50,7 @@ PD_DECODE_KV = Counter(
 
 def forget_backend(url: str, role: str) -> None:
     """Drop a departed backend's series (a pod that is gone must not stay healthy=1 forever)."""
-    for metric in (IN_FLIGHT, BACKEND_HEALTHY, EJECTIONS):
+    for metric in (IN_FLIGHT, ENGINE_LOAD, BACKEND_HEALTHY, EJECTIONS):
         try:
             metric.remove(url, role)
         except KeyError:

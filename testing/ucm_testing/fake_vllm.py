@@ -38,6 +38,10 @@ class Behaviour:
     saves: bool = True  # as prefill: promises blocks (false: its saves are failing)
     loads: bool = True  # as decode: reuses promised blocks (false: computes the whole prompt)
     identity: str | None = None  # its pairing identity, sent with /health as ucm serve's engines do
+    # What its /metrics reports as vLLM's gauges (as if another proxy had requests on it).
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
 
 
 class FakeVLLM:
@@ -52,6 +56,7 @@ class FakeVLLM:
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self.app = app
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -79,6 +84,16 @@ class FakeVLLM:
         identity = self.behaviour.identity
         headers = {"X-UCM-KV-Identity": identity} if identity else None
         return web.Response(status=200 if self.behaviour.healthy else 503, headers=headers)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        b = self.behaviour
+        labels = f'{{engine="0",model_name="{MODEL}"}}'
+        lines = [
+            f"vllm:num_requests_running{labels} {float(b.running)}",
+            f"vllm:num_requests_waiting{labels} {float(b.waiting)}",
+            f"vllm:kv_cache_usage_perc{labels} {b.kv_usage}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         self.probes += 1
