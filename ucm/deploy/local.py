@@ -362,7 +362,8 @@ class LocalStack:
     def _write_scrape_targets(self) -> None:
         if self.monitor is not None:
             scraped = [p for p in self.processes if p.role.component in (*ENGINES, "proxy")]
-            prometheus.write_targets(self.run_dir, self.name, [(p.role.component, p.port) for p in scraped])
+            endpoints = [(p.role.component, p.port) for p in scraped]
+            write_state(self.run_dir / prometheus.TARGETS_FILE, prometheus.targets(self.name, endpoints))
 
     def _wait_ready(
         self, group: list[Process], deadline: float, progress: Callable[[str, list[Process]], None]
@@ -497,7 +498,7 @@ def check_proxy_config(path: Path) -> None:
         raise StackError(f"proxy.config: ucm-proxy refuses it: {message}")
 
 
-def write_state(path: Path, state: dict[str, Any]) -> None:
+def write_state(path: Path, state: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(path)  # a reader never sees half a file

@@ -174,11 +174,11 @@ def _file_options(spec: UCMDeploymentSpec, stage: dict[str, Any]) -> dict[str, A
         return stage
     files = store.files or FileStoreSpec()
     options = files.model_dump(exclude_unset=True, exclude={"capacity"})
-    claim = getattr(store.options, "create", None)
+    size = store.kind.known_size(store.options)
     if files.capacity is not None:
         options["capacity"] = quantity_bytes(files.capacity, "store.files.capacity")
-    elif claim is not None:
-        options["capacity"] = int(quantity_bytes(claim.size, "store.pvc.create.size") * DEFAULT_CAPACITY_SHARE)
+    elif size is not None:
+        options["capacity"] = int(size * DEFAULT_CAPACITY_SHARE)
     (backend,) = stage
     return {backend: {**stage[backend], **options}}
 

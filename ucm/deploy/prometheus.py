@@ -9,9 +9,9 @@ on both.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -57,13 +57,9 @@ def write_config(run_dir: Path) -> None:
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def write_targets(run_dir: Path, deployment: str, targets: Iterable[tuple[str, int]]) -> None:
-    """``targets``: (component, port) of each process serving ``/metrics``; replaced atomically."""
-    groups = [
+def targets(deployment: str, endpoints: Iterable[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The ``file_sd`` targets of (component, port) pairs, each a process serving ``/metrics``."""
+    return [
         {"targets": [f"127.0.0.1:{port}"], "labels": {"ucm_deployment": deployment, "ucm_role": component}}
-        for component, port in targets
+        for component, port in endpoints
     ]
-    path = run_dir / TARGETS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(groups, indent=2))
-    tmp.replace(path)

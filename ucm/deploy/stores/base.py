@@ -37,6 +37,10 @@ class StoreKind(ABC):
         """A PersistentVolumeClaim spec the deployment creates and owns."""
         return None
 
+    def known_size(self, opts: Any) -> int | None:
+        """The volume's size in bytes where the deployment knows it (a claim it creates)."""
+        return None
+
     def external(self, opts: Any) -> str | None:
         """How status describes a store nothing in the deployment runs or claims."""
         return None

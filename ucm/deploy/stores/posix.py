@@ -61,6 +61,9 @@ class Posix(StoreKind):
             claim["storageClassName"] = new.storage_class_name
         return claim
 
+    def known_size(self, opts: ClaimSpec) -> int | None:
+        return quantity_bytes(opts.create.size, "store.pvc.create.size") if opts.create is not None else None
+
     def external(self, opts: ClaimSpec) -> str | None:
         return f"claim {opts.claim_name}" if opts.claim_name else None
 
