@@ -255,7 +255,7 @@ def decider_cost(rounds: int = 2000) -> dict[str, float]:
     }
     out = {}
     for name, (route, body) in prompts.items():
-        decider = Decider(256, 4.0, 200_000)
+        decider = Decider(256, 4.0, 200_000, 2.0)
         t0 = time.process_time()
         for _ in range(rounds):
             _, chunks = decider.decide(body, route)

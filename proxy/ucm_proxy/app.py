@@ -67,7 +67,9 @@ class Proxy:
         self.models: set[str] = set()
         self.recent = RecentPaths()
         split = config.disaggregation
-        self.decider = Decider(split.min_prefill_tokens, split.chars_per_token, split.remembered_chunks)
+        self.decider = Decider(
+            split.min_prefill_tokens, split.chars_per_token, split.remembered_chunks, split.balance_gap
+        )
         self.first_health_round = asyncio.Event()
         checks = config.mode == "pd" and config.pd_check.interval_s > 0
         self.path_checker = PathChecker(self) if checks else None
@@ -239,7 +241,7 @@ class Proxy:
         decode_body, promised, pair, chunks = without_params(raw, body), 0, None, []
         trace.path = "decode_only"
         if self.config.mode == "pd":
-            decision, chunks = self.decider.decide(body, route)
+            decision, chunks = self.decider.decide(body, route, self._pools_gap())
             metrics.DISAGGREGATION.labels(decision.reason).inc()
             trace.path = "direct"
             if decision.disaggregate:
@@ -258,6 +260,13 @@ class Proxy:
         if response.status_code == 200:
             self.decider.remember(chunks)  # prefill, or decode as it computed them, stored its blocks
         return response
+
+    def _pools_gap(self) -> float:
+        """How much busier prefill is than decode: their least loaded engines' loads apart."""
+        prefill, decode = self.prefill.available(), self.decode.available()
+        if not prefill or not decode:
+            return 0.0
+        return min(b.load for b in prefill) - min(b.load for b in decode)
 
     def authorize(self, request: Request) -> str | None:
         """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""

@@ -89,6 +89,13 @@ class DisaggregationConfig(StrictModel):
         description="Prompt chunks (64 estimated tokens each, ~100 bytes of memory) remembered as stored, the "
         "least recently used forgotten first; 0: only a prompt's length decides",
     )
+    balance_gap: float = Field(
+        2.0,
+        ge=0,
+        description="A cold prompt goes straight to decode while the least loaded prefill engine has this many "
+        "more requests (running + waiting) than the least loaded decode engine, so a burst is split across both "
+        "pools instead of queueing on prefill; 0: cold prompts always through prefill",
+    )
 
 
 class DiscoveryConfig(StrictModel):

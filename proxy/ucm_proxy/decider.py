@@ -11,6 +11,10 @@ it — as it would have loaded prefill's blocks). The proxy estimates both witho
   connector's block hashes). The leading chunks of a new prompt found there were stored by an
   earlier request — prefill saved them, or decode did while computing them.
 
+A cold prompt still goes straight to decode while prefill is the busier pool by ``balance_gap``
+requests or more (the least loaded engine of each, as engines report it): a burst of new
+conversations is then split across both pools instead of queueing on prefill while decode idles.
+
 Both are estimates and err one way: a prefix evicted from the store since, or a proxy replica that
 did not see the earlier request, costs decode a recompute (slower, never wrong tokens); a proxy
 that restarts remembers nothing and disaggregates until it has seen traffic again. Measured cost:
@@ -33,7 +37,9 @@ _SEP = "\x1e"  # between chat messages, so [a, bc] and [ab, c] are different pro
 @dataclass(frozen=True)
 class Decision:
     disaggregate: bool
-    reason: str  # cold: prefill it; short: decode computes it; stored: decode loads its prefix
+    # cold: prefill it; short: decode computes it; stored: decode loads its prefix; balance: cold, but
+    # decode is idle enough to compute it sooner than a queueing prefill
+    reason: str
     tokens: int  # estimated prompt tokens
     stored: int  # of which estimated to be in the store already
 
@@ -64,14 +70,16 @@ def _content(content: Any) -> str:
 
 
 class Decider:
-    def __init__(self, min_prefill_tokens: int, chars_per_token: float, remembered: int) -> None:
+    def __init__(self, min_prefill_tokens: int, chars_per_token: float, remembered: int, balance_gap: float) -> None:
         self.min_prefill_tokens = min_prefill_tokens
+        self.balance_gap = balance_gap
         self.chars_per_token = chars_per_token
         self.remembered = remembered
         self._chunks: OrderedDict[bytes, None] = OrderedDict()  # chained chunk hashes, LRU
 
-    def decide(self, body: dict[str, Any], route: str) -> tuple[Decision, list[bytes]]:
-        """The decision, and the prompt's chained chunk hashes (for :meth:`remember`)."""
+    def decide(self, body: dict[str, Any], route: str, pools_gap: float = 0.0) -> tuple[Decision, list[bytes]]:
+        """The decision, and the prompt's chained chunk hashes (for :meth:`remember`). ``pools_gap``:
+        the least loaded prefill engine's load less the least loaded decode engine's."""
         if self.min_prefill_tokens == 0:
             return Decision(True, "cold", 0, 0), []
         chunks, tokens = prompt_chunks(body, route, self.chars_per_token)
@@ -89,6 +97,8 @@ class Decider:
             return Decision(False, "short", tokens, stored), hashes
         if tokens - stored < self.min_prefill_tokens:
             return Decision(False, "stored", tokens, stored), hashes
+        if self.balance_gap and pools_gap >= self.balance_gap:
+            return Decision(False, "balance", tokens, stored), hashes
         return Decision(True, "cold", tokens, stored), hashes
 
     def remember(self, hashes: list[bytes]) -> None:

@@ -59,6 +59,6 @@ def forget_backend(url: str, role: str) -> None:
 
 DISAGGREGATION = Counter(
     "ucm_proxy_disaggregation_decisions_total",
-    "PD requests by decision: cold (prefilled remotely), short or stored (straight to decode)",
+    "PD requests by decision: cold (prefilled remotely), short, stored or balance (straight to decode)",
     ["decision"],
 )

@@ -1,5 +1,7 @@
 """Selective disaggregation: which PD requests go through prefill and which straight to decode."""
 
+import time
+
 import pytest
 
 from ucm_proxy.decider import CHUNK_TOKENS, Decider
@@ -14,7 +16,7 @@ def completion(prompt, **kw):
 
 
 def test_short_prompts_go_straight_to_decode():
-    decider = Decider(256, 4.0, 1000)
+    decider = Decider(256, 4.0, 1000, 2.0)
     decision, _ = decider.decide(completion("Hello there, how are you?"), "/v1/completions")
     assert (decision.disaggregate, decision.reason) == (False, "short")
     ids, _ = decider.decide(completion(list(range(255))), "/v1/completions")
@@ -24,7 +26,7 @@ def test_short_prompts_go_straight_to_decode():
 
 
 def test_a_prompt_whose_prefix_was_stored_goes_straight_to_decode():
-    decider = Decider(256, 4.0, 1000)
+    decider = Decider(256, 4.0, 1000, 2.0)
     first = WORDS[:4000]  # ~1000 tokens
     decision, chunks = decider.decide(completion(first), "/v1/completions")
     assert decision.disaggregate and decision.stored == 0
@@ -39,7 +41,7 @@ def test_a_prompt_whose_prefix_was_stored_goes_straight_to_decode():
 
 
 def test_chat_messages_are_one_prompt_with_their_boundaries():
-    decider = Decider(256, 4.0, 1000)
+    decider = Decider(256, 4.0, 1000, 2.0)
     turn1 = [{"role": "system", "content": WORDS[:3000]}, {"role": "user", "content": "Summarize."}]
     decision, chunks = decider.decide({"model": MODEL, "messages": turn1}, "/v1/chat/completions")
     assert decision.disaggregate
@@ -52,10 +54,45 @@ def test_chat_messages_are_one_prompt_with_their_boundaries():
     assert other.disaggregate and other.stored == 0
 
 
+def test_a_cold_prompt_goes_to_decode_while_prefill_is_the_busier_pool():
+    decider = Decider(256, 4.0, 1000, 2.0)
+    cold = completion(WORDS[:4000])
+    assert decider.decide(cold, "/v1/completions", pools_gap=1.0)[0].disaggregate
+    decision, _ = decider.decide(cold, "/v1/completions", pools_gap=2.0)
+    assert (decision.disaggregate, decision.reason) == (False, "balance")
+    assert Decider(256, 4.0, 1000, 0.0).decide(cold, "/v1/completions", pools_gap=50.0)[0].disaggregate  # off
+    assert Decider(0, 4.0, 1000, 2.0).decide(cold, "/v1/completions", pools_gap=50.0)[0].disaggregate  # always PD
+
+
+def test_through_the_proxy_a_burst_spills_to_decode_when_prefill_is_busy(fakes, make_proxy):
+    p, d = fakes.add("p", Behaviour(running=1, waiting=3)), fakes.add("d")
+    proxy = make_proxy(
+        prefill=[p.url],
+        decode=[d.url],
+        disaggregation=SPLIT,
+        routing={"engine_metrics_interval_s": 0.1},
+    )
+    deadline = time.monotonic() + 5
+    while proxy.proxy.prefill.backends[0].engine_load is None:
+        assert time.monotonic() < deadline, "the proxy never read the engines' metrics"
+        time.sleep(0.05)
+    with proxy.client() as c:
+        assert c.post("/v1/completions", json=completion(WORDS[:4000])).status_code == 200
+        p.behaviour.waiting = 0  # prefill caught up: the next cold prompt goes through it
+        deadline = time.monotonic() + 5
+        while proxy.proxy.prefill.backends[0].engine_load != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert c.post("/v1/completions", json=completion("y" + WORDS[:4000])).status_code == 200
+        metrics = c.get("/metrics").text
+    assert len(p.requests) == 1 and "kv_transfer_params" in d.requests[1]["body"]
+    assert 'ucm_proxy_disaggregation_decisions_total{decision="balance"} 1.0' in metrics
+
+
 def test_with_nothing_remembered_long_prompts_are_disaggregated():
     """A proxy that cannot know what is stored (nothing remembered: a restart, or remembering
     turned off) disaggregates: the safe side, as without selective disaggregation."""
-    decider = Decider(256, 4.0, 0)
+    decider = Decider(256, 4.0, 0, 2.0)
     _, chunks = decider.decide(completion(WORDS[:4000]), "/v1/completions")
     decider.remember(chunks)
     decision, _ = decider.decide(completion(WORDS[:4000]), "/v1/completions")
@@ -63,7 +100,7 @@ def test_with_nothing_remembered_long_prompts_are_disaggregated():
 
 
 def test_memory_is_bounded_least_recently_used_first():
-    decider = Decider(256, 4.0, 40)
+    decider = Decider(256, 4.0, 40, 2.0)
     prompts = [f"{i:03d}" + WORDS[:4000] for i in range(3)]  # ~15 chunks each
     for p in prompts:
         decider.remember(decider.decide(completion(p), "/v1/completions")[1])
