@@ -58,6 +58,11 @@ STORE_EVICTED_BLOCKS = Counter(
     "Blocks removed to keep the store under its capacity",
     ["backend"],
 )
+STORE_PROMOTED_BLOCKS = Counter(
+    "ucm_store_promoted_blocks_total",
+    "Blocks a load found only in a slower tier, copied into this (faster) one",
+    ["backend"],
+)
 STORE_EVICTED_BYTES = Counter(
     "ucm_store_evicted_bytes_total",
     "Bytes removed to keep the store under its capacity",

@@ -8,20 +8,38 @@ from ucm.store.base import Task
 
 from .helpers import blocks, metric
 
-SPECS = ["posix", "nfs", "ds3fs", "cache|posix", "cache-back|posix", "mooncake", "cache|mooncake"]
+SPECS = [
+    "posix",
+    "nfs",
+    "ds3fs",
+    "posix:round_robin",
+    "posix:random",
+    "nfs:tiered",
+    "posix|nfs",
+    "cache|posix",
+    "cache-back|posix",
+    "cache|posix|nfs",
+    "mooncake",
+    "cache|mooncake",
+]
 
 
 @pytest.fixture(params=SPECS, scope="module")
 def store(request, tmp_path_factory):
     # One store per backend for the module (tests use fresh random ids): Mooncake's close takes ~2 s.
-    spec = request.param
-    tmp_path = tmp_path_factory.mktemp(spec.replace("|", "-"))
+    spec, _, placement = request.param.partition(":")
+    tmp_path = tmp_path_factory.mktemp(request.param.replace("|", "-").replace(":", "-"))
     config: dict = {"spec": spec.replace("cache-back", "cache")}
     for fs in ("posix", "nfs", "ds3fs"):
         if fs in spec:
-            config[fs] = {"roots": [str(tmp_path / "a"), str(tmp_path / "b")], "io_threads": 4}
-            (tmp_path / "a").mkdir()
-            (tmp_path / "b").mkdir()
+            roots = [tmp_path / f"{fs}-a", tmp_path / f"{fs}-b"]
+            for root in roots:
+                root.mkdir()
+            config[fs] = {"roots": [str(r) for r in roots], "io_threads": 4, "placement": placement or "hash"}
+            if placement == "tiered":
+                config[fs]["fast_capacity"] = "4MiB"
+            if f"{fs}|" in spec:  # a fast tier in front of another store
+                config[fs]["capacity"] = "4MiB"
     if spec.startswith("cache"):
         config["cache"] = {"capacity": "8MiB", "write_mode": "back" if "back" in spec else "through"}
     if "mooncake" in spec:

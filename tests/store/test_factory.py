@@ -23,7 +23,16 @@ def test_pipeline_composes_front_to_back(tmp_path):
     ("config", "message"),
     [
         ({"spec": "s3"}, r"store\.spec: unknown store 's3'.*known stores: cache, ds3fs, empty"),
-        ({"spec": "posix|cache"}, r"store\.spec: 'posix' cannot be in front"),
+        (
+            {"spec": "posix|nfs", "posix": {"roots": ["/x"]}, "nfs": {"roots": ["/y"]}},
+            r"store\.posix\.capacity: required when posix is in front of another store",
+        ),
+        (
+            {"spec": "nfs", "nfs": {"roots": ["/x"], "placement": "tiered"}},
+            r"store\.nfs: placement tiered needs at least two roots",
+        ),
+        ({"spec": "nfs", "nfs": {"roots": ["/x"], "fast_capacity": 10}}, r"fast_capacity is for placement tiered"),
+        ({"spec": "nfs", "nfs": {"roots": ["/x"], "placement": "striped"}}, r"store\.nfs\.placement: Input should be"),
         ({"spec": "cache"}, r"store\.spec: 'cache' needs a store behind it"),
         ({"spec": "cache|cache|posix"}, "appears twice"),
         ({}, r"store\.spec: required"),

@@ -1,6 +1,7 @@
 """The POSIX store under the failures it must survive: crashes, corruption, full disks, races."""
 
 import errno
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -61,7 +62,7 @@ def test_corrupt_block_is_a_counted_miss_and_is_rewritten(tmp_path):
     store = posix(tmp_path)
     ids, data = blocks(3, 8192)
     store.wait(store.dump(ids, data))
-    path = Path(store._path(ids[1]))
+    path = Path(store._paths(ids[1])[0])
     raw = bytearray(path.read_bytes())
     raw[100] ^= 0xFF
     path.write_bytes(raw)
@@ -81,7 +82,7 @@ def test_damaged_files_are_never_served(tmp_path, damage):
     store = posix(tmp_path)
     ids, data = blocks(2, 4096)
     store.wait(store.dump(ids, data))
-    a, b = Path(store._path(ids[0])), Path(store._path(ids[1]))
+    a, b = Path(store._paths(ids[0])[0]), Path(store._paths(ids[1])[0])
     if damage == "truncate":
         os.truncate(a, 5000)
     elif damage == "append":
@@ -97,9 +98,9 @@ def test_damaged_files_are_never_served(tmp_path, damage):
 
 
 KILLED_WRITER = """
-import os, sys
+import json, os, sys
 from ucm.store import create_store
-s = create_store({"spec": "posix", "posix": {"roots": [sys.argv[1]], "io_threads": 2}})
+s = create_store(json.loads(sys.argv[1]))
 payload = os.urandom(24 << 20)
 print("ready", flush=True)
 while True:
@@ -108,10 +109,15 @@ while True:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_write_never_leaves_a_readable_torn_block(tmp_path):
+@pytest.mark.parametrize("placement", ["hash", "tiered"])
+def test_sigkill_mid_write_never_leaves_a_readable_torn_block(tmp_path, placement):
+    roots = [tmp_path] if placement == "hash" else [tmp_path / "fast", tmp_path / "slow"]
+    for root in roots:
+        root.mkdir(exist_ok=True)
+    config = {"spec": "nfs", "nfs": {"roots": [str(r) for r in roots], "io_threads": 2, "placement": placement}}
     saw_partial_tmp = False
     for attempt in range(12):
-        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, json.dumps(config)], stdout=subprocess.PIPE)
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(0.15 + 0.05 * attempt)
         proc.send_signal(signal.SIGKILL)
@@ -121,8 +127,8 @@ def test_sigkill_mid_write_never_leaves_a_readable_torn_block(tmp_path):
         if saw_partial_tmp and attempt >= 3:
             break
     assert saw_partial_tmp, "no kill landed mid-write; the test proved nothing"
-    store = posix(tmp_path)
-    assert store.verify() == []
+    store = create_store(config)
+    assert store.verify() == []  # every tier
     found = list(store.scan())
     assert found, "the writer completed no block before being killed"
     bufs = [bytearray(24 << 20) for _ in found]
@@ -134,9 +140,9 @@ def test_stale_temp_files_are_removed_by_scan(tmp_path):
     store = posix(tmp_path)
     ids, data = blocks(1, 100)
     store.wait(store.dump(ids, data))
-    leftover = Path(store._path(ids[0]) + f".dead{TMP_SUFFIX}")
+    leftover = Path(store._paths(ids[0])[0] + f".dead{TMP_SUFFIX}")
     leftover.write_bytes(b"partial")
-    fresh = Path(store._path(ids[0]) + f".live{TMP_SUFFIX}")
+    fresh = Path(store._paths(ids[0])[0] + f".live{TMP_SUFFIX}")
     fresh.write_bytes(b"in progress")
     os.utime(leftover, (time.time() - 7200, time.time() - 7200))
     assert [b.block_id for b in store.scan()] == ids
@@ -251,10 +257,14 @@ def test_an_entry_that_will_not_go_does_not_stop_eviction(tmp_path, monkeypatch)
     ids, data = blocks(12, block)
     filler.wait(filler.dump(ids, data))
     for i, block_id in enumerate(ids):  # oldest first
-        os.utime(filler._path(block_id), (1000 + i, 1000 + i))
+        os.utime(filler._paths(block_id)[0], (1000 + i, 1000 + i))
     filler.close()
     store = posix(tmp_path, capacity=capacity, eviction_interval_s=3600)
-    stuck = {store._path(ids[0]): errno.EBUSY, store._path(ids[1]): errno.EACCES, store._path(ids[2]): errno.ESTALE}
+    stuck = {
+        store._paths(ids[0])[0]: errno.EBUSY,
+        store._paths(ids[1])[0]: errno.EACCES,
+        store._paths(ids[2])[0]: errno.ESTALE,
+    }
     unlink = os.unlink
 
     def failing(path, *args, **kwargs):
@@ -275,7 +285,7 @@ def test_what_is_not_a_block_is_skipped_by_scan_and_the_admin_commands(tmp_path)
     store = posix(tmp_path)
     ids, data = blocks(3, 1024)
     store.wait(store.dump(ids, data))
-    shard = store._path(ids[0]).rsplit("/", 1)[0]
+    shard = store._paths(ids[0])[0].rsplit("/", 1)[0]
     Path(shard, "README").write_text("not a block")
     Path(shard, "zz" * 32).write_text("not hex")
     Path(shard, "ab" * 32).mkdir()  # a directory with a block's name
@@ -434,11 +444,11 @@ def test_without_checksum_verification_damage_to_the_frame_is_still_caught(tmp_p
     store = posix(tmp_path, verify_checksum=False)
     ids, data = blocks(2, 4096)
     store.wait(store.dump(ids, data))
-    flipped = Path(store._path(ids[0]))
+    flipped = Path(store._paths(ids[0])[0])
     raw = bytearray(flipped.read_bytes())
     raw[10] ^= 1  # payload bit flip: not hashed on load, by choice
     flipped.write_bytes(raw)
-    os.truncate(store._path(ids[1]), 4000)  # truncation: always caught
+    os.truncate(store._paths(ids[1])[0], 4000)  # truncation: always caught
     assert store.wait(store.load(ids, [bytearray(4096), bytearray(4096)])) == [True, False]
     assert store.verify() == [ids[0]]  # the offline check still hashes
     store.close()
@@ -450,12 +460,12 @@ def test_what_sits_at_a_blocks_path_and_is_no_file_is_a_prompt_miss(tmp_path, ki
     store = posix(tmp_path)
     ids, data = blocks(2, 1024)
     store.wait(store.dump(ids[1:], data[1:]))
-    path = Path(store._path(ids[0]))
+    path = Path(store._paths(ids[0])[0])
     path.parent.mkdir(exist_ok=True)
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "symlink":
-        path.symlink_to(store._path(ids[1]))  # even a link to a good block is not followed
+        path.symlink_to(store._paths(ids[1])[0])  # even a link to a good block is not followed
     else:
         path.mkdir()
     result: list[list[bool]] = []

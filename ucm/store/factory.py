@@ -7,7 +7,10 @@ options sit under its name::
     cache: {capacity: 4GiB}
     posix: {roots: [/mnt/kv]}
 
-Every stage but the last must be a tier (a store that wraps the next one).
+A stage in front of another is a tier: ``cache`` (DRAM) wraps the next stage itself; a file or
+Mooncake store in front of another becomes the fast side of a :class:`TieredStore` (written
+through, promoted on hit, dropped from it least recently used first by its own capacity), as in
+UCM's ``Cache|Posix|Nfs``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ucm.store.cache import CacheConfig, CacheStore
 from ucm.store.empty import EmptyConfig, EmptyStore
 from ucm.store.mooncake import MooncakeConfig, MooncakeStore
 from ucm.store.posix import Ds3fsConfig, NfsConfig, PosixConfig, PosixStore
+from ucm.store.tiered import TieredStore, tiered_posix
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,13 @@ def register(backend: Backend) -> None:
     REGISTRY[backend.name] = backend
 
 
-register(Backend("posix", PosixConfig, lambda c, _n: PosixStore(c, "posix")))
-register(Backend("nfs", NfsConfig, lambda c, _n: PosixStore(c, "nfs")))
-register(Backend("ds3fs", Ds3fsConfig, lambda c, _n: PosixStore(c, "ds3fs")))
+def _files(kind: str) -> Callable[[PosixConfig, Store | None], Store]:
+    return lambda c, _n: tiered_posix(c, kind) if c.placement == "tiered" else PosixStore(c, kind)
+
+
+register(Backend("posix", PosixConfig, _files("posix")))
+register(Backend("nfs", NfsConfig, _files("nfs")))
+register(Backend("ds3fs", Ds3fsConfig, _files("ds3fs")))
 register(Backend("empty", EmptyConfig, lambda c, _n: EmptyStore()))
 register(Backend("cache", CacheConfig, lambda c, n: CacheStore(c, n), is_tier=True))  # type: ignore[arg-type]
 register(Backend("mooncake", MooncakeConfig, lambda c, _n: MooncakeStore(c)))
@@ -56,9 +64,6 @@ def parse_spec(spec: str) -> list[str]:
     for s in stages:
         if s not in REGISTRY:
             raise ConfigError(f"store.spec: unknown store {s!r} in {spec!r}; known stores: {names}")
-    for s in stages[:-1]:
-        if not REGISTRY[s].is_tier:
-            raise ConfigError(f"store.spec: {s!r} cannot be in front of another store in {spec!r}")
     if REGISTRY[stages[-1]].is_tier:
         raise ConfigError(f"store.spec: {stages[-1]!r} needs a store behind it (e.g. '{stages[-1]}|posix')")
     if len(set(stages)) != len(stages):
@@ -77,7 +82,14 @@ def validate_store_config(config: Mapping[str, Any]) -> list[tuple[str, StrictMo
     for key in config:
         if key != "spec" and key not in stages:
             raise ConfigError(f"store.{key}: not a stage of {spec!r}; options go under one of {', '.join(stages)}")
-    return [(s, parse_config(REGISTRY[s].config, config.get(s), f"store.{s}")) for s in stages]
+    parsed = [(s, parse_config(REGISTRY[s].config, config.get(s), f"store.{s}")) for s in stages]
+    for s, options in parsed[:-1]:
+        if isinstance(options, PosixConfig) and options.capacity is None:
+            raise ConfigError(
+                f"store.{s}.capacity: required when {s} is in front of another store in {spec!r}: it is a fast "
+                "tier, and its least recently used blocks are dropped from it above this (they stay behind it)"
+            )
+    return parsed
 
 
 def create_store(config: Mapping[str, Any]) -> Store:
@@ -87,7 +99,11 @@ def create_store(config: Mapping[str, Any]) -> Store:
     built: list[Store] = []
     try:
         for name, options in reversed(stages):
-            store = REGISTRY[name].build(options, store)
+            backend = REGISTRY[name]
+            if store is not None and not backend.is_tier:
+                store = TieredStore(backend.build(options, None), store)
+            else:
+                store = backend.build(options, store)
             built.append(store)
     except BaseException:
         if built:

@@ -1,7 +1,10 @@
 """File-per-block store on a POSIX filesystem (local disk, NFS, a 3FS FUSE mount).
 
-Layout: ``<root>/<first 2 hex digits of the id>/<id in hex>``, the root chosen by the id's last
-bytes. 256 shard directories spread concurrent creates (one directory's lock would serialize
+Layout: ``<root>/<first 2 hex digits of the id>/<id in hex>``. With several roots, ``placement``
+picks a block's root: ``hash`` by the id's last bytes (one place to look); ``round_robin`` or
+``random`` per write (spread even when ids are not, but a lookup may look in every root);
+``tiered`` makes the first root a fast tier in front of the others (``ucm.store.tiered``).
+256 shard directories spread concurrent creates (one directory's lock would serialize
 them) without the thousands of near-empty directories a second level would make.
 
 On-disk format of one block: ``payload || trailer``. Putting the 32-byte trailer *after* the
@@ -25,9 +28,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
+import random
 import socket
 import stat
 import struct
@@ -35,11 +40,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import blake3
 import xxhash
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, model_validator
 
 from ucm import metrics
 from ucm.config import ConfigError, StrictModel
@@ -66,7 +71,17 @@ T = TypeVar("T")
 
 
 class PosixConfig(StrictModel):
-    roots: list[str] = Field(min_length=1, description="Directories holding blocks; ids are spread by hash")
+    roots: list[str] = Field(min_length=1, description="Directories holding blocks (see placement)")
+    placement: Literal["hash", "round_robin", "random", "tiered"] = Field(
+        "hash",
+        description="How blocks spread over the roots: hash (by block id; a lookup looks in one root), "
+        "round_robin or random (per write; a lookup may look in every root), tiered (the first root is a fast "
+        "tier: blocks are written through to the others, promoted to it on a hit, dropped from it least "
+        "recently used first)",
+    )
+    fast_capacity: ByteSize | None = Field(
+        None, gt=0, description="placement tiered: bytes the first root holds; default 90% of its filesystem"
+    )
     io_threads: int = Field(8, ge=1, le=256, description="Parallel block reads/writes")
     direct_io: bool = Field(False, description="Bypass the page cache with O_DIRECT (aligned bounce buffers)")
     fsync: bool = Field(False, description="fsync each block and its directory: survives power loss")
@@ -98,6 +113,14 @@ class PosixConfig(StrictModel):
         # BLAKE3 keys are 32 bytes: derive one from any length of secret, bound to this use.
         return blake3.blake3(key, derive_key_context=_MAC_CONTEXT).digest()
 
+    @model_validator(mode="after")
+    def _tiers(self) -> PosixConfig:
+        if self.placement == "tiered" and len(self.roots) < 2:
+            raise ValueError("placement tiered needs at least two roots: the fast tier first, then the others")
+        if self.fast_capacity is not None and self.placement != "tiered":
+            raise ValueError("fast_capacity is for placement tiered")
+        return self
+
 
 class NfsConfig(PosixConfig):
     """NFS: no shared page cache between clients, so fsync before rename makes a block visible to
@@ -117,7 +140,10 @@ class PosixStore(PerBlockStore):
     def __init__(self, config: PosixConfig, backend: str = "posix") -> None:
         self.backend = backend
         self.config = config
+        if config.placement == "tiered":
+            raise ConfigError(f"store.{backend}.placement: tiered is built by create_store (ucm.store.tiered)")
         self._roots = [_checked_root(backend, i, r, config.direct_io) for i, r in enumerate(config.roots)]
+        self._next_root = itertools.count()
         self._key = config.mac_key()
         super().__init__(config.io_threads)
         self._tls = threading.local()
@@ -140,37 +166,50 @@ class PosixStore(PerBlockStore):
             self._evictor.start()
 
     # -- paths -------------------------------------------------------------------------------
-    def _path(self, block_id: bytes) -> str:
-        root = self._roots[int.from_bytes(block_id[-4:], "little") % len(self._roots)]
+    def _paths(self, block_id: bytes) -> list[str]:
+        """Where the block may be: its one root by hash, or (placed per write) any root."""
         name = block_id.hex()
-        return os.path.join(root, name[0:2], name)
+        if self.config.placement == "hash":
+            roots = [self._roots[int.from_bytes(block_id[-4:], "little") % len(self._roots)]]
+        else:
+            roots = self._roots
+        return [os.path.join(root, name[0:2], name) for root in roots]
+
+    def _new_path(self, block_id: bytes) -> str:
+        """Where a new block is written."""
+        paths = self._paths(block_id)
+        if self.config.placement == "round_robin":
+            return paths[next(self._next_root) % len(paths)]
+        return random.choice(paths) if self.config.placement == "random" else paths[0]
 
     # -- protocol ----------------------------------------------------------------------------
     def _lookup(self, ids: list[bytes]) -> list[bool]:
-        return [self._exists(self._path(i)) for i in ids]
+        return [any(self._exists(p) for p in self._paths(i)) for i in ids]
 
     def _load_block(self, block_id: bytes, buffer: Blob) -> bool:
-        path = self._path(block_id)
-        try:
-            return self._retry_stale(self._read_block, path, block_id, buffer)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            logger.warning("%s: load of %s failed: %s", self.backend, path, exc)
-            return False
+        for path in self._paths(block_id):
+            try:
+                return self._retry_stale(self._read_block, path, block_id, buffer)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("%s: load of %s failed: %s", self.backend, path, exc)
+                return False
+        return False
 
     def _dump_block(self, block_id: bytes, payload: Blob) -> bool:
-        path = self._path(block_id)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("%s: stat of %s failed: %s", self.backend, path, exc)
-            return False
-        else:  # content-addressed: an existing block already holds these bytes
+        for path in self._paths(block_id):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("%s: stat of %s failed: %s", self.backend, path, exc)
+                return False
+            # content-addressed: an existing block already holds these bytes
             self._maybe_touch(path, st.st_mtime)
             return True
+        path = self._new_path(block_id)
         size = blob_size(payload)
         flags = FLAG_MAC if self._key else 0
         trailer = TRAILER.pack(
@@ -394,11 +433,14 @@ class PosixStore(PerBlockStore):
     def remove(self, ids: Sequence[bytes]) -> list[bool]:
         removed = []
         for block_id in ids:
-            try:
-                os.unlink(self._path(block_id))
-                removed.append(True)
-            except FileNotFoundError:
-                removed.append(False)
+            gone = False
+            for path in self._paths(block_id):
+                try:
+                    os.unlink(path)
+                    gone = True
+                except FileNotFoundError:
+                    pass
+            removed.append(gone)
         return removed
 
     def gc(self, target_bytes: int) -> tuple[int, int]:
