@@ -106,9 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dry-run", action="store_true", help="check everything, print the vLLM command, exit")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then the vLLM server arguments")
     serve.set_defaults(func=cmd_serve)
+    config = sub.add_parser("config", help="UCM-style configuration")
+    config_actions = config.add_subparsers(dest="action", required=True)
+    convert = config_actions.add_parser(
+        "convert", help="print ours for a UCM-style ucm_config.yaml or kv-transfer-config (migrate once)"
+    )
+    convert.add_argument("file", help="ucm_config.yaml, or a kv-transfer-config JSON/YAML")
+    convert.add_argument(
+        "--to",
+        choices=("kv-config", "resource"),
+        default="kv-config",
+        help="kv-config: the file `ucm serve --kv-config` takes (default); resource: spec.store and spec.sparse "
+        "of a UCMDeployment",
+    )
+    convert.set_defaults(func=cmd_config)
     add_up_parsers(sub)
     add_render_parser(sub)
     return parser
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from ucm.convert import convert
+
+    print(convert(args.file, args.to))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from ucm.config import ConfigError
-from ucm.integration.vllm.config import WHERE, parse_connector_config
+from ucm.environment import apply_environment
+from ucm.integration.vllm.config import WHERE, native_config, parse_connector_config
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV
 from ucm.integration.vllm.identity import pairing_identity
 from ucm.store.factory import validate_store_config
+from ucm.ucm_style import CONNECTOR_NAMES
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # What a pod learns about itself (Kubernetes' downward API): the only variables a config may name.
@@ -31,14 +33,34 @@ EXPANDABLE = frozenset({"POD_IP", "POD_NAME", "POD_NAMESPACE", "NODE_NAME"})
 
 
 def load_kv_config(path: str | Path, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The file's kv-transfer-config, validated, with ``${VAR}`` in string values filled in.
+    """The file's kv-transfer-config, translated to our shape and validated, with ``${VAR}`` in
+    string values filled in."""
+    return expand_kv_config(native_kv_config(read_kv_config(path), path), path, environ)
+
+
+def expand_kv_config(config: dict[str, Any], path: str | Path, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """``${VAR}`` in string values filled in, then validated.
 
     Expansion runs after parsing and only inside values, so a variable's content can never add
     keys or change the JSON's structure."""
     env = os.environ if environ is None else environ
-    config = _expand(read_kv_config(path), env, f"--kv-config: {path}: ")
+    config = _expand(config, env, f"--kv-config: {path}: ")
     parse_connector_config(config["kv_connector_extra_config"])
     return config
+
+
+def native_kv_config(config: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The kv-transfer-config in our shape: UCM's connector names and config keys translated (so
+    the engine's argv shows what it runs, and a ``ucm_config_path`` file is read once, here)."""
+    name = config.get("kv_connector", "UCMConnector")
+    if name not in CONNECTOR_NAMES:
+        raise ConfigError(f"--kv-config: {path}: kv_connector {name!r} is not UCM's ({', '.join(CONNECTOR_NAMES)})")
+    return {
+        **config,
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.integration.vllm",
+        "kv_connector_extra_config": native_config(config["kv_connector_extra_config"]),
+    }
 
 
 def read_kv_config(path: str | Path) -> dict[str, Any]:
@@ -110,7 +132,9 @@ def metrics_dir(environ: dict[str, str] | os._Environ[str]) -> str:
 
 
 def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
-    config = load_kv_config(kv_config)
+    apply_environment(os.environ)
+    written = native_kv_config(read_kv_config(kv_config), kv_config)  # ${VAR}s not filled in yet
+    config = expand_kv_config(written, kv_config)
     check_store_dirs(config)
     command = vllm_command(config, vllm_args)
     if dry_run:
@@ -121,6 +145,6 @@ def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
     Path(health).unlink(missing_ok=True)  # left by a stuck store before a restart: not this start's state
     os.environ[HEALTH_FILE_ENV] = health
     os.environ[WARMUP_ENV] = "1"
-    os.environ[IDENTITY_ENV] = pairing_identity(read_kv_config(kv_config)["kv_connector_extra_config"], vllm_args)
+    os.environ[IDENTITY_ENV] = pairing_identity(written["kv_connector_extra_config"], vllm_args)
     sys.stdout.flush()
     os.execv(command[0], command)

@@ -6,11 +6,12 @@ The connector is imported lazily (PEP 562): deployment tooling imports the confi
 
 from typing import Any
 
-__all__ = ["UCMConnector"]
+__all__ = ["UCMConnector", "UCMDirectConnector", "UnifiedCacheConnectorV1"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "UCMConnector":
+    # UCM's documentation names the connector UCMDirectConnector or UnifiedCacheConnectorV1: one class.
+    if name in __all__:
         from ucm.integration.vllm.connector import UCMConnector
 
         return UCMConnector

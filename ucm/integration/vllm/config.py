@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ByteSize, Field
 
+from ucm import ucm_style
 from ucm.config import ConfigError, StrictModel, parse_config
 from ucm.hashing import HASH_ALGORITHMS, HashAlgorithm
 from ucm.sparse.config import SparseConfig, from_ucm
@@ -77,10 +78,16 @@ class ConnectorConfig(StrictModel):
 
 
 def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
-    config = parse_config(ConnectorConfig, with_sparse_translated(extra or {}, WHERE), WHERE)
+    config = parse_config(ConnectorConfig, native_config(extra or {}), WHERE)
     with prefixed_errors():
         validate_store_config(config.store)
     return config
+
+
+def native_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """A kv_connector_extra_config in our shape: UCM's keys (``ucm_connectors``,
+    ``ucm_config_path``, ``ucm_sparse_config``, ...) translated, errors naming them."""
+    return with_sparse_translated(ucm_style.translate(extra, WHERE), WHERE)
 
 
 def with_sparse_translated(options: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -95,7 +102,7 @@ def with_sparse_translated(options: Mapping[str, Any], where: str) -> dict[str, 
 
 def sparse_config(options: Mapping[str, Any] | None, where: str) -> SparseConfig | None:
     """The sparse section of a mapping (``sparse`` or UCM's ``ucm_sparse_config``), validated."""
-    section = with_sparse_translated(options or {}, where).get("sparse")
+    section = with_sparse_translated(ucm_style.translate(options or {}, where), where).get("sparse")
     return None if section is None else parse_config(SparseConfig, section, f"{where}.sparse")
 
 

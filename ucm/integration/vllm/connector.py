@@ -16,6 +16,7 @@ this class only adapts vLLM's calls to them.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ucm.environment import apply_environment
 from ucm.hashing import HashContext
 from ucm.integration.vllm.config import (
     check_parallel_layout,
@@ -62,6 +64,7 @@ class UCMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_vllm_version(vllm.__version__)
+        apply_environment(os.environ)
         transfer = self._kv_transfer_config
         self._config = config = parse_connector_config(transfer.kv_connector_extra_config)
         kv_role = transfer.kv_role or "kv_both"

@@ -1,6 +1,8 @@
 """The ``vllm.general_plugins`` entry point: vLLM runs it in each of its processes at startup.
 
-It puts :class:`ucm.integration.vllm.attention.UCMAttentionBackend` in place of vLLM's CPU
+It registers UCMConnector under the names UCM's documentation uses (``UCMDirectConnector``, ...), so
+``--kv-transfer-config '{"kv_connector": "UCMDirectConnector", ...}'`` needs no module path, and it
+puts :class:`ucm.integration.vllm.attention.UCMAttentionBackend` in place of vLLM's CPU
 attention backend. Without a sparse configuration that class is the CPU backend unchanged, so
 engines that do not ask for sparse attention behave exactly as before; ``VLLM_PLUGINS`` (a list of
 plugin names to load) turns the plugin off altogether.
@@ -12,6 +14,12 @@ BACKEND = "ucm.integration.vllm.attention.UCMAttentionBackend"
 
 
 def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from ucm.ucm_style import CONNECTOR_NAMES
+
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    for name in CONNECTOR_NAMES:
+        if name not in KVConnectorFactory._registry:  # vLLM runs plugins once per process, maybe more
+            KVConnectorFactory.register_connector(name, "ucm.integration.vllm", name)

@@ -1,0 +1,103 @@
+"""``ucm config convert FILE``: a UCM-style config as ours, to migrate once.
+
+FILE is UCM's ``ucm_config.yaml`` (``ucm_connectors``, ``ucm_sparse_config``, ...) or a
+kv-transfer-config (JSON or YAML) whose ``kv_connector_extra_config`` holds UCM's keys. The
+output is either the kv-transfer-config ``ucm serve --kv-config`` takes, or the ``spec.store`` /
+``spec.sparse`` fragment of a UCMDeployment, with comments naming what the resource cannot say.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ucm.config import ConfigError, load_mapping
+from ucm.deploy.spec import FILE_KINDS
+from ucm.integration.vllm.config import native_config, parse_connector_config
+from ucm.store.factory import parse_spec
+from ucm.ucm_style import CONNECTOR_NAMES
+
+# Our file store options as a resource's store.files fields.
+FILES_FIELDS = {
+    "io_threads": "ioThreads",
+    "direct_io": "directIO",
+    "fsync": "fsync",
+    "capacity": "capacity",
+    "evict_to": "evictTo",
+    "verify_checksum": "verifyChecksum",
+}
+MOONCAKE_FIELDS = {
+    "master_address": "address",
+    "metadata_server": "metadataServer",
+    "protocol": "protocol",
+    "device_name": "deviceName",
+    "global_segment_size": "segmentSize",
+}
+
+
+def kv_transfer_config(path: str | Path) -> dict[str, Any]:
+    """The file as the kv-transfer-config ``ucm serve`` takes, UCM's keys translated."""
+    data = load_mapping(path, "ucm config convert", "a ucm_config.yaml or a kv-transfer-config")
+    if "kv_connector_extra_config" in data:
+        name = data.get("kv_connector", "UCMConnector")
+        if name not in CONNECTOR_NAMES:
+            raise ConfigError(f"{path}: kv_connector {name!r} is not UCM's ({', '.join(CONNECTOR_NAMES)})")
+        extra, role = data["kv_connector_extra_config"], data.get("kv_role", "kv_both")
+    else:
+        extra, role = data, "kv_both"
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{path}: kv_connector_extra_config: expected a mapping")
+    native = native_config(extra)
+    parse_connector_config(native)
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.integration.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": native,
+    }
+
+
+def resource_fragment(native: dict[str, Any]) -> str:
+    """``spec.store`` and ``spec.sparse`` of a UCMDeployment for a native connector config, as YAML;
+    comments name what a resource's store (one volume every engine mounts) cannot say."""
+    notes: list[str] = []
+    spec: dict[str, Any] = {}
+    store = native.get("store")
+    if store:
+        stages = parse_spec(store["spec"])
+        kind, options = stages[-1], store.get(stages[-1]) or {}
+        out: dict[str, Any] = {"type": kind}
+        for front in stages[:-1]:
+            if front == "cache":
+                out["cacheSize"] = store["cache"]["capacity"]
+            else:
+                notes.append(f"store: a {front} tier in front of {kind} (a pipeline) is not in the resource yet")
+        if kind in FILE_KINDS:
+            files = {FILES_FIELDS[k]: v for k, v in options.items() if k in FILES_FIELDS}
+            if files:
+                out["files"] = files
+            if options.get("placement", "hash") != "hash":
+                notes.append(f"store: placement {options['placement']} is not in the resource yet (one volume)")
+            if options.get("mac_key_file"):
+                notes.append("store: mac_key_file becomes store.mac: true (the deployment generates the key)")
+            notes.append(
+                f"store.{kind}: the volume every engine mounts (README: The UCMDeployment resource); "
+                f"UCM's storage_backends were {', '.join(options.get('roots', []))}"
+            )
+        elif kind == "mooncake":
+            out["mooncake"] = {MOONCAKE_FIELDS[k]: v for k, v in options.items() if k in MOONCAKE_FIELDS}
+        spec["store"] = out
+    if native.get("sparse"):
+        spec["sparse"] = native["sparse"]
+    text = yaml.safe_dump({"spec": spec}, sort_keys=False) if spec else "spec: {}\n"
+    return "".join(f"# {n}\n" for n in notes) + text
+
+
+def convert(path: str | Path, to: str) -> str:
+    config = kv_transfer_config(path)
+    if to == "kv-config":
+        return json.dumps(config, indent=2)
+    return resource_fragment(config["kv_connector_extra_config"])
