@@ -16,7 +16,8 @@ import yaml
 
 from ucm.config import ConfigError, load_mapping
 from ucm.deploy.spec import FILE_KINDS
-from ucm.integration.vllm.config import native_config, parse_connector_config
+from ucm.integration.vllm.config import ConnectorConfig, native_config, parse_connector_config
+from ucm.sparse.config import parse_sparse_config
 from ucm.store.factory import parse_spec
 from ucm.ucm_style import CONNECTOR_NAMES
 
@@ -38,8 +39,9 @@ MOONCAKE_FIELDS = {
 }
 
 
-def kv_transfer_config(path: str | Path) -> dict[str, Any]:
-    """The file as the kv-transfer-config ``ucm serve`` takes, UCM's keys translated."""
+def kv_transfer_config(path: str | Path, need_store: bool = True) -> dict[str, Any]:
+    """The file as the kv-transfer-config ``ucm serve`` takes, UCM's keys translated.
+    ``need_store=False`` accepts a file without a store (a sparse section alone)."""
     data = load_mapping(path, "ucm config convert", "a ucm_config.yaml or a kv-transfer-config")
     if "kv_connector_extra_config" in data:
         name = data.get("kv_connector", "UCMConnector")
@@ -51,7 +53,16 @@ def kv_transfer_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ConfigError(f"{path}: kv_connector_extra_config: expected a mapping")
     native = native_config(extra)
-    parse_connector_config(native)
+    if "store" not in native and not set(native) - set(ConnectorConfig.model_fields):
+        if need_store:
+            raise ConfigError(
+                f"{path}: ucm_connectors: required: the store the connector saves blocks to and loads them from "
+                "(for a resource fragment of the sparse section alone: --to resource)"
+            )
+        if "sparse" in native:
+            parse_sparse_config(native["sparse"], "sparse")
+    else:
+        parse_connector_config(native)
     return {
         "kv_connector": "UCMConnector",
         "kv_connector_module_path": "ucm.integration.vllm",
@@ -97,7 +108,7 @@ def resource_fragment(native: dict[str, Any]) -> str:
 
 
 def convert(path: str | Path, to: str) -> str:
-    config = kv_transfer_config(path)
+    config = kv_transfer_config(path, need_store=to == "kv-config")
     if to == "kv-config":
         return json.dumps(config, indent=2)
     return resource_fragment(config["kv_connector_extra_config"])

@@ -87,10 +87,11 @@ UCM_REFUSED = {
 
 
 def from_ucm(ucm: Mapping[str, Any], where: str = "ucm_sparse_config") -> dict[str, Any]:
-    """UCM's ``ucm_sparse_config`` as our ``sparse`` section (a mapping, not yet validated)."""
+    """UCM's ``ucm_sparse_config`` as our ``sparse`` section (a mapping, not yet validated). Beside
+    UCM's algorithm sections it takes our ``min_tokens`` (UCM has no such threshold)."""
     if not isinstance(ucm, Mapping):
         raise ConfigError(f"{where}: expected a mapping such as {{ESA: {{...}}}}, got {type(ucm).__name__}")
-    sections = {k: v for k, v in ucm.items() if k != "sparse_type"}
+    sections = {k: v for k, v in ucm.items() if k not in ("sparse_type", "min_tokens")}
     unknown = sorted(set(sections) - set(UCM_ALGORITHMS))
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown algorithm; UCM's names are {', '.join(UCM_ALGORITHMS)}")
@@ -113,6 +114,8 @@ def from_ucm(ucm: Mapping[str, Any], where: str = "ucm_sparse_config") -> dict[s
         options[renames.get(key, key)] = value
     parse_config(OPTIONS[algorithm], options, f"{where}.{chosen}")  # errors name UCM's section
     translated = {"algorithm": algorithm, algorithm: options}
+    if "min_tokens" in ucm:
+        translated["min_tokens"] = ucm["min_tokens"]
     logger.info("ucm_sparse_config: %s read as sparse: %s", chosen, translated)
     return translated
 
