@@ -16,10 +16,10 @@ import yaml
 
 from ucm.config import ConfigError, load_mapping
 from ucm.deploy.spec import FILE_KINDS
-from ucm.integration.vllm.config import ConnectorConfig, native_config, parse_connector_config
+from ucm.integration.vllm.config import ConnectorConfig, parse_connector_config
+from ucm.serve import native_kv_config
 from ucm.sparse.config import parse_sparse_config
 from ucm.store.factory import parse_spec
-from ucm.ucm_style import CONNECTOR_NAMES
 
 # Our file store options as a resource's store.files fields.
 FILES_FIELDS = {
@@ -43,16 +43,12 @@ def kv_transfer_config(path: str | Path, need_store: bool = True) -> dict[str, A
     """The file as the kv-transfer-config ``ucm serve`` takes, UCM's keys translated.
     ``need_store=False`` accepts a file without a store (a sparse section alone)."""
     data = load_mapping(path, "ucm config convert", "a ucm_config.yaml or a kv-transfer-config")
-    if "kv_connector_extra_config" in data:
-        name = data.get("kv_connector", "UCMConnector")
-        if name not in CONNECTOR_NAMES:
-            raise ConfigError(f"{path}: kv_connector {name!r} is not UCM's ({', '.join(CONNECTOR_NAMES)})")
-        extra, role = data["kv_connector_extra_config"], data.get("kv_role", "kv_both")
-    else:
-        extra, role = data, "kv_both"
-    if not isinstance(extra, dict):
+    if "kv_connector_extra_config" not in data:
+        data = {"kv_connector_extra_config": data}  # a ucm_config.yaml: the extra config itself
+    if not isinstance(data["kv_connector_extra_config"], dict):
         raise ConfigError(f"{path}: kv_connector_extra_config: expected a mapping")
-    native = native_config(extra)
+    config = {"kv_role": "kv_both", **native_kv_config(data, path)}
+    native = config["kv_connector_extra_config"]
     if "store" not in native and not set(native) - set(ConnectorConfig.model_fields):
         if need_store:
             raise ConfigError(
@@ -63,12 +59,7 @@ def kv_transfer_config(path: str | Path, need_store: bool = True) -> dict[str, A
             parse_sparse_config(native["sparse"], "sparse")
     else:
         parse_connector_config(native)
-    return {
-        "kv_connector": "UCMConnector",
-        "kv_connector_module_path": "ucm.integration.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": native,
-    }
+    return config
 
 
 def resource_fragment(native: dict[str, Any]) -> str:

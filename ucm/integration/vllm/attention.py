@@ -35,8 +35,7 @@ from ucm.integration.vllm.config import WHERE, sparse_config
 from ucm.sparse.base import BlockReader
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.serving import RequestState, SparseRuntime
-
-CONNECTOR_NAMES = ("UCMConnector",)
+from ucm.ucm_style import CONNECTOR_NAMES
 
 
 def configured_sparse(vllm_config: VllmConfig) -> SparseConfig | None:
