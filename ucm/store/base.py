@@ -259,6 +259,15 @@ def _flat(name: str, buf: Buffer, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def lookup_behind(found: list[bool], ids: Sequence[bytes], behind: Store) -> list[bool]:
+    """A tier's lookup: what ``found`` (the tier's own answer) misses, asked of the store behind it."""
+    missing = [k for k, hit in enumerate(found) if not hit]
+    if missing:
+        for k, hit in zip(missing, behind.lookup([ids[k] for k in missing]), strict=True):
+            found[k] = hit
+    return found
+
+
 class PerBlockStore(Store):
     """A store whose I/O is one blocking call per block, run on a thread pool.
 

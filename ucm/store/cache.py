@@ -18,7 +18,7 @@ from pydantic import ByteSize, Field
 
 from ucm import metrics
 from ucm.config import StrictModel
-from ucm.store.base import Blob, Store, Task, blob_size, copy_from_blob, copy_to_blob
+from ucm.store.base import Blob, Store, Task, blob_size, copy_from_blob, copy_to_blob, lookup_behind
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +105,7 @@ class CacheStore(Store):
     def _lookup(self, ids: Sequence[bytes]) -> list[bool]:
         with self._lock:
             found = [i in self._blocks for i in ids]
-        missing = [k for k, hit in enumerate(found) if not hit]
-        if missing:
-            for k, hit in zip(missing, self.next.lookup([ids[k] for k in missing]), strict=True):
-                found[k] = hit
-        return found
+        return lookup_behind(found, ids, self.next)
 
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         task = Task(len(ids))

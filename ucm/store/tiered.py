@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 from ucm import metrics
 from ucm.config import ConfigError
-from ucm.store.base import Blob, BlockInfo, Store, Task
+from ucm.store.base import Blob, BlockInfo, Store, Task, lookup_behind
 from ucm.store.posix import PosixConfig, PosixStore
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,7 @@ class TieredStore(Store):
         self._lock = threading.Condition()
 
     def _lookup(self, ids: Sequence[bytes]) -> list[bool]:
-        found = self.fast.lookup(ids)
-        missing = [k for k, hit in enumerate(found) if not hit]
-        if missing:
-            for k, hit in zip(missing, self.slow.lookup([ids[k] for k in missing]), strict=True):
-                found[k] = hit
-        return found
+        return lookup_behind(self.fast.lookup(ids), ids, self.slow)
 
     def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
         task = Task(len(ids))
