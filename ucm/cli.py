@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from ucm.convert import convert
+    from ucm.deploy.convert import convert
 
     print(convert(args.file, args.to))
     return 0
