@@ -219,6 +219,8 @@ def summarize(rows: list[dict[str, Any]], duration: int) -> dict[str, Any]:
         report["us_per_req"] = ours["cpu_us_per_req"]
     if ours and router:
         report["rps_vs_vllm_router"] = ours["rps"] / router["rps"]
+        # CPU per streamed request, ucm-proxy over vllm-router, at concurrency 64 (target <= 1.0).
+        report["cpu_us_per_req_vs_vllm_router"] = ours["cpu_us_per_req"] / router["cpu_us_per_req"]
     if ours1 and router1 and direct1:
         ours_added = ours1["p99_ms"] - direct1["p99_ms"]
         router_added = router1["p99_ms"] - direct1["p99_ms"]
@@ -278,11 +280,12 @@ def main() -> int:
         "rps_vs_toy",
         "rps_vs_vllm_router",
         "us_per_req",
+        "cpu_us_per_req_vs_vllm_router",
         "p99_added_vs_vllm_router",
         "p50_added_vs_vllm_router",
     ):
         if key in report and report[key] is not None:
-            print(f"{key:<28} {report[key]:.2f}")
+            print(f"{key:<30} {report[key]:.2f}")
     for name, us in report["decide_us"].items():
         print(f"decide_us {name:<18} {us:.1f}")
     if args.json:

@@ -49,6 +49,7 @@ class Backend:
         "identity",
         "in_flight",
         "in_flight_at_reading",
+        "in_flight_gauge",
         "key",
         "role",
         "url",
@@ -58,6 +59,7 @@ class Backend:
         self.url = url
         self.role = role
         self.in_flight = 0
+        self.in_flight_gauge = metrics.IN_FLIGHT.labels(url, role)  # looked up once: it changes twice a request
         self.healthy = True  # optimistic until the first check: serving starts at once
         self.consecutive_failures = 0
         self.ejected_until = 0.0

@@ -4,7 +4,6 @@ relayed chunk by chunk on the request's own task, and cancellation when the clie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -13,7 +12,6 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ucm_proxy import metrics
 from ucm_proxy.backends import Backend
 from ucm_proxy.errors import ProxyError, sse_error
 
@@ -41,7 +39,7 @@ class Upstream:
 
     async def __aenter__(self) -> aiohttp.ClientResponse:
         self.backend.in_flight += 1
-        metrics.IN_FLIGHT.labels(self.backend.url, self.backend.role).inc()
+        self.backend.in_flight_gauge.inc()
         try:
             self._resp = await self._request
         except BaseException:
@@ -67,20 +65,24 @@ class Upstream:
 
     def _done(self) -> None:
         self.backend.in_flight -= 1
-        metrics.IN_FLIGHT.labels(self.backend.url, self.backend.role).dec()
+        self.backend.in_flight_gauge.dec()
 
 
-async def relay_chunks(upstream: Upstream, resp: aiohttp.ClientResponse, first: bytes) -> AsyncIterator[bytes]:
-    """The stream's chunks as they arrive; an SSE error event if the backend fails mid-stream."""
+async def relay_chunks(
+    upstream: Upstream, resp: aiohttp.ClientResponse, first: bytes
+) -> AsyncIterator[tuple[bytes, bool]]:
+    """The stream's chunks as they arrive, each with whether the stream ended with it (then the
+    client's terminating chunk goes out in the same write); an SSE error event if the backend fails
+    mid-stream."""
     try:
-        yield first
+        yield first, resp.content.at_eof()
         async for chunk in resp.content.iter_any():
-            yield chunk
+            yield chunk, resp.content.at_eof()
     except (TimeoutError, aiohttp.ClientError) as exc:
         # Headers are sent: the only way to tell the client is an error event in the stream.
         upstream.failed = True
         logger.warning("decode %s failed mid-stream: %s", upstream.backend.url, exc)
-        yield sse_error(502, f"The decode backend failed mid-stream: {type(exc).__name__}")
+        yield sse_error(502, f"The decode backend failed mid-stream: {type(exc).__name__}"), True
     finally:
         # Also on client disconnect (the task is cancelled): closing aborts the upstream request.
         await upstream.release()
@@ -96,7 +98,7 @@ class Relay(Response):
     def __init__(
         self,
         upstream: Upstream,
-        chunks: AsyncIterator[bytes],
+        chunks: AsyncIterator[tuple[bytes, bool]],
         status_code: int,
         headers: dict[str, str],
         media_type: str,
@@ -118,9 +120,14 @@ class Relay(Response):
 
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            ended = False
+            async for chunk, last in self.chunks:
+                ended = last
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    break
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not client_gone():
                 raise  # cancelled for another reason (shutdown): not ours to swallow
@@ -137,21 +144,27 @@ class Relay(Response):
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; if the client goes away first, cancel it (closing the upstream requests)."""
-    task = asyncio.ensure_future(work)
+    """Await ``work`` on this task; if the client goes away first, cancel it (closing the upstream
+    requests) and answer 499. No second task: a watcher cancels this one."""
+    current = asyncio.current_task()
+    assert current is not None
+    active = True
+
+    def client_left(w: asyncio.Future[None]) -> None:
+        if active and not w.cancelled():  # not once the work is over: the task is sending its answer
+            current.cancel()
+
     watcher = asyncio.ensure_future(disconnected(request.receive))
+    watcher.add_done_callback(client_left)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ProxyError(499, "Client closed the request.")
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled() and current.uncancel() == 0:
+            raise ProxyError(499, "Client closed the request.") from None
+        raise
     finally:
+        active = False
         watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 async def disconnected(receive: Any) -> None:

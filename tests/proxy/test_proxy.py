@@ -406,9 +406,13 @@ def test_departed_backends_leave_the_metrics():
     from ucm_proxy.config import HealthConfig, RoutingConfig
 
     pool = Pool("decode", ["http://a:1", "http://b:1"], "round_robin", RoutingConfig(), HealthConfig())
+    departed = pool.backends[0]
+    departed.in_flight_gauge.inc()  # a request still in flight when its backend leaves
     pool.set_urls(["http://b:1"])
-    series = {s.labels["backend"] for m in metrics.BACKEND_HEALTHY.collect() for s in m.samples}
-    assert "http://b:1" in series and "http://a:1" not in series
+    departed.in_flight_gauge.dec()  # ...ends later: its series does not come back
+    for metric in (metrics.BACKEND_HEALTHY, metrics.IN_FLIGHT):
+        series = {s.labels["backend"] for m in metric.collect() for s in m.samples}
+        assert "http://b:1" in series and "http://a:1" not in series
 
 
 def test_client_disconnect_mid_stream_cancels_upstream(fakes, make_proxy):
