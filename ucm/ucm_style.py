@@ -86,8 +86,9 @@ def translate(options: Mapping[str, Any], where: str) -> dict[str, Any]:
         if "ucm_config_path" in from_file:
             raise ConfigError(f"{source}: ucm_config_path inside the file it names")
         out.update(from_file)
-    for key in sorted(set(out) & set(REFUSED)):
-        raise ConfigError(f"{source}: {key}: not supported: {REFUSED[key]}")
+    refused = sorted(set(out) & set(REFUSED))
+    if refused:
+        raise ConfigError(f"{source}: {refused[0]}: not supported: {REFUSED[refused[0]]}")
     store = _store(out, source)
     if store is not None:
         if "store" in out:

@@ -241,7 +241,7 @@ class Proxy:
         decode_body, promised, pair, chunks = without_params(raw, body), 0, None, []
         trace.path = "decode_only"
         if self.config.mode == "pd":
-            decision, chunks = self.decider.decide(body, route, self._pools_gap())
+            decision, chunks = self.decider.decide(body, route, self._pools_gap)
             metrics.DISAGGREGATION.labels(decision.reason).inc()
             trace.path = "direct"
             if decision.disaggregate:

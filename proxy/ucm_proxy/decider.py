@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +78,12 @@ class Decider:
         self.remembered = remembered
         self._chunks: OrderedDict[bytes, None] = OrderedDict()  # chained chunk hashes, LRU
 
-    def decide(self, body: dict[str, Any], route: str, pools_gap: float = 0.0) -> tuple[Decision, list[bytes]]:
+    def decide(
+        self, body: dict[str, Any], route: str, pools_gap: Callable[[], float] | None = None
+    ) -> tuple[Decision, list[bytes]]:
         """The decision, and the prompt's chained chunk hashes (for :meth:`remember`). ``pools_gap``:
-        the least loaded prefill engine's load less the least loaded decode engine's."""
+        the least loaded prefill engine's load less the least loaded decode engine's, asked only
+        when a cold prompt might go to decode for balance."""
         if self.min_prefill_tokens == 0:
             return Decision(True, "cold", 0, 0), []
         chunks, tokens = prompt_chunks(body, route, self.chars_per_token)
@@ -97,7 +101,7 @@ class Decider:
             return Decision(False, "short", tokens, stored), hashes
         if tokens - stored < self.min_prefill_tokens:
             return Decision(False, "stored", tokens, stored), hashes
-        if self.balance_gap and pools_gap >= self.balance_gap:
+        if self.balance_gap and pools_gap is not None and pools_gap() >= self.balance_gap:
             return Decision(False, "balance", tokens, stored), hashes
         return Decision(True, "cold", tokens, stored), hashes
 

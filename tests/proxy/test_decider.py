@@ -57,11 +57,12 @@ def test_chat_messages_are_one_prompt_with_their_boundaries():
 def test_a_cold_prompt_goes_to_decode_while_prefill_is_the_busier_pool():
     decider = Decider(256, 4.0, 1000, 2.0)
     cold = completion(WORDS[:4000])
-    assert decider.decide(cold, "/v1/completions", pools_gap=1.0)[0].disaggregate
-    decision, _ = decider.decide(cold, "/v1/completions", pools_gap=2.0)
+    assert decider.decide(cold, "/v1/completions", pools_gap=lambda: 1.0)[0].disaggregate
+    decision, _ = decider.decide(cold, "/v1/completions", pools_gap=lambda: 2.0)
     assert (decision.disaggregate, decision.reason) == (False, "balance")
-    assert Decider(256, 4.0, 1000, 0.0).decide(cold, "/v1/completions", pools_gap=50.0)[0].disaggregate  # off
-    assert Decider(0, 4.0, 1000, 2.0).decide(cold, "/v1/completions", pools_gap=50.0)[0].disaggregate  # always PD
+    busy = lambda: 50.0  # noqa: E731
+    assert Decider(256, 4.0, 1000, 0.0).decide(cold, "/v1/completions", pools_gap=busy)[0].disaggregate  # off
+    assert Decider(0, 4.0, 1000, 2.0).decide(cold, "/v1/completions", pools_gap=busy)[0].disaggregate  # always PD
 
 
 def test_through_the_proxy_a_burst_spills_to_decode_when_prefill_is_busy(fakes, make_proxy):

@@ -175,9 +175,8 @@ class PosixStore(PerBlockStore):
             roots = self._roots
         return [os.path.join(root, name[0:2], name) for root in roots]
 
-    def _new_path(self, block_id: bytes) -> str:
-        """Where a new block is written."""
-        paths = self._paths(block_id)
+    def _new_path(self, paths: list[str]) -> str:
+        """Where a new block is written, of the places it may be (:meth:`_paths`)."""
         if self.config.placement == "round_robin":
             return paths[next(self._next_root) % len(paths)]
         return random.choice(paths) if self.config.placement == "random" else paths[0]
@@ -198,7 +197,8 @@ class PosixStore(PerBlockStore):
         return False
 
     def _dump_block(self, block_id: bytes, payload: Blob) -> bool:
-        for path in self._paths(block_id):
+        paths = self._paths(block_id)
+        for path in paths:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
@@ -209,7 +209,7 @@ class PosixStore(PerBlockStore):
             # content-addressed: an existing block already holds these bytes
             self._maybe_touch(path, st.st_mtime)
             return True
-        path = self._new_path(block_id)
+        path = self._new_path(paths)
         size = blob_size(payload)
         flags = FLAG_MAC if self._key else 0
         trailer = TRAILER.pack(

@@ -84,10 +84,10 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     return config
 
 
-def native_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+def native_config(extra: Mapping[str, Any], where: str = WHERE) -> dict[str, Any]:
     """A kv_connector_extra_config in our shape: UCM's keys (``ucm_connectors``,
-    ``ucm_config_path``, ``ucm_sparse_config``, ...) translated, errors naming them."""
-    return with_sparse_translated(ucm_style.translate(extra, WHERE), WHERE)
+    ``ucm_config_path``, ``ucm_sparse_config``, ...) translated, errors naming them under ``where``."""
+    return with_sparse_translated(ucm_style.translate(extra, where), where)
 
 
 def with_sparse_translated(options: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def with_sparse_translated(options: Mapping[str, Any], where: str) -> dict[str, 
 
 def sparse_config(options: Mapping[str, Any] | None, where: str) -> SparseConfig | None:
     """The sparse section of a mapping (``sparse`` or UCM's ``ucm_sparse_config``), validated."""
-    section = with_sparse_translated(ucm_style.translate(options or {}, where), where).get("sparse")
+    section = native_config(options or {}, where).get("sparse")
     return None if section is None else parse_config(SparseConfig, section, f"{where}.sparse")
 
 
