@@ -388,14 +388,26 @@ async def test_a_permanent_refusal_is_degraded_and_not_retried_forever(kmock, cl
 
         cond = await eventually(degraded)
         assert "422" in cond["Degraded"]["message"] and "env[0].name" in cond["Degraded"]["message"]
-        await asyncio.sleep(0.5)
-        before = deployment_posts(kmock)
+        before = await settled_posts(kmock)  # Kopf's causes (create/resume/update) may come late on a busy machine
         await asyncio.sleep(1.5)  # a temporary error would have been retried ~7 more times by now
         assert deployment_posts(kmock) == before <= 3  # once per Kopf cause (create/resume/update), then no more
 
 
 def deployment_posts(kmock) -> int:
     return sum(1 for c in kmock.calls if c.verb == "create" and c.resource == "deployments")
+
+
+async def settled_posts(kmock, window_s: float = 0.5, limit_s: float = 10.0) -> int:
+    """Deployment POSTs once no new one came for ``window_s`` (or after ``limit_s``: a retry loop never
+    settles, and the caller's check then sees the count still growing)."""
+    count, deadline = deployment_posts(kmock), asyncio.get_running_loop().time() + limit_s
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(window_s)
+        now = deployment_posts(kmock)
+        if now == count:
+            break
+        count = now
+    return count
 
 
 @pytest.mark.asyncio
