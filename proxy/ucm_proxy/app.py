@@ -1,9 +1,10 @@
 """The OpenAI-compatible PD proxy: the request path and the ASGI app.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` take the hot path: raw ASGI in front of
-FastAPI (no router, middleware or validation models per request), one shared aiohttp session, the
-client's body bytes forwarded to decode with ``kv_transfer_params`` spliced in rather than
-re-encoded, and stream chunks passed through as they arrive. FastAPI serves the rest (models,
+FastAPI (no router, middleware or validation models per request), a lean HTTP/1.1 client on
+kept-alive connections (``http1``), the client's body bytes forwarded to decode with
+``kv_transfer_params`` spliced in rather than re-encoded, and stream chunks passed through as they
+arrive. FastAPI serves the rest (models,
 health, readiness, metrics, OpenAPI docs).
 
 PD mode: the prefill backend gets a copy of the request with ``max_tokens=1``, ``stream=false``
@@ -21,8 +22,8 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -32,11 +33,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ucm_proxy import metrics
+from ucm_proxy import http1, metrics
 from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, engine_figures, other_identities, unpaired
 from ucm_proxy.config import ProxyConfig, read_backends_file
 from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
+from ucm_proxy.http1 import Client, UpstreamError
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
 from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
@@ -73,14 +75,9 @@ class Proxy:
         self.first_health_round = asyncio.Event()
         checks = config.mode == "pd" and config.pd_check.interval_s > 0
         self.path_checker = PathChecker(self) if checks else None
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # health checks, engine metrics, path checks
+        self.client: Client | None = None  # the requests being served
         self._tasks: list[asyncio.Task[None]] = []
-        t = config.timeouts
-        self._prefill_timeout = aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s)
-        # Streams: idle_s bounds each silence. A whole answer arrives at once, after generation: only
-        # first_byte_s bounds it (an idle limit would retry a long generation on another backend).
-        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.idle_s)
-        self._whole_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -88,6 +85,7 @@ class Proxy:
         key = self.config.backend_key()
         auth = {"Authorization": f"Bearer {key}"} if key else {}  # on every backend call, probes included
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
+        self.client = Client(auth)
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.config.routing.engine_metrics_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._engine_metrics_loop()))
@@ -112,6 +110,8 @@ class Proxy:
                 await task
         if self.session is not None:
             await self.session.close()
+        if self.client is not None:
+            self.client.close()
 
     def set_backends(self, urls: dict[str, list[str]]) -> None:
         """The pools' members (mixed mode: every backend serves whole requests)."""
@@ -196,7 +196,7 @@ class Proxy:
     # -- the request path ------------------------------------------------------------------------
     async def handle(self, request: Request, route: str) -> Response:
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or secrets.token_hex(16)
         status, trace = 500, Trace()
         try:
             response = await self._handle(request, route, request_id, started, trace)
@@ -209,8 +209,8 @@ class Proxy:
             status = p.status
             return Response(p.body, p.status, media_type="application/json", headers={"X-Request-Id": request_id})
         finally:
-            metrics.REQUESTS.labels(route, str(status), trace.path).inc()
-            metrics.LATENCY.labels(route).observe(time.perf_counter() - started)
+            metrics.child(metrics.REQUESTS, route, str(status), trace.path).inc()
+            metrics.child(metrics.LATENCY, route).observe(time.perf_counter() - started)
             if trace.path != "none":
                 self.recent.record(trace.path)
 
@@ -242,7 +242,7 @@ class Proxy:
         trace.path = "decode_only"
         if self.config.mode == "pd":
             decision, chunks = self.decider.decide(body, route, self._pools_gap)
-            metrics.DISAGGREGATION.labels(decision.reason).inc()
+            metrics.child(metrics.DISAGGREGATION, decision.reason).inc()
             trace.path = "direct"
             if decision.disaggregate:
                 prefilled = await self._prefill(route, body, headers, key)
@@ -309,7 +309,10 @@ class Proxy:
             return None
 
         async def attempt(backend: Backend) -> tuple[Any, str | None]:
-            async with self._post(backend, route, payload, headers, self._prefill_timeout) as resp:
+            async with (
+                asyncio.timeout(self.config.timeouts.prefill_s),
+                self._post(backend, route, payload, headers) as resp,
+            ):
                 if resp.status >= 500:
                     raise Retry(f"prefill {backend.url} answered {resp.status}")
                 data = await resp.read()
@@ -341,7 +344,9 @@ class Proxy:
         pair: Pair | None,
     ) -> Response:
         async def attempt(backend: Backend) -> Response:
-            upstream = self._post(backend, route, payload, headers, self._whole_timeout)
+            # A whole answer arrives at once, after generation: only first_byte_s bounds it (an idle
+            # limit would retry a long generation on another backend).
+            upstream = self._post(backend, route, payload, headers)
             async with asyncio.timeout(self.config.timeouts.first_byte_s):
                 resp = await upstream.__aenter__()
             try:
@@ -352,12 +357,12 @@ class Proxy:
                     raise Retry(f"decode {backend.url} aborted the request")
             finally:
                 await upstream.__aexit__(None, None, None)
-            metrics.TTFB.labels(route).observe(time.perf_counter() - started)
+            metrics.child(metrics.TTFB, route).observe(time.perf_counter() - started)
             if pair is not None:
                 pair.record(backend)
             if resp.status == 200:
                 self.recent.record_decode(promised, data)
-            media_type = resp.headers.get("Content-Type", "application/json")
+            media_type = resp.headers.get("content-type", "application/json")
             return Response(data, resp.status, headers=_response_headers(resp, headers), media_type=media_type)
 
         try:
@@ -371,13 +376,13 @@ class Proxy:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
         async def attempt(backend: Backend) -> Response:
-            upstream = self._post(backend, route, payload, headers, self._stream_timeout)
+            upstream = self._post(backend, route, payload, headers, idle_s=self.config.timeouts.idle_s)
             try:
                 async with asyncio.timeout(self.config.timeouts.first_byte_s):
                     resp = await upstream.__aenter__()
                     if resp.status >= 500:
                         raise Retry(f"decode {backend.url} answered {resp.status}")
-                    first = await resp.content.readany()
+                    first = await resp.chunk()
                 if not first and resp.status == 200:
                     raise Retry(f"decode {backend.url} closed the stream before any data")
                 if resp.status == 200 and ABORTED.search(first):
@@ -385,7 +390,7 @@ class Proxy:
             except BaseException:
                 await upstream.__aexit__(None, None, None)
                 raise
-            metrics.TTFB.labels(route).observe(time.perf_counter() - started)
+            metrics.child(metrics.TTFB, route).observe(time.perf_counter() - started)
             if pair is not None:
                 pair.record(backend)
             upstream.hold()  # in flight until the stream ends
@@ -394,7 +399,7 @@ class Proxy:
                 relay_chunks(upstream, resp, first),
                 status_code=resp.status,
                 headers=_response_headers(resp, headers),
-                media_type=resp.headers.get("Content-Type", "text/event-stream"),
+                media_type=resp.headers.get("content-type", "text/event-stream"),
             )
 
         try:
@@ -429,7 +434,7 @@ class Proxy:
             except Passthrough:
                 pool.record_success(backend)
                 raise
-            except (TimeoutError, Retry, aiohttp.ClientError) as exc:
+            except (TimeoutError, Retry, UpstreamError) as exc:
                 logger.warning("%s backend %s failed: %s", pool.role, backend.url, exc or type(exc).__name__)
                 pool.record_failure(backend)
                 exclude.add(backend.url)
@@ -439,10 +444,10 @@ class Proxy:
         raise NoBackend
 
     def _post(
-        self, backend: Backend, route: str, payload: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
+        self, backend: Backend, route: str, payload: bytes, headers: dict[str, str], idle_s: float | None = None
     ) -> Upstream:
-        assert self.session is not None
-        return Upstream(self.session, backend, route, payload, headers, timeout)
+        assert self.client is not None
+        return Upstream(self.client, backend, route, payload, headers, self.config.timeouts.connect_s, idle_s)
 
 
 class Pair:
@@ -455,7 +460,7 @@ class Pair:
 
     def record(self, decode: Backend) -> None:
         known = self.identity is not None and decode.identity is not None
-        metrics.PD_PAIRS.labels(str(decode.identity == self.identity).lower() if known else "unknown").inc()
+        metrics.child(metrics.PD_PAIRS, str(decode.identity == self.identity).lower() if known else "unknown").inc()
 
 
 class Trace:
@@ -478,8 +483,8 @@ def no_backend(role: str) -> ProxyError:
     return ProxyError(503, f"No {role} backend is available; retry shortly.", headers={"Retry-After": "1"})
 
 
-def _response_headers(resp: aiohttp.ClientResponse, sent: dict[str, str]) -> dict[str, str]:
-    return {"X-Request-Id": resp.headers.get("X-Request-Id", sent["X-Request-Id"])}
+def _response_headers(resp: http1.Response, sent: dict[str, str]) -> dict[str, str]:
+    return {"X-Request-Id": resp.headers.get("x-request-id", sent["X-Request-Id"])}
 
 
 class ProxyApp:

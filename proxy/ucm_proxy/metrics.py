@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+from typing import TypeVar
+
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -46,6 +52,13 @@ PD_DECODE_KV = Counter(
     "PD answers (not streamed) where decode loaded the prompt's KV from the store, or computed it all",
     ["outcome"],
 )
+
+
+@functools.cache
+def child(metric: M, *labels: str) -> M:
+    """``metric.labels(*labels)``, looked up once: the per-request series (route, status, decision)
+    are few and never removed, and ``labels`` validates and locks on every call."""
+    return metric.labels(*labels)
 
 
 def forget_backend(url: str, role: str) -> None:

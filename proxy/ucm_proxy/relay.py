@@ -8,12 +8,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-import aiohttp
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ucm_proxy import http1
 from ucm_proxy.backends import Backend
 from ucm_proxy.errors import ProxyError, sse_error
+from ucm_proxy.http1 import Client, UpstreamError
 
 logger = logging.getLogger("ucm_proxy")
 T = TypeVar("T")
@@ -24,24 +25,25 @@ class Upstream:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: Client,
         backend: Backend,
         route: str,
         payload: bytes,
         headers: dict[str, str],
-        timeout: aiohttp.ClientTimeout,
+        connect_s: float,
+        idle_s: float | None,
     ) -> None:
         self.backend = backend
-        self.failed = False
-        self._request = session.post(backend.url + route, data=payload, headers=headers, timeout=timeout)
-        self._resp: aiohttp.ClientResponse | None = None
+        self._call = (client, route, payload, headers, connect_s, idle_s)
+        self._resp: http1.Response | None = None
         self._held = False
 
-    async def __aenter__(self) -> aiohttp.ClientResponse:
+    async def __aenter__(self) -> http1.Response:
         self.backend.in_flight += 1
         self.backend.in_flight_gauge.inc()
+        client, route, payload, headers, connect_s, idle_s = self._call
         try:
-            self._resp = await self._request
+            self._resp = await client.post(self.backend.url, route, payload, headers, connect_s, idle_s)
         except BaseException:
             self._done()
             raise
@@ -49,16 +51,15 @@ class Upstream:
 
     async def __aexit__(self, *exc: object) -> None:
         if not self._held:
-            await self.release()
+            self.release()
 
     def hold(self) -> None:
         """Keep the request open past the ``async with``: a stream being relayed releases it."""
         self._held = True
 
-    async def release(self) -> None:
+    def release(self) -> None:
+        """A response not read to its end closes its connection: the backend stops working on it."""
         if self._resp is not None:
-            if self.failed or not self._resp.content.at_eof():
-                self._resp.close()  # drop the connection: the backend stops working on it
             self._resp.release()
             self._resp = None
             self._done()
@@ -68,24 +69,21 @@ class Upstream:
         self.backend.in_flight_gauge.dec()
 
 
-async def relay_chunks(
-    upstream: Upstream, resp: aiohttp.ClientResponse, first: bytes
-) -> AsyncIterator[tuple[bytes, bool]]:
+async def relay_chunks(upstream: Upstream, resp: http1.Response, first: bytes) -> AsyncIterator[tuple[bytes, bool]]:
     """The stream's chunks as they arrive, each with whether the stream ended with it (then the
     client's terminating chunk goes out in the same write); an SSE error event if the backend fails
     mid-stream."""
     try:
-        yield first, resp.content.at_eof()
-        async for chunk in resp.content.iter_any():
-            yield chunk, resp.content.at_eof()
-    except (TimeoutError, aiohttp.ClientError) as exc:
+        yield first, resp.at_eof()
+        while chunk := await resp.chunk():
+            yield chunk, resp.at_eof()
+    except (TimeoutError, UpstreamError) as exc:
         # Headers are sent: the only way to tell the client is an error event in the stream.
-        upstream.failed = True
         logger.warning("decode %s failed mid-stream: %s", upstream.backend.url, exc)
         yield sse_error(502, f"The decode backend failed mid-stream: {type(exc).__name__}"), True
     finally:
         # Also on client disconnect (the task is cancelled): closing aborts the upstream request.
-        await upstream.release()
+        upstream.release()
 
 
 class Relay(Response):
@@ -136,7 +134,7 @@ class Relay(Response):
             try:
                 await self.chunks.aclose()  # type: ignore[attr-defined]
                 # A stream never started never ran its own cleanup: release here (idempotent).
-                await self.upstream.release()
+                self.upstream.release()
             except asyncio.CancelledError:
                 # The client left just as the stream ended: its cancellation lands here instead.
                 if not client_gone():
