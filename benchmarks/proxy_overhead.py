@@ -10,6 +10,10 @@ Pinning (taskset): for throughput the proxy gets core 0 alone and wrk + backends
 so the proxy's cost is what is measured; at concurrency 1 everything runs on core 0 (waking an
 idle core costs milliseconds here and would swamp the proxy's own latency).
 
+``cpu_us_per_req_vs_vllm_router`` (streaming, c=64) comes from a paired phase after the table:
+both proxies up, measured in alternating 2-second runs (4 rounds with ``--quick``, 10 without),
+because one run per target drifts by ±20% on a shared machine.
+
     python benchmarks/proxy_overhead.py --quick --json OUT.json
 """
 
@@ -33,6 +37,7 @@ from ucm_testing.processes import stop_process
 HERE = Path(__file__).resolve().parent
 BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
 CONCURRENCY = (1, 16, 64)
+PAIRED = ("ucm", "vllm-router")  # CPU per request compared in alternating runs
 
 
 def spawn(args: list[str], cores: str, log: Path) -> subprocess.Popen[bytes]:
@@ -155,7 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p,
             )
         )
-    rows = []
+    rows: list[dict[str, Any]] = []
+    paired: dict[str, Any] | None = None
     try:
         for _, port in fakes.values():
             if not wait_for_port("127.0.0.1", port, 30):
@@ -166,26 +172,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not wait_for_port("127.0.0.1", target.port, 60):
                     raise RuntimeError(f"{target.name} did not start; see {work / (target.name + '.log')}")
                 time.sleep(1.0)  # let background health checks settle
-            try:
-                for stream in (True, False):
-                    lua.write_text(
-                        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                        f"wrk.body = [[{json.dumps({**BODY, 'stream': stream})}]]\n"
-                    )
-                    for conc in CONCURRENCY:
-                        rows.append(measure(target, fakes, lua, conc, stream, duration))
-                        print(_row_text(rows[-1]), flush=True)
-            finally:
-                if target.proc is not None:
-                    stop_process(target.proc, group=True)
+            for stream in (True, False):
+                write_lua(lua, stream)
+                for conc in CONCURRENCY:
+                    rows.append(measure(target, fakes, lua, conc, stream, duration))
+                    print(_row_text(rows[-1]), flush=True)
+            if target.name not in PAIRED and target.proc is not None:
+                stop_process(target.proc, group=True)
+        pair = [t for t in targets if t.name in PAIRED]
+        if len(pair) == len(PAIRED):
+            write_lua(lua, True)
+            paired = paired_cpu(pair, fakes, lua, rounds=4 if args.quick else 10)
     finally:
+        for target in targets:
+            if target.proc is not None and target.proc.poll() is None:
+                stop_process(target.proc, group=True)
         for proc, _ in fakes.values():
             stop_process(proc, group=True)
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(rows, duration)
+    return summarize(rows, duration, paired)
 
 
-def measure(target: Target, fakes: dict, lua: Path, conc: int, stream: bool, duration: int) -> dict[str, Any]:
+def write_lua(lua: Path, stream: bool) -> None:
+    lua.write_text(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = [[{json.dumps({**BODY, 'stream': stream})}]]\n"
+    )
+
+
+def paired_cpu(pair: list[Target], fakes: dict, lua: Path, rounds: int, seconds: int = 2) -> dict[str, Any]:
+    """CPU per streamed request at c=64, ucm-proxy and vllm-router measured in alternating short
+    runs (the order swapped each round), so that the machine's drift (other tenants, frequency)
+    falls on both alike; one run per target measures ±20% from one run to the next here."""
+    cpu = {t.name: 0.0 for t in pair}
+    requests = {t.name: 0 for t in pair}
+    per_round = []
+    for n in range(rounds):
+        us = {}
+        for target in pair if n % 2 == 0 else pair[::-1]:
+            row = measure(target, fakes, lua, 64, True, seconds, warm_up=n == 0)
+            cpu[target.name] += row["cpu_us_per_req"] * row["requests"]
+            requests[target.name] += row["requests"]
+            us[target.name] = row["cpu_us_per_req"]
+        per_round.append(us["ucm"] / us["vllm-router"])
+        print(f"paired round {n + 1}: " + "  ".join(f"{k} {v:.0f} us/req" for k, v in us.items()), flush=True)
+    mean = {name: cpu[name] / requests[name] for name in cpu}
+    return {
+        "rounds": rounds,
+        "seconds": seconds,
+        "cpu_us_per_req": mean,
+        "ratio": mean["ucm"] / mean["vllm-router"],
+        "ratio_per_round": per_round,
+    }
+
+
+def measure(
+    target: Target, fakes: dict, lua: Path, conc: int, stream: bool, duration: int, warm_up: bool = True
+) -> dict[str, Any]:
     single_core = conc == 1
     backend_cores = "0" if single_core else "1"
     for proc, _ in fakes.values():
@@ -195,7 +238,8 @@ def measure(target: Target, fakes: dict, lua: Path, conc: int, stream: bool, dur
     path = "/v1/completions"
     url = f"http://127.0.0.1:{target.port}{path}"
     wrk = ["taskset", "-c", backend_cores, "wrk", "-t1", f"-c{conc}", "--latency", "-s", str(lua)]
-    subprocess.run([*wrk, "-d1s", url], capture_output=True, check=True)  # warm-up: connections, caches
+    if warm_up:  # connections, caches
+        subprocess.run([*wrk, "-d1s", url], capture_output=True, check=True)
     cpu0 = cpu_seconds(target.proc.pid) if target.proc is not None else 0.0
     out = subprocess.run([*wrk, f"-d{duration}s", url], capture_output=True, text=True, check=True).stdout
     cpu1 = cpu_seconds(target.proc.pid) if target.proc is not None else 0.0
@@ -204,7 +248,7 @@ def measure(target: Target, fakes: dict, lua: Path, conc: int, stream: bool, dur
     return {"target": target.name, "concurrency": conc, "stream": stream, **result, "cpu_us_per_req": us}
 
 
-def summarize(rows: list[dict[str, Any]], duration: int) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], duration: int, paired: dict[str, Any] | None) -> dict[str, Any]:
     def get(target: str, conc: int, stream: bool) -> dict[str, Any] | None:
         return next(
             (r for r in rows if r["target"] == target and r["concurrency"] == conc and r["stream"] == stream), None
@@ -219,8 +263,10 @@ def summarize(rows: list[dict[str, Any]], duration: int) -> dict[str, Any]:
         report["us_per_req"] = ours["cpu_us_per_req"]
     if ours and router:
         report["rps_vs_vllm_router"] = ours["rps"] / router["rps"]
+    if paired is not None:
         # CPU per streamed request, ucm-proxy over vllm-router, at concurrency 64 (target <= 1.0).
-        report["cpu_us_per_req_vs_vllm_router"] = ours["cpu_us_per_req"] / router["cpu_us_per_req"]
+        report["paired_cpu"] = paired
+        report["cpu_us_per_req_vs_vllm_router"] = paired["ratio"]
     if ours1 and router1 and direct1:
         ours_added = ours1["p99_ms"] - direct1["p99_ms"]
         router_added = router1["p99_ms"] - direct1["p99_ms"]
