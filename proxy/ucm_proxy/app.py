@@ -41,7 +41,7 @@ from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.http1 import Client, UpstreamError
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
-from ucm_proxy.relay import Relay, Upstream, relay_chunks, unless_disconnected
+from ucm_proxy.relay import WATCH, ClientWatch, Relay, Upstream, relay_chunks, stop_watching, unless_disconnected
 from ucm_proxy.requests import (
     affinity_key,
     parse_body,
@@ -224,9 +224,9 @@ class Proxy:
         # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         key = affinity_key(body, route, self.config.routing.prefix_chars)
-        # One watcher for everything before the response starts (prefill, decode's first chunk).
-        serving = self._serve(route, raw, body, headers, key, started, trace)
-        return await unless_disconnected(request, serving)
+        # From here the client is watched (not before: the body is read from the same channel).
+        watch = request.scope[WATCH] = ClientWatch(request.receive)
+        return await unless_disconnected(watch, self._serve(route, raw, body, headers, key, started, trace))
 
     async def _serve(
         self,
@@ -529,8 +529,11 @@ class ProxyApp:
                 except Exception:
                     logger.exception("unexpected error on %s", scope["path"])
                     response = ProxyError(500, "Internal proxy error.", None, "internal_error").response()
+                if not isinstance(response, Relay):
+                    stop_watching(scope)  # a whole answer goes out now: too late to cancel anything
                 await response(scope, receive, send)
             finally:
+                stop_watching(scope)
                 self.in_flight -= 1
                 self.in_flight_bytes -= size
             return

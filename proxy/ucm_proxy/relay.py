@@ -8,7 +8,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from ucm_proxy import http1
@@ -86,12 +85,50 @@ async def relay_chunks(upstream: Upstream, resp: http1.Response, first: bytes) -
         upstream.release()
 
 
-class Relay(Response):
-    """A streamed response relayed chunk by chunk, on the request's own task.
+class ClientWatch:
+    """Watches a request's client from the end of its body to the last byte of its answer: if the
+    client goes away meanwhile, the request's task is cancelled, which closes its upstream requests.
 
-    Starlette's StreamingResponse runs two tasks per response (the stream and a disconnect
-    listener); here one watcher cancels the relaying task when the client goes away, which also
-    aborts the upstream request (``relay_chunks`` closes it)."""
+    One watcher task per request serves both phases (before the answer starts, and a stream being
+    relayed on the same task), where Starlette's StreamingResponse runs two tasks per stream."""
+
+    __slots__ = ("_task", "_watcher", "gone", "guarding")
+
+    def __init__(self, receive: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.gone = False
+        self.guarding = True  # off once a whole answer is being sent: too late to cancel anything
+        self._watcher = asyncio.ensure_future(disconnected(receive))
+        self._watcher.add_done_callback(self._client_left)
+
+    def _client_left(self, watcher: asyncio.Future[None]) -> None:
+        if watcher.cancelled():
+            return
+        self.gone = True
+        if self.guarding:
+            self._task.cancel()
+
+    def close(self) -> None:
+        self.guarding = False
+        self._watcher.cancel()
+
+
+# Where a request's ClientWatch travels from the handler to the response it returns.
+WATCH = "ucm_proxy.watch"
+
+
+def stop_watching(scope: dict[str, Any]) -> None:
+    watch = scope.pop(WATCH, None)
+    if watch is not None:
+        watch.close()
+
+
+class Relay(Response):
+    """A streamed response relayed chunk by chunk, on the request's own task: when the client goes
+    away, the request's ClientWatch cancels it, which also aborts the upstream request
+    (``relay_chunks`` closes it)."""
 
     def __init__(
         self,
@@ -108,14 +145,7 @@ class Relay(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        relaying = asyncio.current_task()
-        assert relaying is not None
-        watcher = asyncio.ensure_future(disconnected(receive))
-        watcher.add_done_callback(lambda w: None if w.cancelled() else relaying.cancel())
-
-        def client_gone() -> bool:
-            return watcher.done() and not watcher.cancelled()
-
+        watch: ClientWatch = scope[WATCH]  # stopped by the app once this returns
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             ended = False
@@ -127,42 +157,30 @@ class Relay(Response):
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not client_gone():
+            if not watch.gone:
                 raise  # cancelled for another reason (shutdown): not ours to swallow
         finally:
-            watcher.cancel()
+            watch.guarding = False
             try:
                 await self.chunks.aclose()  # type: ignore[attr-defined]
                 # A stream never started never ran its own cleanup: release here (idempotent).
                 self.upstream.release()
             except asyncio.CancelledError:
                 # The client left just as the stream ended: its cancellation lands here instead.
-                if not client_gone():
+                if not watch.gone:
                     raise
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` on this task; if the client goes away first, cancel it (closing the upstream
-    requests) and answer 499. No second task: a watcher cancels this one."""
-    current = asyncio.current_task()
-    assert current is not None
-    active = True
-
-    def client_left(w: asyncio.Future[None]) -> None:
-        if active and not w.cancelled():  # not once the work is over: the task is sending its answer
-            current.cancel()
-
-    watcher = asyncio.ensure_future(disconnected(request.receive))
-    watcher.add_done_callback(client_left)
+async def unless_disconnected(watch: ClientWatch, work: Awaitable[T]) -> T:
+    """Await ``work`` on this task; if the client goes away first, ``watch`` cancels it (closing the
+    upstream requests) and the answer is 499."""
     try:
         return await work
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled() and current.uncancel() == 0:
+        current = asyncio.current_task()
+        if watch.gone and current is not None and current.uncancel() == 0:
             raise ProxyError(499, "Client closed the request.") from None
         raise
-    finally:
-        active = False
-        watcher.cancel()
 
 
 async def disconnected(receive: Any) -> None:
