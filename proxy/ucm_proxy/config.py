@@ -204,6 +204,11 @@ class ProxyConfig(StrictModel):
         key = self.backend_api_key_file.read_text().strip()
         if not key:
             raise ConfigError(f"backend_api_key_file: {self.backend_api_key_file} is empty")
+        if not (key.isascii() and key.isprintable()):
+            raise ConfigError(
+                f"backend_api_key_file: {self.backend_api_key_file} must hold one line of printable ASCII (the key "
+                "itself): it goes into an HTTP header"
+            )
         return key
 
 

@@ -24,6 +24,9 @@ import httptools
 # Past this many unread bytes the connection stops reading: a slow client holds the backend back
 # (TCP flow control) instead of the proxy buffering a whole answer.
 HIGH_WATER = 256 * 1024
+# A connection idle for longer is closed rather than reused: a middlebox may have dropped it silently,
+# and a request sent on it would wait for its timeout. (vLLM's server closes its own after 5 s.)
+MAX_IDLE_S = 30.0
 
 
 class UpstreamError(Exception):
@@ -115,7 +118,7 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.headers_ready: asyncio.Future[None] | None = None
         self.received = False  # any byte of the current response
-        self.reused = False
+        self.idle_since = 0.0
         self.keep_alive = False
         self.paused = False
         self.idle_s: float | None = None
@@ -139,7 +142,7 @@ class _Connection(asyncio.Protocol):
         self._stop_idle_timer()
         self.response = self.headers_ready = None
         if self.keep_alive and self.transport is not None and not self.transport.is_closing():
-            self.reused = True
+            self.idle_since = self.loop.time()
             self.pool.append(self)
         elif self.transport is not None:
             self.transport.close()
@@ -246,7 +249,10 @@ class Client:
     """POSTs to backends by base URL (``http://host:port[/prefix]``), reusing idle connections."""
 
     def __init__(self, headers: dict[str, str] | None = None) -> None:
-        self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        headers = headers or {}
+        if any(c in text for item in headers.items() for text in item for c in "\r\n"):
+            raise ValueError("a header name or value holds a line break")
+        self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self._targets: dict[str, _Target] = {}
         self._ssl: ssl.SSLContext | None = None
 
@@ -260,9 +266,13 @@ class Client:
             f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
             f"Content-Length: {len(body)}\r\n{self._headers}{extra}\r\n"
         ).encode("latin-1") + body
+        now = asyncio.get_running_loop().time()
         while target.idle:
             conn = target.idle.pop()
             if conn.transport is None or conn.transport.is_closing():
+                continue
+            if now - conn.idle_since > MAX_IDLE_S:
+                conn.transport.close()
                 continue
             response = conn.send(request, idle_s)
             try:

@@ -258,3 +258,22 @@ async def test_unreachable_and_malformed_backends_are_upstream_errors() -> None:
         with pytest.raises(UpstreamError, match="malformed"):
             await client.post(server.url, "/x", b"{}", {}, 1.0)
     client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_connection_idle_too_long_is_not_reused(monkeypatch) -> None:
+    monkeypatch.setattr(http1, "MAX_IDLE_S", 0.05)
+    async with Server(echo_forever) as server:
+        client = Client()
+        for pause in (0.0, 0.01, 0.2):
+            await asyncio.sleep(pause)
+            resp = await client.post(server.url, "/x", b"{}", {}, 1.0)
+            assert await resp.read() == b"{}"
+            resp.release()
+        assert server.connections == 2  # the second request reused the first's; the third did not
+        client.close()
+
+
+def test_default_headers_cannot_smuggle_a_line() -> None:
+    with pytest.raises(ValueError, match="line break"):
+        Client({"Authorization": "Bearer k\r\nX-Admin: yes"})

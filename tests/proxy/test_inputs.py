@@ -222,6 +222,17 @@ def test_check_validates_without_serving_or_reading_key_files(tmp_path):
     assert r.returncode == 2 and "proxy.routing.decode: Input should be" in r.stderr
 
 
+@pytest.mark.parametrize("content", ["", "two\nlines", "caf\u00e9"])
+def test_a_backend_key_file_that_cannot_be_a_header_is_a_startup_error(tmp_path, content):
+    key = tmp_path / "backend-key"
+    key.write_text(content)
+    path = tmp_path / "proxy.yaml"
+    path.write_text(f"decode: [http://d:8000]\nfallback_to_decode: true\nbackend_api_key_file: {key}\n")
+    r = subprocess.run([sys.executable, "-m", "ucm_proxy", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "backend_api_key_file:" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_per_key_salts_keep_tenants_apart(fakes, make_proxy):
     """With cache_salt: per_key a tenant cannot choose another's salt to probe its cached prefixes."""
     d = fakes.add("d")
