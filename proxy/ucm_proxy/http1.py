@@ -142,6 +142,7 @@ class _Connection(asyncio.Protocol):
         self._stop_idle_timer()
         self.response = self.headers_ready = None
         if self.keep_alive and self.transport is not None and not self.transport.is_closing():
+            self.drained()  # an answer left unread may have paused reading
             self.idle_since = self.loop.time()
             self.pool.append(self)
         elif self.transport is not None:

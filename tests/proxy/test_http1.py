@@ -277,3 +277,31 @@ async def test_a_connection_idle_too_long_is_not_reused(monkeypatch) -> None:
 def test_default_headers_cannot_smuggle_a_line() -> None:
     with pytest.raises(ValueError, match="line break"):
         Client({"Authorization": "Bearer k\r\nX-Admin: yes"})
+
+
+@pytest.mark.asyncio
+async def test_a_connection_paused_by_a_large_unread_answer_reads_again_when_reused() -> None:
+    large = b"x" * (http1.HIGH_WATER * 2)
+
+    async def large_then_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok(large))
+        await writer.drain()
+        await echo_forever(reader, writer)
+
+    async with Server(large_then_echo) as server:
+        client = Client()
+        resp = await client.post(server.url, "/x", b"{}", {}, 1.0)
+        conn = resp._conn
+        assert conn is not None
+        while not resp._ended:  # all of it in, none of it read
+            await asyncio.sleep(0.01)
+            if conn.paused and not resp._ended:
+                conn.drained()  # let the rest in; past the mark it pauses again
+        assert conn.paused  # the last bytes came in past the mark
+        resp.release()
+        resp = await asyncio.wait_for(client.post(server.url, "/x", b"again", {}, 1.0), 2)
+        assert await resp.read() == b"again"
+        resp.release()
+        assert server.connections == 1
+        client.close()
