@@ -4,8 +4,7 @@
 FastAPI (no router, middleware or validation models per request), a lean HTTP/1.1 client on
 kept-alive connections (``http1``), the client's body bytes forwarded to decode with
 ``kv_transfer_params`` spliced in rather than re-encoded, and stream chunks passed through as they
-arrive. FastAPI serves the rest (models,
-health, readiness, metrics, OpenAPI docs).
+arrive. FastAPI serves the rest (models, health, readiness, metrics, OpenAPI docs).
 
 PD mode: the prefill backend gets a copy of the request with ``max_tokens=1``, ``stream=false``
 and ``kv_transfer_params={"do_remote_decode": true}``; the decode backend gets the original
@@ -514,7 +513,7 @@ class ProxyApp:
         if scope["type"] == "http" and scope["path"] in self.HOT_ROUTES and scope["method"] == "POST":
             config, size = self.proxy.config, self._body_size(scope)
             if self.in_flight >= config.max_in_flight or self.in_flight_bytes + size > config.max_in_flight_bytes:
-                metrics.REQUESTS.labels(scope["path"], "429", "none").inc()
+                metrics.child(metrics.REQUESTS, scope["path"], "429", "none").inc()
                 busy = ProxyError(
                     429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"}
                 )

@@ -251,7 +251,7 @@ class Client:
 
     def __init__(self, headers: dict[str, str] | None = None) -> None:
         headers = headers or {}
-        if any(c in text for item in headers.items() for text in item for c in "\r\n"):
+        if any("\r" in text or "\n" in text for item in headers.items() for text in item):
             raise ValueError("a header name or value holds a line break")
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self._targets: dict[str, _Target] = {}
