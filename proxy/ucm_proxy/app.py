@@ -1,10 +1,10 @@
-"""The OpenAI-compatible PD proxy: the request path and the ASGI app.
+"""The OpenAI-compatible PD proxy: the request path and its two front doors.
 
-``POST /v1/completions`` and ``/v1/chat/completions`` take the hot path: raw ASGI in front of
-FastAPI (no router, middleware or validation models per request), a lean HTTP/1.1 client on
-kept-alive connections (``http1``), the client's body bytes forwarded to decode with
-``kv_transfer_params`` spliced in rather than re-encoded, and stream chunks passed through as they
-arrive. FastAPI serves the rest (models, health, readiness, metrics, OpenAPI docs).
+``POST /v1/completions`` and ``/v1/chat/completions`` take the hot path: answered on the socket
+without ASGI (``server``, ``exchange``: no router, middleware or validation models per request),
+a lean HTTP/1.1 client on kept-alive connections (``http1``), the client's body bytes forwarded
+to decode with ``kv_transfer_params`` spliced in rather than re-encoded, and stream chunks passed
+through as they arrive. FastAPI serves the rest (models, health, readiness, PD path, metrics).
 
 PD mode: the prefill backend gets a copy of the request with ``max_tokens=1``, ``stream=false``
 and ``kv_transfer_params={"do_remote_decode": true}``; the decode backend gets the original
@@ -33,14 +33,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import http1, metrics
+from ucm_proxy.answers import Answer, Stream
 from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, engine_figures, other_identities, unpaired
 from ucm_proxy.config import ProxyConfig, read_backends_file
 from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
+from ucm_proxy.exchange import Exchange
 from ucm_proxy.http1 import Client, UpstreamError
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
-from ucm_proxy.relay import WATCH, ClientWatch, Relay, Upstream, relay_chunks, stop_watching, unless_disconnected
+from ucm_proxy.relay import Upstream, relay_chunks, unless_disconnected
 from ucm_proxy.requests import (
     affinity_key,
     parse_body,
@@ -193,29 +195,30 @@ class Proxy:
         return self.config.mode == "mixed" or bool(self.prefill.available()) or self.config.fallback_to_decode
 
     # -- the request path ------------------------------------------------------------------------
-    async def handle(self, request: Request, route: str) -> Response:
+    async def handle(self, exchange: Exchange) -> Answer | Stream:
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or secrets.token_hex(16)
+        request_id = exchange.header(b"x-request-id") or secrets.token_hex(16)
         status, trace = 500, Trace()
         try:
-            response = await self._handle(request, route, request_id, started, trace)
-            status = response.status_code
+            response = await self._handle(exchange, request_id, started, trace)
+            status = response.status
             return response
         except ProxyError as exc:
             status = exc.status
-            return exc.response(request_id)
+            return exc.answer(request_id)
         except Passthrough as p:  # a backend's 4xx about the client's request, as it was
             status = p.status
-            return Response(p.body, p.status, media_type="application/json", headers={"X-Request-Id": request_id})
+            return Answer(p.status, p.body, {"X-Request-Id": request_id})
         finally:
-            metrics.child(metrics.REQUESTS, route, str(status), trace.path).inc()
-            metrics.child(metrics.LATENCY, route).observe(time.perf_counter() - started)
+            metrics.child(metrics.REQUESTS, exchange.route, str(status), trace.path).inc()
+            metrics.child(metrics.LATENCY, exchange.route).observe(time.perf_counter() - started)
             if trace.path != "none":
                 self.recent.record(trace.path)
 
-    async def _handle(self, request: Request, route: str, request_id: str, started: float, trace: Trace) -> Response:
-        client_key = self.authorize(request)
-        raw = await self._read_body(request)
+    async def _handle(self, exchange: Exchange, request_id: str, started: float, trace: Trace) -> Answer | Stream:
+        route = exchange.route
+        client_key = self.authorize(exchange.header(b"authorization"))
+        raw = await self._read_body(exchange)
         body = parse_body(raw, route)
         raw, body = with_cache_salt(raw, body, self.config.cache_salt, client_key)
         if self.models and body["model"] not in self.models:
@@ -223,9 +226,8 @@ class Proxy:
         # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         key = affinity_key(body, route, self.config.routing.prefix_chars)
-        # From here the client is watched (not before: the body is read from the same channel).
-        watch = request.scope[WATCH] = ClientWatch(request.receive)
-        return await unless_disconnected(watch, self._serve(route, raw, body, headers, key, started, trace))
+        exchange.watch()  # from here the client leaving cancels the work below
+        return await unless_disconnected(exchange, self._serve(route, raw, body, headers, key, started, trace))
 
     async def _serve(
         self,
@@ -236,7 +238,7 @@ class Proxy:
         key: bytes,
         started: float,
         trace: Trace,
-    ) -> Response:
+    ) -> Answer | Stream:
         decode_body, promised, pair, chunks = without_params(raw, body), 0, None, []
         trace.path = "decode_only"
         if self.config.mode == "pd":
@@ -256,7 +258,7 @@ class Proxy:
             response = await self._decode_stream(route, decode_body, headers, key, started, pair)
         else:
             response = await self._decode(route, decode_body, headers, key, started, promised, pair)
-        if response.status_code == 200:
+        if response.status == 200:
             self.decider.remember(chunks)  # prefill, or decode as it computed them, stored its blocks
         return response
 
@@ -267,34 +269,29 @@ class Proxy:
             return 0.0
         return min(b.load for b in prefill) - min(b.load for b in decode)
 
-    def authorize(self, request: Request) -> str | None:
-        """The client's API key (None when the proxy takes none); 401 for a wrong or missing one."""
+    def authorize(self, authorization: str | None) -> str | None:
+        """The client's API key, from its Authorization header (None when the proxy takes none);
+        401 for a wrong or missing one."""
         keys = self.keys.current()
         if not keys:
             return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or token not in keys:
             raise ProxyError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>).", None, "authentication_error"
             )
         return token
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, exchange: Exchange) -> bytes:
         limit = self.config.max_body_bytes
-        length = request.headers.get("content-length")
+        length = exchange.header(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise ProxyError(413, f"Request body is larger than {limit} bytes.")
-        chunks, size = [], 0
         try:
             async with asyncio.timeout(self.config.timeouts.body_s):  # a stalled upload holds nothing long
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise ProxyError(413, f"Request body is larger than {limit} bytes.")
-                    chunks.append(chunk)
+                return await exchange.read_body(limit)
         except TimeoutError:
             raise ProxyError(408, f"Request body not received within {self.config.timeouts.body_s} s.") from None
-        return b"".join(chunks)
 
     async def _prefill(
         self, route: str, body: dict[str, Any], headers: dict[str, str], key: bytes
@@ -341,8 +338,8 @@ class Proxy:
         started: float,
         promised: int,
         pair: Pair | None,
-    ) -> Response:
-        async def attempt(backend: Backend) -> Response:
+    ) -> Answer:
+        async def attempt(backend: Backend) -> Answer:
             # A whole answer arrives at once, after generation: only first_byte_s bounds it (an idle
             # limit would retry a long generation on another backend).
             upstream = self._post(backend, route, payload, headers)
@@ -361,8 +358,8 @@ class Proxy:
                 pair.record(backend)
             if resp.status == 200:
                 self.recent.record_decode(promised, data)
-            media_type = resp.headers.get("content-type", "application/json")
-            return Response(data, resp.status, headers=_response_headers(resp, headers), media_type=media_type)
+            content_type = resp.headers.get("content-type", "application/json")
+            return Answer(resp.status, data, _response_headers(resp, headers), content_type)
 
         try:
             return await self._with_retries(self.decode, key, attempt, avoid=pair.avoid if pair else frozenset())
@@ -371,10 +368,10 @@ class Proxy:
 
     async def _decode_stream(
         self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, pair: Pair | None
-    ) -> Response:
+    ) -> Stream:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
-        async def attempt(backend: Backend) -> Response:
+        async def attempt(backend: Backend) -> Stream:
             upstream = self._post(backend, route, payload, headers, idle_s=self.config.timeouts.idle_s)
             try:
                 async with asyncio.timeout(self.config.timeouts.first_byte_s):
@@ -393,12 +390,12 @@ class Proxy:
             if pair is not None:
                 pair.record(backend)
             upstream.hold()  # in flight until the stream ends
-            return Relay(
+            return Stream(
                 upstream,
                 relay_chunks(upstream, resp, first),
-                status_code=resp.status,
-                headers=_response_headers(resp, headers),
-                media_type=resp.headers.get("content-type", "text/event-stream"),
+                resp.status,
+                _response_headers(resp, headers),
+                resp.headers.get("content-type", "text/event-stream"),
             )
 
         try:
@@ -487,11 +484,9 @@ def _response_headers(resp: http1.Response, sent: dict[str, str]) -> dict[str, s
 
 
 class ProxyApp:
-    """The ASGI app: the two hot routes go straight to the proxy, everything else to FastAPI.
-
-    Skipping FastAPI's router and middleware stack on the hot path saves a layer of wrappers on
-    every request and every streamed chunk (measured with benchmarks/proxy_overhead.py).
-    """
+    """The proxy's two front doors: the hot routes (``HOT_ROUTES``) are answered on the socket by
+    ``serve`` (``server`` hands it each such request as an ``Exchange``, no ASGI), everything else
+    by the FastAPI app ``api``."""
 
     HOT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -501,42 +496,33 @@ class ProxyApp:
         self.in_flight = 0  # client requests being handled, streams until their last byte
         self.in_flight_bytes = 0  # their bodies, as declared
 
-    def _body_size(self, scope: Any) -> int:
+    def _body_size(self, exchange: Exchange) -> int:
         """What a request's body will hold: its Content-Length, else (chunked) the most allowed."""
-        config = self.proxy.config
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit():
-                return min(int(value), config.max_body_bytes)  # larger ones get 413 without a read
-        return config.max_body_bytes
+        limit = self.proxy.config.max_body_bytes
+        length = exchange.header(b"content-length")
+        if length is not None and length.isdigit():
+            return min(int(length), limit)  # larger ones get 413 without a read
+        return limit
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in self.HOT_ROUTES and scope["method"] == "POST":
-            config, size = self.proxy.config, self._body_size(scope)
-            if self.in_flight >= config.max_in_flight or self.in_flight_bytes + size > config.max_in_flight_bytes:
-                metrics.child(metrics.REQUESTS, scope["path"], "429", "none").inc()
-                busy = ProxyError(
-                    429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"}
-                )
-                await busy.response()(scope, receive, send)
-                return
-            self.in_flight += 1
-            self.in_flight_bytes += size
-            try:
-                request = Request(scope, receive, send)
-                try:
-                    response = await self.proxy.handle(request, scope["path"])
-                except Exception:
-                    logger.exception("unexpected error on %s", scope["path"])
-                    response = ProxyError(500, "Internal proxy error.", None, "internal_error").response()
-                if not isinstance(response, Relay):
-                    stop_watching(scope)  # a whole answer goes out now: too late to cancel anything
-                await response(scope, receive, send)
-            finally:
-                stop_watching(scope)
-                self.in_flight -= 1
-                self.in_flight_bytes -= size
+    async def serve(self, exchange: Exchange) -> None:
+        config, size = self.proxy.config, self._body_size(exchange)
+        if self.in_flight >= config.max_in_flight or self.in_flight_bytes + size > config.max_in_flight_bytes:
+            metrics.child(metrics.REQUESTS, exchange.route, "429", "none").inc()
+            busy = ProxyError(429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"})
+            await exchange.send(busy.answer())
             return
-        await self.api(scope, receive, send)
+        self.in_flight += 1
+        self.in_flight_bytes += size
+        try:
+            try:
+                response = await self.proxy.handle(exchange)
+            except Exception:
+                logger.exception("unexpected error on %s", exchange.route)
+                response = ProxyError(500, "Internal proxy error.", None, "internal_error").answer()
+            await exchange.send(response)
+        finally:
+            self.in_flight -= 1
+            self.in_flight_bytes -= size
 
 
 def create_app(config: ProxyConfig) -> ProxyApp:
@@ -557,7 +543,7 @@ def create_app(config: ProxyConfig) -> ProxyApp:
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            proxy.authorize(request)
+            proxy.authorize(request.headers.get("authorization"))
         except ProxyError as exc:
             return exc.response()
         # What the health checks last learned: a call never triggers a round of backend requests.

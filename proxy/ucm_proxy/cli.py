@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ucm_proxy.app import create_app
     from ucm_proxy.server import uvicorn_config
 
-    server = uvicorn.Server(uvicorn_config(create_app(config), config, args.log_level))
+    server = uvicorn.Server(uvicorn_config(create_app(config), args.log_level))
     tune_gc()
     server.run()
     return 0

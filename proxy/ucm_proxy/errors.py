@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.responses import Response
+
+from ucm_proxy.answers import Answer
 
 
 def error_body(status: int, message: str, kind: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -34,10 +36,15 @@ class ProxyError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.headers = headers or {}
 
-    def response(self, request_id: str | None = None) -> JSONResponse:
+    def answer(self, request_id: str | None = None) -> Answer:
         headers = {**self.headers, **({"X-Request-Id": request_id} if request_id else {})}
-        body = error_body(self.status, self.message, self.kind, self.param)
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        body = json.dumps(error_body(self.status, self.message, self.kind, self.param), separators=(",", ":")).encode()
+        return Answer(self.status, body, headers)
+
+    def response(self) -> Response:
+        """The same answer from a FastAPI route."""
+        answer = self.answer()
+        return Response(answer.body, answer.status, answer.headers, media_type=answer.content_type)
 
 
 class Retry(Exception):

@@ -1,19 +1,21 @@
-"""Upstream requests and relaying their responses: in-flight accounting per backend, streams
-relayed chunk by chunk on the request's own task, and cancellation when the client goes away."""
+"""Upstream requests and the answers made of them: in-flight accounting per backend, whole answers
+and streams relayed chunk by chunk on the request's own task, and cancellation when the client
+goes away."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
-
-from starlette.responses import Response
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from ucm_proxy import http1
 from ucm_proxy.backends import Backend
 from ucm_proxy.errors import ProxyError, sse_error
 from ucm_proxy.http1 import Client, UpstreamError
+
+if TYPE_CHECKING:
+    from ucm_proxy.exchange import Exchange
 
 logger = logging.getLogger("ucm_proxy")
 T = TypeVar("T")
@@ -68,7 +70,9 @@ class Upstream:
         self.backend.in_flight_gauge.dec()
 
 
-async def relay_chunks(upstream: Upstream, resp: http1.Response, first: bytes) -> AsyncIterator[tuple[bytes, bool]]:
+async def relay_chunks(
+    upstream: Upstream, resp: http1.Response, first: bytes
+) -> AsyncGenerator[tuple[bytes, bool], None]:
     """The stream's chunks as they arrive, each with whether the stream ended with it (then the
     client's terminating chunk goes out in the same write); an SSE error event if the backend fails
     mid-stream."""
@@ -85,107 +89,13 @@ async def relay_chunks(upstream: Upstream, resp: http1.Response, first: bytes) -
         upstream.release()
 
 
-class ClientWatch:
-    """Watches a request's client from the end of its body to the last byte of its answer: if the
-    client goes away meanwhile, the request's task is cancelled, which closes its upstream requests.
-
-    One watcher task per request serves both phases (before the answer starts, and a stream being
-    relayed on the same task), where Starlette's StreamingResponse runs two tasks per stream."""
-
-    __slots__ = ("_task", "_watcher", "gone", "guarding")
-
-    def __init__(self, receive: Any) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self.gone = False
-        self.guarding = True  # off once a whole answer is being sent: too late to cancel anything
-        self._watcher = asyncio.ensure_future(disconnected(receive))
-        self._watcher.add_done_callback(self._client_left)
-
-    def _client_left(self, watcher: asyncio.Future[None]) -> None:
-        if watcher.cancelled():
-            return
-        self.gone = True
-        if self.guarding:
-            self._task.cancel()
-
-    def close(self) -> None:
-        self.guarding = False
-        self._watcher.cancel()
-
-
-# Where a request's ClientWatch travels from the handler to the response it returns.
-WATCH = "ucm_proxy.watch"
-
-
-def stop_watching(scope: dict[str, Any]) -> None:
-    watch = scope.pop(WATCH, None)
-    if watch is not None:
-        watch.close()
-
-
-class Relay(Response):
-    """A streamed response relayed chunk by chunk, on the request's own task: when the client goes
-    away, the request's ClientWatch cancels it, which also aborts the upstream request
-    (``relay_chunks`` closes it)."""
-
-    def __init__(
-        self,
-        upstream: Upstream,
-        chunks: AsyncIterator[tuple[bytes, bool]],
-        status_code: int,
-        headers: dict[str, str],
-        media_type: str,
-    ):
-        self.upstream, self.chunks = upstream, chunks
-        self.status_code = status_code
-        self.media_type = media_type
-        self.background = None
-        self.init_headers(headers)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watch: ClientWatch = scope[WATCH]  # stopped by the app once this returns
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            ended = False
-            async for chunk, last in self.chunks:
-                ended = last
-                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                if last:
-                    break
-            if not ended:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise  # cancelled for another reason (shutdown): not ours to swallow
-        finally:
-            watch.guarding = False
-            try:
-                await self.chunks.aclose()  # type: ignore[attr-defined]
-                # A stream never started never ran its own cleanup: release here (idempotent).
-                self.upstream.release()
-            except asyncio.CancelledError:
-                # The client left just as the stream ended: its cancellation lands here instead.
-                if not watch.gone:
-                    raise
-
-
-async def unless_disconnected(watch: ClientWatch, work: Awaitable[T]) -> T:
-    """Await ``work`` on this task; if the client goes away first, ``watch`` cancels it (closing the
-    upstream requests) and the answer is 499."""
+async def unless_disconnected(exchange: Exchange, work: Awaitable[T]) -> T:
+    """Await ``work`` on this task; if the client goes away first, the exchange cancels it (closing
+    the upstream requests) and the answer is 499."""
     try:
         return await work
     except asyncio.CancelledError:
         current = asyncio.current_task()
-        if watch.gone and current is not None and current.uncancel() == 0:
+        if exchange.disconnected and current is not None and current.uncancel() == 0:
             raise ProxyError(499, "Client closed the request.") from None
         raise
-
-
-async def disconnected(receive: Any) -> None:
-    """Returns when the ASGI server reports that the client went away."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

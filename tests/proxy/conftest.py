@@ -19,7 +19,7 @@ class RunningProxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.app = create_app(config)
         self.proxy = self.app.proxy
-        self.server = uvicorn.Server(uvicorn_config(self.app, config, "warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, "warning"))
         self.url = f"http://127.0.0.1:{config.port}"
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
