@@ -108,16 +108,13 @@ class Exchange:
         self.task = asyncio.current_task()
         try:
             await self.serve(self)
-        except BaseException:
-            if not self.response_complete:
-                self.transport.close()  # the client must not wait for the rest of a broken answer
-            raise
+        except Exception:  # the request path answers its own errors: this is a bug, not a client's fault
+            logger.exception("unexpected error answering %s", self.route)
         finally:
             self.guarding = False
             self.on_response = _nothing  # a late completion must not start the next request twice
-        if not self.response_complete and not self._disconnected:
-            logger.error("%s ended without a complete answer", self.route)
-            self.transport.close()
+            if not self.response_complete and not self._disconnected:
+                self.transport.close()  # the client must not wait for the rest of a broken answer
 
     # -- the request -----------------------------------------------------------------------------
     def header(self, name: bytes) -> str | None:

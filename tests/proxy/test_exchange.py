@@ -146,3 +146,29 @@ def test_an_unexpected_error_is_a_500_and_the_connection_serves_on(proxy):
         broken, fine = Responses().read(sock, 2)
     assert broken["status"] == 500 and json.loads(broken["body"])["error"]["type"] == "internal_error"
     assert fine["status"] == 200 and text_of(fine) == " t0 t1 t2"
+
+
+def test_a_stream_that_breaks_on_our_side_closes_the_connection(proxy, monkeypatch, caplog):
+    """A bug mid-stream (not a backend failure, which becomes an SSE error event): the client sees
+    the connection close before the stream's terminator, never a stream that looks complete."""
+    import ucm_proxy.app
+
+    async def breaks(upstream, resp, first):
+        try:
+            yield first, False
+            raise RuntimeError("a bug")
+        finally:
+            upstream.release()
+
+    monkeypatch.setattr(ucm_proxy.app, "relay_chunks", breaks)
+    stream = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}).encode()
+    with connect(proxy) as sock:
+        sock.sendall(post(body=stream))
+        sock.settimeout(2)
+        received = b""
+        while data := sock.recv(65536):
+            received += data
+    assert received.startswith(b"HTTP/1.1 200 OK") and b"data: " in received
+    assert not received.endswith(b"0\r\n\r\n")
+    assert "unexpected error answering /v1/completions" in caplog.text
+    assert all(not b.in_flight for b in proxy.proxy.decode.backends)
