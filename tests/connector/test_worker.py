@@ -143,15 +143,17 @@ def test_a_pd_prefills_step_ends_once_its_blocks_are_in_the_store(tmp_path, pd):
     w = WorkerSide(store, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=stats, pd_save_wait_s=10)
     kv = kv_caches(True)
     w.register(kv, NB)
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(0.5, gate.set).start()
     started = time.perf_counter()
     run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [0, 1], wait=pd)]))
     took = time.perf_counter() - started
     if pd:
-        assert took >= 0.3 and store.inner.lookup_prefix(IDS[:2]) == 2
-        assert stats.take().data["pd_save_wait_seconds"][0] >= 0.3
+        assert took >= 0.5 and store.inner.lookup_prefix(IDS[:2]) == 2
+        # The recorded wait starts once the step's own work is done, after the gate's timer did
+        # (a clean run once measured 0.2997 s of a 0.3-s gate): most of the gate, never the step.
+        assert 0.3 <= stats.take().data["pd_save_wait_seconds"][0] <= took
     else:
-        assert took < 0.3 and store.inner.lookup_prefix(IDS[:2]) == 0
+        assert took < 0.5 and store.inner.lookup_prefix(IDS[:2]) == 0
     w.close()
 
 
