@@ -42,7 +42,7 @@ from ucm_proxy.exchange import Exchange
 from ucm_proxy.http1 import Client, UpstreamError
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
-from ucm_proxy.relay import Upstream, relay_chunks, unless_disconnected
+from ucm_proxy.relay import Upstream, relay_chunks
 from ucm_proxy.requests import (
     affinity_key,
     parse_body,
@@ -226,8 +226,7 @@ class Proxy:
         # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         key = affinity_key(body, route, self.config.routing.prefix_chars)
-        exchange.watch()  # from here the client leaving cancels the work below
-        return await unless_disconnected(exchange, self._serve(route, raw, body, headers, key, started, trace))
+        return await exchange.unless_client_leaves(self._serve(route, raw, body, headers, key, started, trace))
 
     async def _serve(
         self,

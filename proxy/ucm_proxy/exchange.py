@@ -16,27 +16,18 @@ headers go out in the same write as its first chunk.
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from ucm_proxy.answers import Answer, Stream
 from ucm_proxy.errors import ProxyError
 
 logger = logging.getLogger("ucm_proxy")
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase
-    except ValueError:
-        phrase = "Client Closed Request" if status == 499 else ""
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode()
-
-
-STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
+T = TypeVar("T")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -142,11 +133,26 @@ class Exchange:
         body, self.body = bytes(self.body), bytearray()
         return body
 
-    def watch(self) -> None:
-        """From now on the client leaving cancels this request's task (its upstream requests with it)."""
+    async def unless_client_leaves(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await ``work`` on this task, watching the client from now to the answer's last byte: if it
+        leaves before ``work`` is done, ``work`` is cancelled (closing its upstream requests) and
+        the answer is 499."""
         if self._disconnected:
+            work.close()
             raise ProxyError(499, "Client closed the request.")
         self.guarding = True
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self._cancelled_by_client():
+                raise ProxyError(499, "Client closed the request.") from None
+            raise
+
+    def _cancelled_by_client(self) -> bool:
+        """After a CancelledError on this task: whether the client leaving, and nothing else,
+        cancelled it (that cancellation is then spent)."""
+        task = asyncio.current_task()
+        return self._disconnected and task is not None and task.uncancel() == 0
 
     # -- the answer ------------------------------------------------------------------------------
     async def send(self, response: Answer | Stream) -> None:
@@ -159,8 +165,7 @@ class Exchange:
         try:
             await self._relay(response)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self._disconnected or task is None or task.uncancel():
+            if not self._cancelled_by_client():
                 raise  # cancelled for another reason (shutdown): not ours to swallow
         finally:
             self.guarding = False

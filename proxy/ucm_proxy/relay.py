@@ -1,24 +1,17 @@
-"""Upstream requests and the answers made of them: in-flight accounting per backend, whole answers
-and streams relayed chunk by chunk on the request's own task, and cancellation when the client
-goes away."""
+"""Upstream requests and relaying their streams: in-flight accounting per backend, and a stream's
+chunks passed on as they arrive (an SSE error event if the backend fails mid-stream)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncGenerator
 
 from ucm_proxy import http1
 from ucm_proxy.backends import Backend
-from ucm_proxy.errors import ProxyError, sse_error
+from ucm_proxy.errors import sse_error
 from ucm_proxy.http1 import Client, UpstreamError
 
-if TYPE_CHECKING:
-    from ucm_proxy.exchange import Exchange
-
 logger = logging.getLogger("ucm_proxy")
-T = TypeVar("T")
 
 
 class Upstream:
@@ -87,15 +80,3 @@ async def relay_chunks(
     finally:
         # Also on client disconnect (the task is cancelled): closing aborts the upstream request.
         upstream.release()
-
-
-async def unless_disconnected(exchange: Exchange, work: Awaitable[T]) -> T:
-    """Await ``work`` on this task; if the client goes away first, the exchange cancels it (closing
-    the upstream requests) and the answer is 499."""
-    try:
-        return await work
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if exchange.disconnected and current is not None and current.uncancel() == 0:
-            raise ProxyError(499, "Client closed the request.") from None
-        raise
