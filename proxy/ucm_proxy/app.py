@@ -283,9 +283,8 @@ class Proxy:
 
     async def _read_body(self, exchange: Exchange) -> bytes:
         limit = self.config.max_body_bytes
-        length = exchange.header(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise ProxyError(413, f"Request body is larger than {limit} bytes.")
+        if not exchange.more_body:  # the whole body came with the headers (most requests): no timer
+            return await exchange.read_body(limit)
         try:
             async with asyncio.timeout(self.config.timeouts.body_s):  # a stalled upload holds nothing long
                 return await exchange.read_body(limit)
@@ -497,11 +496,8 @@ class ProxyApp:
 
     def _body_size(self, exchange: Exchange) -> int:
         """What a request's body will hold: its Content-Length, else (chunked) the most allowed."""
-        limit = self.proxy.config.max_body_bytes
-        length = exchange.header(b"content-length")
-        if length is not None and length.isdigit():
-            return min(int(length), limit)  # larger ones get 413 without a read
-        return limit
+        limit, declared = self.proxy.config.max_body_bytes, exchange.declared_length()
+        return limit if declared is None else min(declared, limit)  # larger ones get 413 without a read
 
     async def serve(self, exchange: Exchange) -> None:
         config, size = self.proxy.config, self._body_size(exchange)

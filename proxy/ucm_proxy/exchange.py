@@ -115,8 +115,17 @@ class Exchange:
                 return value.decode("latin-1")
         return None
 
+    def declared_length(self) -> int | None:
+        """The body's Content-Length; None when it is chunked."""
+        length = self.header(b"content-length")
+        return int(length) if length is not None and length.isdigit() else None
+
     async def read_body(self, limit: int) -> bytes:
-        """The whole body; 413 once it passes ``limit`` bytes, 499 if the client leaves first."""
+        """The whole body; 413 once it passes ``limit`` bytes (at once when its Content-Length
+        says so: nothing is read), 499 if the client leaves first."""
+        declared = self.declared_length()
+        if declared is not None and declared > limit:
+            raise ProxyError(413, f"Request body is larger than {limit} bytes.")
         if self.expect_100_continue:
             self.expect_100_continue = False
             self.transport.write(CONTINUE)

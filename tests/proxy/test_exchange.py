@@ -93,6 +93,18 @@ def test_expect_100_continue_gets_its_interim_answer_before_the_body_is_sent(pro
     assert response["status"] == 200 and text_of(response) == " t0 t1 t2"
 
 
+def test_a_body_declared_too_large_is_refused_before_it_is_sent(fakes, make_proxy):
+    p, d = fakes.add("p"), fakes.add("d")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], max_body_bytes=1000)
+    with connect(proxy) as sock:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n"
+        sock.sendall(head)  # and never the body: the answer must not wait for it
+        [response] = Responses().read(sock, 1, timeout=5)
+    assert response["status"] == 413, response
+    assert "larger than 1000 bytes" in json.loads(response["body"])["error"]["message"]
+    assert d.requests == [] and p.requests == []
+
+
 @pytest.mark.parametrize(
     ("request_bytes", "why"),
     [
