@@ -7,14 +7,18 @@ Two workloads, streamed, greedy, each run on every case one after the other (nev
   multi_turn       several conversations interleaved; each turn's prompt is the previous prompt,
                    its answer and a new user message (the first turn carries a ~600-token
                    context), 32 output tokens; a conversation's turns one after another
+  cold_one_at_a_time  distinct ~600-token prompts, one request at a time, 8 output tokens: the
+                   latency of a lone cold prompt, with no queueing
 
 Cases, given the same two cores (plain: both; PD: one per engine):
 
-  plain      one vLLM instance (its own prefix cache), no connector
-  pd         ucm-proxy -> prefill vLLM -> POSIX store -> decode vLLM, with the proxy's selective
-             disaggregation (the deployment default: prompts with >= 256 tokens not yet stored go
-             through prefill, the rest straight to decode)
-  pd_always  the same stack with every request through prefill (min_prefill_tokens: 0)
+  plain         one vLLM instance (its own prefix cache), no connector
+  pd            ucm-proxy -> prefill vLLM -> POSIX store -> decode vLLM, with the proxy's selective
+                disaggregation (the deployment default: prompts with >= 256 tokens not yet stored
+                go through prefill, the rest straight to decode)
+  pd_always     the same stack with every request through prefill (min_prefill_tokens: 0)
+  decode_alone  the same stack with every request straight to decode: one engine on one core, no
+                PD hop — what splitting the cores costs before disaggregation wins or loses anything
 
 The PD cases get exactly the prompts plain got (multi-turn prompts are built from plain's own
 answers), and their outputs are compared with plain's: ``mismatched_outputs`` counts the requests
@@ -255,7 +259,8 @@ def multi_turn(model: Path, run_dir: Path, decode_save_blocks: int, chats: list[
 
 
 HITS = "ucm_connector_external_hit_tokens_total"
-CASES = {"pd": None, "pd_always": 0}  # the proxy's min_prefill_tokens: its default, or every request
+# The proxy's min_prefill_tokens: its default, every request through prefill, or none.
+CASES = {"pd": None, "pd_always": 0, "decode_alone": 10**9}
 
 
 def run_case(url: str, decode_url: str | None, workloads: dict[str, Any], plain: dict[str, list[dict]] | None):
@@ -309,6 +314,13 @@ def main() -> int:
             args.output_tokens,
             conversations,
         ),
+        "cold_one_at_a_time": (
+            "trace",
+            # A leading tag no other workload's prompt has: no cache holds any of its blocks.
+            [f"Note {k}. {chat[0]}" for k, chat in enumerate(chat_texts(model, 12, 1, context=600, user=48))],
+            8,
+            1,
+        ),
     }
     cases: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -348,13 +360,14 @@ def main() -> int:
     results["decode_save_blocks"] = saved
     for w in results["workloads"]:
         print(f"\n{w['name']}")
-        print(f"{'':22}{'plain':>10}{'pd':>10}{'pd_always':>11}{'pd/plain':>10}{'always/plain':>14}")
+        print(f"{'':22}{'plain':>10}" + "".join(f"{c:>14}" for c in CASES) + "".join(f"{c:>14}" for c in CASES))
+        print(f"{'':22}{'':>10}{'':>{14 * len(CASES)}}" + "".join(f"{'/ plain':>14}" for _ in CASES))
         for k, base in w["plain"].items():
             if not isinstance(base, (int, float)):
                 continue
-            pd, always = w["pd"][k], w["pd_always"][k]
-            ratios = [f"{x / base:.2f}" if base else "-" for x in (pd, always)]
-            print(f"{k:22}{base:>10}{pd:>10}{always:>11}{ratios[0]:>10}{ratios[1]:>14}")
+            values = [w[c][k] for c in CASES]
+            ratios = [f"{x / base:.2f}" if base else "-" for x in values]
+            print(f"{k:22}{base:>10}" + "".join(f"{x:>14}" for x in values) + "".join(f"{r:>14}" for r in ratios))
         for case in CASES:
             print(f"{case}: paths {w[case]['paths']}, mismatched outputs {w[case]['mismatched_outputs']}")
     print(
