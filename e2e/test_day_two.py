@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e.conftest import UCM, Stack, alive, running
-from ucm.deploy.local import default_spec
+from ucm.deploy.local import default_spec, engine_cpus, vllm_workers
 from ucm_testing.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -116,6 +117,14 @@ def test_rolling_both_pools_under_load_drops_nothing(rolled_stack: Stack):
         assert after[role]["url"] != before[role]["url"]  # a new engine on a new port
         assert not alive(before[role]["pid"])  # the old one drained and ended
     assert rolled_stack.state()["rollout"]["status"] == "done"
+    # Bound to their roles' cores once the old engines left, as `ucm up` binds them.
+    engines = ["prefill-0", "decode-0"]
+    for role in engines:
+        workers = vllm_workers(after[role]["pid"])
+        threads = [int(t.name) for pid in workers for t in Path(f"/proc/{pid}/task").iterdir()]
+        assert workers and {frozenset(os.sched_getaffinity(t)) for t in threads} == {
+            frozenset(engine_cpus(role, engines))
+        }
     # The proxy serves from the new engines only.
     backends = json.loads((rolled_stack.run_dir / rolled_stack.name / "backends.json").read_text())
     assert backends == {"prefill": [after["prefill-0"]["url"]], "decode": [after["decode-0"]["url"]]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ from ucm.deploy.local import (
     LocalStack,
     Process,
     StackError,
+    _pin_workers,
     default_spec,
     kubernetes_only_fields,
     same_process,
@@ -155,6 +157,45 @@ def test_engines_get_their_own_cores_when_there_are_enough(tmp_path, monkeypatch
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     stack = LocalStack(spec(tmp_path), tmp_path / "run")
     assert [p.env.get("VLLM_CPU_OMP_THREADS_BIND") for p in stack.processes] == ["0-0", "0-0", None]
+
+
+# A process named as vLLM names its workers (prctl PR_SET_NAME), with a second thread, until killed.
+NAMED = """
+import ctypes, sys, threading, time
+ctypes.CDLL(None).prctl(15, sys.argv[1].encode())
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rolled_engines_worker_is_pinned_to_its_cores_and_nothing_else(tmp_path):
+    """After a roll (``LocalStack.roll``), the new engine's vLLM worker threads are bound to its
+    role's cores; other processes of its session, and workers of other sessions, keep theirs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    target = {allowed[-1]}
+
+    def start(name: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-c", NAMED, name], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        return p
+
+    def affinities(pid: int) -> list[set[int]]:
+        return [os.sched_getaffinity(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+    ours, other, api = start("VLLM::Worker"), start("VLLM::Worker"), start("VLLM::EngineCor")
+    try:
+        assert _pin_workers(ours.pid, target) == 1
+        assert _pin_workers(api.pid, target) == 0  # its session holds no worker
+        ours_threads = affinities(ours.pid)
+        assert len(ours_threads) == 2 and all(a == target for a in ours_threads)
+        assert all(a == set(allowed) for a in affinities(other.pid) + affinities(api.pid))
+    finally:
+        for p in (ours, other, api):
+            p.kill()
+            p.wait()
 
 
 def test_pool_env_wins_over_the_defaults(tmp_path):

@@ -271,17 +271,11 @@ class LocalStack:
     def _env(self, role: Role, engines: list[str]) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if role.component in ENGINES:
-            cores = os.cpu_count() or 1
-            # vLLM's CPU backend binds its OpenMP threads; explicit binding avoids its default
-            # holding a core back. Engines get disjoint cores when there are enough: an idle
-            # vLLM worker busy-polls for a second after each request, which would steal a shared
-            # core from the engine that has work (measured: benchmarks/e2e_serving.py).
-            per = max(1, cores // len(engines))
-            first = (engines.index(role.name) * per) % cores
+            cpus = engine_cpus(role.name, engines)
             env.update(
                 {
                     "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + per - 1}",
+                    "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}",
                     "GLOG_minloglevel": "2",
                 }
             )
@@ -413,9 +407,12 @@ class LocalStack:
         for old in [p for p in self.processes if p.role.component in components]:
             port = free_port(taken=[p.port for p in self.processes])
             role = next(r for r in self.plan.roles if r.name == old.role.name)  # after reconfigure: the new one
-            # Not pinned: the cores its role was given are busy with the engine it replaces (pinned
-            # there too, a new engine took minutes to start under load on a 2-core machine).
-            env = {**self._env(role, self._engine_names()), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            # Pinned only once the old one is gone: pinned to the cores of the engine it replaces
+            # from the start, a new engine took minutes to start under load on a 2-core machine.
+            # Its OpenMP thread count is its role's from the start (threads cannot be added later).
+            pinned = self._env(role, self._engine_names())
+            cpus = engine_cpus(role.name, self._engine_names())
+            env = {**pinned, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(len(cpus))}
             new = Process(on_port(role, port), old.log, env)
             progress(f"rolling {old.role.name}: a new one on port {port}", [])
             try:
@@ -434,6 +431,10 @@ class LocalStack:
             self._write_scrape_targets()
             progress(f"{old.role.name}: port {old.port} draining", [])
             old.stop()
+            assert new.popen is not None
+            if not _pin_workers(new.popen.pid, set(cpus)):
+                progress(f"{role.name}: no vLLM worker process found to pin to cores {cpus[0]}-{cpus[-1]}", [])
+            new.env = pinned  # were it to die, it restarts pinned, as at `ucm up`
 
     def _serve_from(self, engines: list[Process]) -> None:
         """Point the proxy at these engines (its backends file, replaced whole) and wait until its
@@ -522,6 +523,50 @@ def same_process(pid: int, start: int | None) -> bool:
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def engine_cpus(name: str, engines: list[str]) -> range:
+    """The cores an engine's OpenMP threads are bound to. vLLM's CPU backend binds them; explicit
+    binding avoids its default holding a core back. Engines get disjoint cores when there are
+    enough: an idle vLLM worker busy-polls for a second after each request, which would steal a
+    shared core from the engine that has work (measured: benchmarks/e2e_serving.py)."""
+    cores = os.cpu_count() or 1
+    per = max(1, cores // len(engines))
+    first = (engines.index(name) * per) % cores
+    return range(first, first + per)
+
+
+def vllm_workers(session: int) -> list[int]:
+    """The vLLM worker processes in this session (an engine started with ``start_new_session``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended meanwhile
+        # The command name may hold spaces and parentheses: the fields follow its last ')'.
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name.startswith("VLLM::Worker") and int(stat[stat.rindex(")") + 2 :].split()[3]) == session:
+            found.append(int(entry.name))
+    return found
+
+
+def _pin_workers(session: int, cpus: set[int]) -> int:
+    """Bind every thread of the session's vLLM workers to these cores, as VLLM_CPU_OMP_THREADS_BIND
+    does at start; the number of processes pinned."""
+    pinned = 0
+    for pid in vllm_workers(session):
+        try:
+            threads = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue  # it ended meanwhile
+        for thread in threads:
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                os.sched_setaffinity(thread, cpus)
+        pinned += 1
+    return pinned
 
 
 def _die_with_parent() -> None:
