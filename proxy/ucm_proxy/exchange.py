@@ -125,7 +125,7 @@ class Exchange:
         says so: nothing is read), 499 if the client leaves first."""
         declared = self.declared_length()
         if declared is not None and declared > limit:
-            raise ProxyError(413, f"Request body is larger than {limit} bytes.")
+            raise _too_large(limit)
         if self.expect_100_continue:
             self.expect_100_continue = False
             self.transport.write(CONTINUE)
@@ -136,9 +136,9 @@ class Exchange:
             await self.message_event.wait()
             self.message_event.clear()
         if len(self.body) > limit:
-            raise ProxyError(413, f"Request body is larger than {limit} bytes.")
+            raise _too_large(limit)
         if self._disconnected:
-            raise ProxyError(499, "Client closed the request.")
+            raise _client_left()
         body, self.body = bytes(self.body), bytearray()
         return body
 
@@ -148,13 +148,13 @@ class Exchange:
         the answer is 499."""
         if self._disconnected:
             work.close()
-            raise ProxyError(499, "Client closed the request.")
+            raise _client_left()
         self.guarding = True
         try:
             return await work
         except asyncio.CancelledError:
             if self._cancelled_by_client():
-                raise ProxyError(499, "Client closed the request.") from None
+                raise _client_left() from None
             raise
 
     def _cancelled_by_client(self) -> bool:
@@ -219,6 +219,14 @@ class Exchange:
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"Request body is larger than {limit} bytes.")
+
+
+def _client_left() -> ProxyError:
+    return ProxyError(499, "Client closed the request.")
 
 
 def _nothing() -> None:

@@ -410,8 +410,8 @@ class LocalStack:
             # Pinned only once the old one is gone: pinned to the cores of the engine it replaces
             # from the start, a new engine took minutes to start under load on a 2-core machine.
             # Its OpenMP thread count is its role's from the start (threads cannot be added later).
-            pinned = self._env(role, self._engine_names())
-            cpus = engine_cpus(role.name, self._engine_names())
+            engines = self._engine_names()
+            pinned, cpus = self._env(role, engines), engine_cpus(role.name, engines)
             env = {**pinned, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(len(cpus))}
             new = Process(on_port(role, port), old.log, env)
             progress(f"rolling {old.role.name}: a new one on port {port}", [])
@@ -505,17 +505,24 @@ def write_state(path: Path, state: Any) -> None:
     tmp.replace(path)  # a reader never sees half a file
 
 
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone.
-    A PID is reused once its process ends; the pair (pid, start time) is not."""
+def _proc_stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """A process's command name and the /proc/<pid>/stat fields after it (from field 3, its
+    state); None if it is gone. The name may hold spaces and parentheses: it ends at the last ')'."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":  # it ended; only its parent has not collected it yet
+    name, _, rest = stat.partition("(")[2].rpartition(")")
+    return name, rest.split()
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone.
+    A PID is reused once its process ends; the pair (pid, start time) is not."""
+    stat = _proc_stat(pid)
+    if stat is None or stat[1][0] == "Z":  # gone, or it ended and only its parent has not collected it yet
         return None
-    return int(fields[19])
+    return int(stat[1][19])
 
 
 def same_process(pid: int, start: int | None) -> bool:
@@ -540,15 +547,8 @@ def vllm_workers(session: int) -> list[int]:
     """The vLLM worker processes in this session (an engine started with ``start_new_session``)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # it ended meanwhile
-        # The command name may hold spaces and parentheses: the fields follow its last ')'.
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if name.startswith("VLLM::Worker") and int(stat[stat.rindex(")") + 2 :].split()[3]) == session:
+        stat = _proc_stat(entry.name) if entry.name.isdigit() else None  # None too if it ended meanwhile
+        if stat is not None and stat[0].startswith("VLLM::Worker") and int(stat[1][3]) == session:
             found.append(int(entry.name))
     return found
 
