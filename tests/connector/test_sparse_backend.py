@@ -1,6 +1,8 @@
-"""The sparse attention backend inside vLLM's CPU kernel: a sparse row attends exactly the blocks
-its algorithm chose, dense rows (prefill, short requests) are untouched, and a full budget is the
-dense result. The kernel is vLLM's own; the reference is plain torch attention."""
+"""The sparse attention backend with vLLM's own CPU kernel and cache writer: keys written through the
+backend keep their blocks' summaries; a sparse row's KV heads each attend exactly the blocks their
+selection names (checked against plain attention over those blocks, per head), the selection
+finds the blocks that matter for each head, dense rows (prefill, short requests) and dense layers
+are vLLM's result, and a full budget is dense attention."""
 
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
 
-from ucm.integration.vllm.attention import UCMAttentionImpl, UCMAttentionMetadata, learn_layout
-from ucm.sparse.base import BlockReader
+from tests.sparse.reference import attention_over
+from ucm.config import ConfigError
+from ucm.integration.vllm.attention import KernelShape, UCMAttentionImpl, learn_layout, sparse_metadata
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.serving import SparseRuntime
 
-H, HKV, D, B = 4, 2, 64, 32
+H, HKV, D, B = 6, 2, 64, 32
+G = H // HKV
 POOL = 40
+SPARSE_LAYER = "model.layers.3.self_attn.attn"
+DENSE_LAYER = "model.layers.0.self_attn.attn"
+ISA = _get_attn_isa(torch.float32, B, D)
 
 
 def impl() -> UCMAttentionImpl:
@@ -30,98 +37,150 @@ def impl() -> UCMAttentionImpl:
         return UCMAttentionImpl(H, D, 1 / math.sqrt(D), HKV, None, None, "auto")
 
 
-def layer() -> types.SimpleNamespace:
-    return types.SimpleNamespace(
-        layer_name="model.layers.0.self_attn.attn",
-        isa=_get_attn_isa(torch.float32, B, D),
-        _k_scale_float=1.0,
-        _v_scale_float=1.0,
+def layer(name: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(layer_name=name, isa=ISA, _k_scale_float=1.0, _v_scale_float=1.0)
+
+
+class Batch:
+    """Requests with distinct shuffled blocks; their keys written through the backend (so the
+    summaries are kept as in serving), some keys planted so that one block per KV head matters."""
+
+    def __init__(self, seq_lens: list[int], query_lens: list[int], runtime: SparseRuntime, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.seq_lens, self.query_lens = seq_lens, query_lens
+        self.keys = 0.3 * torch.randn(POOL * B, HKV, D, generator=g)
+        self.values = torch.randn(POOL * B, HKV, D, generator=g)
+        self.kv_cache = torch.zeros(POOL, HKV, B, 2 * D)
+        perm = torch.randperm(POOL, generator=g)
+        width = max(-(-s // B) for s in seq_lens)
+        self.table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        used = 0
+        for i, s in enumerate(seq_lens):
+            n = -(-s // B)
+            self.table[i, :n] = perm[used : used + n].to(torch.int32)
+            used += n
+        starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+        self.query = torch.randn(starts[-1], H, D, generator=g)
+        # For each decode row, a block per KV head whose key matches that head's queries.
+        self.planted: dict[tuple[int, int], int] = {}
+        for i, (s, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+            n = -(-s // B)
+            if q_len != 1 or n < 6:
+                continue
+            for h in range(HKV):
+                blk = 2 + (3 * h + i) % (n - 4)
+                phys = int(self.table[i, blk])
+                self.keys[phys * B + 5, h] = 3 * self.query[starts[i], h * G : (h + 1) * G].mean(0)
+                self.planted[i, h] = blk
+        # Write every request's tokens through the backend, in slot order.
+        slots = torch.cat(
+            [self.table[i, torch.arange(s) // B].long() * B + torch.arange(s) % B for i, s in enumerate(seq_lens)]
+        )
+        for name in (SPARSE_LAYER, DENSE_LAYER):
+            impl().do_kv_cache_update(layer(name), self.keys[slots], self.values[slots], self.kv_cache, slots)
+        self.metadata = CPUAttentionMetadata(
+            num_actual_tokens=starts[-1],
+            max_query_len=max(query_lens),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            max_seq_len=max(seq_lens),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=self.table,
+            slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+            scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+                len(seq_lens),
+                H,
+                HKV,
+                D,
+                torch.tensor(seq_lens, dtype=torch.int32),
+                torch.float32,
+                torch.tensor(starts, dtype=torch.int32),
+                True,
+                -1,
+                ISA,
+                False,
+            ),
+        )
+        self.starts = starts
+
+    def reference(self, row: int, h: int, blocks: list[int]) -> torch.Tensor:
+        """Plain attention of row ``row``'s query group ``h`` over exactly these logical blocks."""
+        s = self.seq_lens[row]
+        tokens = torch.cat([torch.arange(b * B, min((b + 1) * B, s)) for b in blocks])
+        slots = self.table[row, tokens // B].long() * B + tokens % B
+        q = self.query[self.starts[row], h * G : (h + 1) * G]
+        return attention_over(q, self.keys[slots, h], self.values[slots, h]).float()
+
+
+def runtime_for(config: dict) -> SparseRuntime:
+    runtime = SparseRuntime(
+        SparseConfig.model_validate(config), B, HKV, D, [DENSE_LAYER, "model.layers.1.self_attn.attn", SPARSE_LAYER]
     )
+    import ucm.sparse.serving as serving
+
+    for name in runtime.layer_names:
+        serving.RUNTIMES[name] = runtime
+    return runtime
 
 
-def batch(seq_lens: list[int], query_lens: list[int], seed: int = 0):
-    """Keys and values (in logical layout), a paged cache holding them in the kernel's own layout
-    (written by vLLM's cache writer), distinct blocks per request, and the step's metadata."""
-    g = torch.Generator().manual_seed(seed)
-    keys, values = torch.randn(2, POOL * B, HKV, D, generator=g)
-    kv_cache = torch.zeros(POOL, HKV, 2 * B, D)
-    key_cache, value_cache = kv_cache.chunk(2, dim=2)
-    isa = _get_attn_isa(torch.float32, B, D)
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, torch.arange(POOL * B), isa)
-    perm = torch.randperm(POOL, generator=g)
-    width = max(-(-s // B) for s in seq_lens)
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    used = 0
-    for i, s in enumerate(seq_lens):
-        n = -(-s // B)
-        table[i, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    tokens = int(starts[-1])
-    query = torch.randn(tokens, H, D, generator=g)
-    md = CPUAttentionMetadata(
-        num_actual_tokens=tokens,
-        max_query_len=max(query_lens),
-        query_start_loc=starts,
-        max_seq_len=max(seq_lens),
-        seq_lens=seq,
-        block_table=table,
-        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
-        scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-            len(seq_lens), H, HKV, D, seq, torch.float32, starts, True, -1, isa, False
-        ),
-    )
-    return (keys.view(POOL, B, HKV, D), values.view(POOL, B, HKV, D)), kv_cache.view(POOL, HKV, B, 2 * D), query, md
-
-
-def reference(natural, q, block_ids: torch.Tensor, blocks: list[int], seq_len: int) -> torch.Tensor:
-    """Torch attention of one decode query over exactly ``blocks`` (logical) of a request."""
-    keys, values = natural
-    k = torch.cat([keys[block_ids[b]] for b in blocks])  # (T, HKV, D)
-    v = torch.cat([values[block_ids[b]] for b in blocks])
-    valid = torch.cat([torch.arange(B) + b * B < seq_len for b in blocks])
-    qg = q.view(HKV, H // HKV, D)
-    logits = torch.einsum("hgd,thd->hgt", qg, k) / math.sqrt(D)
-    logits = logits.masked_fill(~valid, float("-inf"))
-    return torch.einsum("hgt,thd->hgd", torch.softmax(logits, -1), v).reshape(H, D)
-
-
-def run(config: dict, seq_lens: list[int], query_lens: list[int]):
-    natural, kv_cache, query, md = batch(seq_lens, query_lens)
-    runtime = SparseRuntime(SparseConfig.model_validate(config), B, HKV, D)
-    rows = runtime.begin_step(md.block_table, seq_lens, query_lens)
-    chosen: dict[int, list[int]] = {}
+def run(config: dict, seq_lens: list[int], query_lens: list[int], name: str = SPARSE_LAYER):
+    runtime = runtime_for(config)
+    batch = Batch(seq_lens, query_lens, runtime)
+    md = batch.metadata
+    plan = runtime.begin_step(md.block_table, md.seq_lens, md.query_start_loc)
+    tables: list[torch.Tensor] = []
     select = runtime.select
 
-    def recording(layer_name, state, q, keys, values, block_ids):
-        out = select(layer_name, state, q, keys, values, block_ids)
-        chosen[rows.index(state)] = out.blocks.tolist()
-        return out
+    def recording(*args, **kwargs):
+        table, lens = select(*args, **kwargs)
+        tables.append(table.clone())
+        return table, lens
 
     runtime.select = recording  # type: ignore[method-assign]
-    layout = learn_layout(torch.float32, _get_attn_isa(torch.float32, B, D), B, D)
-    sparse_md = UCMAttentionMetadata(**vars(md), sparse=runtime, sparse_rows=rows, sparse_layout=layout)
-    out = torch.zeros(len(query), H * D)
-    impl().forward(layer(), query, query, query, kv_cache, sparse_md, out)
-    dense = torch.zeros(len(query), H * D)
-    impl().forward(layer(), query, query, query, kv_cache, md, dense)
-    return natural, query, md, out.view(-1, H, D), dense.view(-1, H, D), chosen
+    shape = KernelShape(H, HKV, D, torch.float32, ISA, "auto")
+    sparse_md = sparse_metadata(md, runtime, plan, learn_layout(torch.float32, ISA, B, D), shape) if plan else md
+    out = torch.zeros(len(batch.query), H * D)
+    impl().forward(layer(name), batch.query, batch.query, batch.query, batch.kv_cache, sparse_md, out)
+    dense = torch.zeros(len(batch.query), H * D)
+    impl().forward(layer(name), batch.query, batch.query, batch.query, batch.kv_cache, md, dense)
+    return batch, plan, tables, out.view(-1, H, D), dense.view(-1, H, D)
 
 
-def test_a_sparse_row_attends_exactly_the_chosen_blocks_and_dense_rows_are_untouched():
-    # decode of 300 tokens (10 blocks), a prefill chunk of 5 tokens, a short decode (under min_tokens)
-    seq_lens, query_lens = [300, 69, 40], [1, 5, 1]
-    config = {"algorithm": "esa", "min_tokens": 64, "esa": {"sparse_ratio": 0.3, "min_blocks": 1}}
-    natural, query, md, out, dense, chosen = run(config, seq_lens, query_lens)
-    assert list(chosen) == [0]
-    blocks = chosen[0]
-    assert blocks == sorted(blocks) and blocks[0] == 0 and blocks[-1] == 9  # sink, ..., the block being written
-    assert 3 <= len(blocks) < 10
-    want = reference(natural, query[0], md.block_table[0].long(), blocks, 300)
-    torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(out[0], dense[0], atol=1e-3)  # it really skipped blocks
-    torch.testing.assert_close(out[1:], dense[1:], rtol=0, atol=0)  # prefill and short rows: vLLM's result
+def chosen_blocks(batch: Batch, plan, table: torch.Tensor, row: int, h: int) -> list[int]:
+    """The logical blocks the per-head table names for a batch row's KV head."""
+    r = plan.rows.tolist().index(row)
+    k = int(plan.kept[r])
+    phys = (table[r * HKV + h, :k] // HKV).tolist()
+    assert all(int(x) % HKV == h for x in table[r * HKV + h, :k])
+    return [batch.table[row].tolist().index(p) for p in phys]
+
+
+def test_sparse_rows_attend_exactly_their_heads_selections_and_other_rows_are_untouched():
+    # two long decodes (300 and 270 tokens), a prefill chunk of 5 tokens, a short decode (under min_tokens)
+    seq_lens, query_lens = [300, 69, 270, 40], [1, 5, 1, 1]
+    config = {"algorithm": "gsa", "min_tokens": 64, "gsa": {"sparse_ratio": 0.4, "min_blocks": 1}}
+    batch, plan, tables, out, dense = run(config, seq_lens, query_lens)
+    assert plan.rows.tolist() == [0, 2]
+    (table,) = tables
+    for row in (0, 2):
+        n = -(-seq_lens[row] // B)
+        token = batch.starts[row]
+        for h in range(HKV):
+            blocks = chosen_blocks(batch, plan, table, row, h)
+            assert blocks == sorted(blocks) and blocks[0] == 0 and blocks[-1] == n - 1
+            assert len(blocks) == math.ceil(0.4 * n)  # sink, one chosen block, local window
+            assert batch.planted[row, h] in blocks  # the block that matters for this head
+            want = batch.reference(row, h, blocks)
+            torch.testing.assert_close(out[token, h * G : (h + 1) * G], want, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(out[token], dense[token], atol=1e-3)  # it really skipped blocks
+    others = [batch.starts[1] + i for i in range(5)] + [batch.starts[3]]
+    torch.testing.assert_close(out[others], dense[others], rtol=0, atol=0)  # vLLM's result
+
+
+def test_dense_layers_attend_every_block():
+    config = {"algorithm": "gsa", "min_tokens": 64, "gsa": {"sparse_ratio": 0.3}}
+    _, plan, tables, out, dense = run(config, [300, 270], [1, 1], name=DENSE_LAYER)
+    assert plan is not None and tables == []
+    torch.testing.assert_close(out, dense, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -132,34 +191,50 @@ def test_a_sparse_row_attends_exactly_the_chosen_blocks_and_dense_rows_are_untou
         {"algorithm": "kvstar", "kvstar": {"sparse_ratio": 1.0, "retrieval_stride": 2}},
         {"algorithm": "gsa_ondevice", "gsa_ondevice": {"sparse_ratio": 1.0, "hash_bits": 32}},
         {"algorithm": "psa", "psa": {"eps": 1.0}},
+        {"algorithm": "static", "static": {"sparse_ratio": 1.0}},
     ],
     ids=lambda c: c["algorithm"],
 )
 def test_a_full_budget_is_dense_attention(config):
-    _, _, _, out, dense, chosen = run({**config, "min_tokens": 1}, [300, 130], [1, 1])
-    assert set(chosen) == {0, 1}
-    if config["algorithm"] != "psa":
-        assert chosen[0] == list(range(10)) and chosen[1] == list(range(5))
+    _, plan, _, out, dense = run({**config, "min_tokens": 1}, [300, 130], [1, 1])
+    assert plan.rows.tolist() == [0, 1] and plan.kept.tolist() == [10, 5]
     torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-5)
 
 
+def test_a_static_selection_keeps_the_sinks_and_the_most_recent_blocks():
+    config = {"algorithm": "static", "min_tokens": 64, "static": {"sparse_ratio": 0.4, "min_blocks": 1}}
+    batch, plan, tables, out, _ = run(config, [300], [1])
+    (table,) = tables
+    for h in range(HKV):
+        assert chosen_blocks(batch, plan, table, 0, h) == [0, 7, 8, 9]
+        torch.testing.assert_close(
+            out[0, h * G : (h + 1) * G], batch.reference(0, h, [0, 7, 8, 9]), rtol=1e-4, atol=1e-5
+        )
+
+
 @pytest.mark.parametrize(("dtype", "isa"), [(torch.float32, "vec"), (torch.bfloat16, "vec"), (torch.bfloat16, "amx")])
-def test_the_kernels_cache_layouts_are_read_back_as_written(dtype, isa):
+def test_summaries_refreshed_from_the_kernels_cache_layout_equal_those_kept_at_write(dtype, isa):
+    """A block loaded by the connector is summarized from the cache as vLLM's writer laid it out."""
     if isa == "amx" and not torch.cpu._is_amx_tile_supported():
         pytest.skip("this CPU has no AMX: vLLM never uses that layout here")
+    runtime = runtime_for({"algorithm": "gsa", "gsa": {}})
     keys, values = torch.randn(2, 3 * B, HKV, D).to(dtype)
     cache = torch.zeros(3, HKV, 2 * B, D, dtype=dtype)
     key_cache, value_cache = cache.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, torch.arange(3 * B), isa)
-    key_positions, value_positions = learn_layout(dtype, isa, B, D)
-    read_keys = BlockReader(key_cache.flatten(2), key_positions, B, D)
-    read_values = BlockReader(value_cache.flatten(2), value_positions, B, D)
-    assert torch.equal(read_keys[torch.tensor([2, 0])], keys.view(3, B, HKV, D)[[2, 0]])
-    assert torch.equal(read_values[torch.tensor(1), :5], values.view(3, B, HKV, D)[1, :5])
+    runtime.write(SPARSE_LAYER, keys, torch.arange(3 * B), 3, dtype)
+    summaries = runtime.summaries[SPARSE_LAYER]
+    kept = summaries.rep.clone()
+    runtime.invalidate(torch.tensor([0, 2]))
+    stale = summaries.stale(torch.arange(3, dtype=torch.int32)[None], torch.tensor([3]))
+    assert stale.tolist() == [0, 2]
+    summaries.rep.zero_()
+    summaries.refresh(key_cache, learn_layout(dtype, isa, B, D)[0], stale)
+    assert torch.equal(summaries.rep[[0, 2]], kept[[0, 2]])
+    assert summaries.count.tolist() == [B, B, B]
 
 
 def test_gsa_ondevice_refuses_more_hash_bits_than_head_dim():
-    with pytest.raises(ValueError, match=r"sparse.gsa_ondevice.hash_bits: .*head_dim=64"):
-        SparseRuntime(
-            SparseConfig.model_validate({"algorithm": "gsa_ondevice", "gsa_ondevice": {"hash_bits": 128}}), B, HKV, D
-        )
+    config = SparseConfig.model_validate({"algorithm": "gsa_ondevice", "gsa_ondevice": {"hash_bits": 128}})
+    with pytest.raises(ConfigError, match=r"sparse.gsa_ondevice.hash_bits: .*head_dim=64"):
+        SparseRuntime(config, B, HKV, D, [SPARSE_LAYER])

@@ -180,7 +180,7 @@ CEL_CASES = [
             with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", name: {}}),
             f"sparse.{name}: options of another algorithm",
         )
-        for name in ("esa", "gsa", "gsa_ondevice", "kvstar", "psa")
+        for name in ("esa", "gsa", "gsa_ondevice", "kvstar", "psa", "static")
     ),
 ]
 

@@ -20,17 +20,18 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ucm.config import ConfigError, StrictModel, parse_config
-from ucm.sparse.options import ESAConfig, GSAConfig, GSAOnDeviceConfig, KVStarConfig, PSAConfig, TopKConfig
+from ucm.sparse.options import ESAConfig, GSAConfig, GSAOnDeviceConfig, KVStarConfig, PSAConfig, StaticConfig
 
 logger = logging.getLogger(__name__)
 
-Algorithm = Literal["esa", "gsa", "gsa_ondevice", "kvstar", "psa"]
+Algorithm = Literal["esa", "gsa", "gsa_ondevice", "kvstar", "psa", "static"]
 OPTIONS: dict[str, type[StrictModel]] = {
     "esa": ESAConfig,
     "gsa": GSAConfig,
     "gsa_ondevice": GSAOnDeviceConfig,
     "kvstar": KVStarConfig,
     "psa": PSAConfig,
+    "static": StaticConfig,
 }
 
 
@@ -41,11 +42,13 @@ class SparseConfig(StrictModel):
     min_tokens: int = Field(
         512, ge=1, description="Shorter requests decode densely (selection cannot pay for itself there)"
     )
+    dense_layers: int = Field(2, ge=0, description="The first layers always attend every block")
     esa: ESAConfig | None = None
     gsa: GSAConfig | None = None
     gsa_ondevice: GSAOnDeviceConfig | None = None
     kvstar: KVStarConfig | None = None
     psa: PSAConfig | None = None
+    static: StaticConfig | None = None
 
     @field_validator(*OPTIONS)
     @classmethod
@@ -58,9 +61,7 @@ class SparseConfig(StrictModel):
     @model_validator(mode="after")
     def _servable(self) -> SparseConfig:
         options = self.options
-        if getattr(options, "background", False):
-            raise ValueError(f"{self.algorithm}.background: retrieval on a worker thread is for offline evaluation")
-        if isinstance(options, TopKConfig) and options.windows(1)[1] < 1:
+        if options.windows(1)[1] < 1:
             raise ValueError(
                 f"{self.algorithm}.local_window_sz: at least 1 when serving "
                 "(the block being written is always attended)"

@@ -1,5 +1,12 @@
 """The sparse algorithms' options: pydantic models only, importable without torch (the operator's
-image validates ``spec.sparse`` with them and carries no torch)."""
+image validates ``spec.sparse`` with them and carries no torch).
+
+Each top-k algorithm keeps, per request, KV head and layer, ``sparse_ratio`` of the request's blocks
+(at least ``min_blocks``), always including the first ``init_window_sz`` blocks (attention sinks)
+and the last ``local_window_sz`` (recent context, the block being written among them); what
+differs is how blocks are summarized and scored (:meth:`TopKConfig.scoring`, see
+:mod:`ucm.sparse.summaries`).
+"""
 
 from __future__ import annotations
 
@@ -13,50 +20,65 @@ from ucm.config import StrictModel
 if TYPE_CHECKING:
     import torch
 
+    from ucm.sparse.summaries import Scoring
+
 
 def blocks_for_ratio(n: int, ratio: float, min_blocks: int) -> int:
     return min(n, max(min_blocks, math.ceil(ratio * n)))
 
 
 class TopKConfig(StrictModel):
-    """A fixed budget per request and layer: ``sparse_ratio`` of the blocks (at least
-    ``min_blocks``), always including the first ``init_window_sz`` blocks (attention sinks) and the
-    last ``local_window_sz`` (recent context)."""
-
     sparse_ratio: float = Field(0.3, gt=0, le=1, description="Share of the blocks attended")
-    min_blocks: int = Field(4, ge=1)
+    min_blocks: int = Field(4, ge=1, description="Fewest blocks attended")
     init_window_sz: int = Field(1, ge=0, description="First blocks always attended (attention sinks)")
     local_window_sz: int = Field(2, ge=0, description="Last blocks always attended (recent context)")
-
-    def budget(self, n: int, block_size: int) -> int:
-        """Blocks to attend out of ``n``."""
-        return blocks_for_ratio(n, self.sparse_ratio, self.min_blocks)
 
     def windows(self, block_size: int) -> tuple[int, int]:
         """(sink blocks, local blocks)."""
         return self.init_window_sz, self.local_window_sz
 
-    def choose(self, scores: torch.Tensor, block_size: int, shared: bool = False) -> torch.Tensor:
-        """The budget's best blocks by ``scores`` (Hkv, n), per KV head. ``shared``: one selection
-        for every KV head (scores summed over heads), what a paged attention kernel with one block
-        table per request can attend."""
-        from ucm.sparse.base import topk_with_windows  # torch, needed only when selecting
-
-        hkv, n = scores.shape
-        if shared:
-            scores = scores.sum(0, keepdim=True)
+    def budget(self, n: int, block_size: int) -> int:
+        """Blocks attended out of ``n`` (the windows at least)."""
         sink, local = self.windows(block_size)
-        chosen = topk_with_windows(scores, self.budget(n, block_size), sink, local)
-        return chosen.expand(hkv, -1) if shared else chosen
+        return min(n, max(blocks_for_ratio(n, self.sparse_ratio, self.min_blocks), sink + local))
+
+    def budget_blocks(self, n: torch.Tensor, block_size: int) -> torch.Tensor:
+        """:meth:`budget` of every request of a step at once (``n``: their blocks, long)."""
+        import torch
+
+        sink, local = self.windows(block_size)
+        ratio = torch.ceil(n.double() * self.sparse_ratio).long()
+        return torch.minimum(n, ratio.clamp(min=max(self.min_blocks, sink + local)))
 
 
 class ESAConfig(TopKConfig):
+    """ESA: a block is represented by its mean key and scored by ``q . mean``."""
+
     retrieval_stride: int = Field(1, ge=1, description="Decode steps a selection is reused for")
-    background: bool = Field(False, description="Retrieve on a worker thread, one query behind (offline only)")
+
+    def scoring(self, head_dim: int) -> Scoring:
+        from ucm.sparse.summaries import Scoring
+
+        return Scoring("mean")
 
 
 class GSAConfig(TopKConfig):
-    pass
+    """GSA's selection: blocks scored by an upper bound of ``q . k`` over the block, from each
+    channel's smallest and largest key (Quest's bound): one key that matches is not averaged away."""
+
+    def scoring(self, head_dim: int) -> Scoring:
+        from ucm.sparse.summaries import Scoring
+
+        return Scoring("bound")
+
+
+class StaticConfig(TopKConfig):
+    """The first ``init_window_sz`` blocks and the most recent ones, up to the budget, with no
+    scoring at all (StreamingLLM's selection): what any selection costing nothing would run at,
+    and so the bound a scored algorithm at the same ``sparse_ratio`` is measured against."""
+
+    def scoring(self, head_dim: int) -> None:
+        return None
 
 
 class GSAOnDeviceConfig(TopKConfig):
@@ -64,7 +86,7 @@ class GSAOnDeviceConfig(TopKConfig):
     ones when given; they are rounded up to whole blocks, so at least those tokens are attended."""
 
     hash_bits: int | None = Field(None, ge=8, description="Sign bits per key and query; default and maximum: head_dim")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the random rotation the sign bits are taken in")
     hash_topk_tokens: int | None = Field(None, ge=1, description="A fixed budget in tokens instead of sparse_ratio")
     sink_token: int | None = Field(None, ge=0, description="Sink window in tokens (instead of init_window_sz)")
     recent_token: int | None = Field(None, ge=0, description="Local window in tokens (instead of local_window_sz)")
@@ -75,29 +97,80 @@ class GSAOnDeviceConfig(TopKConfig):
             raise ValueError(f"hash_bits: must be a multiple of 8 (bits are packed in bytes), got {self.hash_bits}")
         return self
 
-    def budget(self, n: int, block_size: int) -> int:
-        if self.hash_topk_tokens is None:
-            return super().budget(n, block_size)
-        return min(n, max(self.min_blocks, -(-self.hash_topk_tokens // block_size)))
-
     def windows(self, block_size: int) -> tuple[int, int]:
         sink = self.init_window_sz if self.sink_token is None else -(-self.sink_token // block_size)
         local = self.local_window_sz if self.recent_token is None else -(-self.recent_token // block_size)
         return sink, local
 
+    def budget(self, n: int, block_size: int) -> int:
+        if self.hash_topk_tokens is None:
+            return super().budget(n, block_size)
+        sink, local = self.windows(block_size)
+        return min(n, max(self.min_blocks, -(-self.hash_topk_tokens // block_size), sink + local))
+
+    def budget_blocks(self, n: torch.Tensor, block_size: int) -> torch.Tensor:
+        if self.hash_topk_tokens is None:
+            return super().budget_blocks(n, block_size)
+        import torch
+
+        sink, local = self.windows(block_size)
+        return torch.minimum(
+            n, n.new_tensor(max(self.min_blocks, -(-self.hash_topk_tokens // block_size), sink + local))
+        )
+
+    def scoring(self, head_dim: int) -> Scoring:
+        from ucm.sparse.summaries import Scoring
+
+        bits = self.hash_bits or head_dim
+        if not 8 <= bits <= head_dim:
+            raise ValueError(
+                f"hash_bits: must be a multiple of 8 in [8, head_dim={head_dim}] (a rotation of head_dim "
+                f"dimensions gives at most head_dim sign bits), got {bits}"
+            )
+        return Scoring("hash", hash_bits=bits, seed=self.seed)
+
 
 class KVStarConfig(TopKConfig):
+    """KVStar: mean-key representations kept in ``store_dtype`` (float16: half the bytes to score),
+    scored over the share ``blk_repre_dim_prune_ratio`` of channels, re-selected every
+    ``retrieval_stride`` steps (multi-step retrieval). The channels kept are, per query and KV
+    head, those where the group's query weighs most (SparQ's choice): they carry most of ``q . k``."""
+
     retrieval_stride: int = Field(4, ge=1, description="Decode steps a selection is reused for")
     blk_repre_dim_prune_ratio: float = Field(1.0, gt=0, le=1, description="Share of key channels kept in scores")
-    store_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    store_dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        "float16", description="Dtype the block representations are kept in"
+    )
 
-    def keep_dims(self, head_dim: int) -> int | None:
-        """Channels kept, None for all."""
-        return None if self.blk_repre_dim_prune_ratio >= 1 else max(1, round(head_dim * self.blk_repre_dim_prune_ratio))
+    def scoring(self, head_dim: int) -> Scoring:
+        import torch
+
+        from ucm.sparse.summaries import Scoring
+
+        return Scoring("mean", dtype=getattr(torch, self.store_dtype), keep_channels=self.blk_repre_dim_prune_ratio)
 
 
 class PSAConfig(StrictModel):
-    eps: float = Field(0.95, gt=0, le=1, description="Attention mass to reach before stopping (1: every block)")
-    microbatch: int = Field(4, ge=1, description="Blocks attended between two stopping checks")
+    """PSA: an adaptive budget per request, KV head and layer. Blocks are taken best first by their
+    estimated share of the attention (each query head's softmax over the blocks' Quest bounds,
+    summed over the group) until the share taken reaches ``eps``; the windows come first. A
+    concentrated head reads a few blocks, a diffuse one many; ``eps = 1`` reads every block."""
+
+    eps: float = Field(0.95, gt=0, le=1, description="Estimated attention share to reach before stopping (1: all)")
+    max_ratio: float = Field(1.0, gt=0, le=1, description="At most this share of the blocks")
     init_window_sz: int = Field(1, ge=0, description="First blocks attended first, whatever their bound")
     local_window_sz: int = Field(2, ge=0, description="Last blocks attended first too (recent context)")
+
+    def windows(self, block_size: int) -> tuple[int, int]:
+        return self.init_window_sz, self.local_window_sz
+
+    def budget_blocks(self, n: torch.Tensor, block_size: int) -> torch.Tensor:
+        import torch
+
+        cap = torch.ceil(n.double() * self.max_ratio).long()
+        return torch.minimum(n, cap.clamp(min=self.init_window_sz + self.local_window_sz))
+
+    def scoring(self, head_dim: int) -> Scoring:
+        from ucm.sparse.summaries import Scoring
+
+        return Scoring("bound", mass=self.eps)

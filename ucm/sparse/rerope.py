@@ -12,7 +12,6 @@ import math
 
 import torch
 
-from ucm.sparse.base import group_query
 from ucm.sparse.rope import apply_rope
 
 
@@ -22,7 +21,7 @@ def rerope_attention(
     """One query (H, D) at ``q_pos`` over unrotated keys/values (N, Hkv, D) at positions 0..N-1."""
     n, hkv, d = keys.shape
     positions = torch.arange(n, device=keys.device)
-    qg = group_query(q, hkv)  # (Hkv, G, D)
+    qg = q.view(hkv, -1, d)  # (Hkv, G, D): the query heads sharing each KV head
     q_rot = apply_rope(qg, torch.full((hkv,), q_pos, device=q.device), base)
     k_rot = apply_rope(keys, positions, base)
     inside = torch.einsum("hgd,nhd->hgn", q_rot, k_rot)

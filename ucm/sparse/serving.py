@@ -1,184 +1,338 @@
-"""Sparse attention in a serving engine: which requests decode sparsely, their selectors per layer,
-and the blocks attention then reads. Torch only; ``ucm.integration.vllm.attention`` calls it from
+"""Sparse attention in a serving engine: which rows of a step decode sparsely, and the blocks each of
+their KV heads attends in each layer. Torch only; ``ucm.integration.vllm.attention`` calls it from
 inside vLLM's attention backend.
 
-Each engine step, :meth:`SparseRuntime.begin_step` looks at the batch: a row decodes sparsely when
-it computes one token (a decode) and its context has at least ``min_tokens``. Prefill chunks and
-short requests stay dense, in the same batch. A running request is recognized from one step to
-the next by the physical block it is writing into (a partly filled block belongs to one request
-only) and by its length growing by one; anything else starts fresh, and requests that leave the
-batch are forgotten. Per layer, :meth:`SparseRuntime.select` runs the algorithm of
-:mod:`ucm.sparse` for that request (its block metadata kept incrementally as blocks fill) with one
-selection for all KV heads — what a paged kernel with one block table per request can attend —
-and returns logical block indices, ascending, always ending with the block being written.
+Once per step, :meth:`SparseRuntime.plan` looks at the batch: a row decodes sparsely when it computes
+one token (a decode) and its context has at least ``min_tokens``; prefill chunks and short requests
+stay dense, in the same batch. The plan fixes, for every sparse row, how many blocks each KV head
+attends (the budget; the same in every layer), hence the lengths the attention kernel sees, so the
+kernel's schedule is computed once per step. All of it is tensor arithmetic over the batch: no
+Python loop over requests or layers.
+
+Per layer, :meth:`SparseRuntime.select` makes the layer's block table: one native call scores every
+(request, KV head, block) and keeps the best (:mod:`ucm.sparse.summaries`). With
+``retrieval_stride`` s, a request retrieves every s-th step and otherwise reuses its previous
+selection plus the block it started since. A running request is recognized from one step to the
+next by the physical block it writes into (a partly filled block belongs to one request only) and
+its length growing by one; anything else starts afresh.
+
+The first ``dense_layers`` layers always attend densely (their attention is broad, and later layers'
+selections depend on them).
 """
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ucm import metrics
 from ucm.config import ConfigError
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.esa import ESA
-from ucm.sparse.gsa import GSA
-from ucm.sparse.gsa_ondevice import GSAOnDevice
-from ucm.sparse.kvstar import KVStar
-from ucm.sparse.psa import PSA
+from ucm.sparse.summaries import BlockSummaries, Scoring
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.7.self_attn.attn`` -> 7."""
+    found = _LAYER_INDEX.search(layer_name)
+    if found is None:
+        raise ValueError(f"sparse: cannot tell the layer index of {layer_name!r}")
+    return int(found.group(1))
+
+
+# The sparse runtime of each attention layer in this process (one runtime per KV cache group): the
+# cache writer and the connector reach it by layer name, the forward pass through the step's metadata.
+RUNTIMES: dict[str, SparseRuntime] = {}
+
+
+def invalidate_summaries(blocks: list[int]) -> None:
+    """Blocks whose bytes are written without the attention backend (a connector load): their
+    summaries are recomputed from the cache before they are next scored."""
+    if blocks and RUNTIMES:
+        ids = torch.tensor(blocks, dtype=torch.long)
+        for runtime in {id(r): r for r in RUNTIMES.values()}.values():
+            runtime.invalidate(ids)
 
 
 @dataclass
-class Selection:
-    blocks: torch.Tensor  # logical block indices, ascending; the last is the block being written
-    physical: torch.Tensor  # the same blocks' ids in the paged cache
-    output: torch.Tensor | None = None  # PSA attends as it selects: its output (H, D); blocks is then
-    # only the block being written (the kernel's row must end there; its result is replaced)
+class StepPlan:
+    """What every sparse layer of one step shares. ``R`` sparse rows, ``Hkv`` KV heads."""
 
-
-@dataclass
-class LayerState:
-    selector: BlockSelector
-    meta: BlockMeta
-    chose: torch.Tensor | None = None  # what the selector returned last
-    last: Selection | None = None  # and what it became
-    last_blocks: int = 0  # the request's length in blocks then
-
-
-@dataclass
-class RequestState:
-    """One running request: its length, decode steps since it turned sparse, its selectors."""
-
-    seq_len: int
-    steps: int = 0
-    layers: dict[str, LayerState] = field(default_factory=dict)
+    rows: torch.Tensor  # (R,) long: the rows of the batch that decode sparsely
+    tokens: torch.Tensor  # (R,) int32: each row's query token
+    seq_lens: torch.Tensor  # (R,) int32
+    tables: torch.Tensor  # (R, W) int32: physical blocks, logical order
+    retrieve: torch.Tensor  # (R,) int32: blocks a retrieval keeps (the budget)
+    kept: torch.Tensor  # (R,) long: blocks each KV head attends this step
+    lens: torch.Tensor  # (R * Hkv,) int32: the lengths the per-head attention kernel sees
+    width: int  # columns of a layer's table
+    due: torch.Tensor | None  # (D,) long: rows that retrieve; None: all of them
+    reused: torch.Tensor | None  # (R - D,) long: rows that reuse their selection
+    previous: torch.Tensor | None  # (R - D,) long: those rows' rows in the previous step
+    grown: torch.Tensor | None  # (R - D,) bool: reused rows that started a new block since
+    stale: torch.Tensor  # (S,) int32: full blocks whose summaries must be recomputed first
+    fixed: torch.Tensor | None = None  # static selection: the table every layer uses
 
 
 @dataclass
 class StepStats:
     requests: int = 0  # requests that started decoding sparsely
-    attended: float = 0  # blocks attended (PSA: mean over KV heads), summed over requests and layers
+    attended: float = 0  # blocks attended per KV head, summed over requests and layers (dense layers too)
     available: int = 0  # blocks those requests hold, summed the same way
-    seconds: float = 0.0  # spent selecting
-    selections: int = 0
+    seconds: float = 0.0  # spent selecting (scoring, top-k, refreshing summaries)
+    retrievals: int = 0  # (request, layer) selections computed afresh
 
 
 class SparseRuntime:
-    def __init__(self, config: SparseConfig, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, config: SparseConfig, block_size: int, num_kv_heads: int, head_dim: int, layer_names: list[str]
+    ) -> None:
         self.config = config
+        options = config.options
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
-        self._requests: dict[int, RequestState] = {}  # by the physical block each request writes into
-        # Between retrievals a selection stands as it is until a new block appears (ESA, KVStar).
-        self.stride = getattr(config.options, "retrieval_stride", 1)
+        self.layer_names = layer_names
+        self.num_layers = len(layer_names)
+        self.dense_layers = sum(not self.sparse_layer(name) for name in layer_names)
+        try:  # fail at startup, not at the first long request (e.g. hash_bits > head_dim)
+            self.scoring: Scoring | None = options.scoring(head_dim)
+        except ValueError as exc:
+            raise ConfigError(f"sparse.{config.algorithm}.{exc}") from None
+        self.windows = options.windows(block_size)
+        self.stride = getattr(options, "retrieval_stride", 1)
+        self.summaries: dict[str, BlockSummaries] = {}
+        self._previous: dict[str, torch.Tensor] = {}  # each layer's last table
+        # Per physical block: the length, plan row and steps since retrieval of the request that
+        # last wrote into it (-1: none), for the rows of the previous step only.
+        self._seq = self._row = self._age = torch.empty(0, dtype=torch.int32)
+        self._written = torch.empty(0, dtype=torch.long)
+        self._previous_kept = torch.empty(0, dtype=torch.long)
         self.stats = StepStats()
         self.totals = StepStats()  # since start, for tests and benchmarks
-        self._selector()  # fail at startup, not at the first long request (e.g. hash_bits > head_dim)
+        self.plan: StepPlan | None = None
 
-    def _selector(self) -> BlockSelector:
-        c = self.config
-        options = c.options
-        if c.algorithm == "esa":
-            return ESA(options, shared=True)
-        if c.algorithm == "gsa":
-            return GSA(options, shared=True)
-        if c.algorithm == "kvstar":
-            return KVStar(options, shared=True)
-        if c.algorithm == "psa":
-            return PSA(options)
-        try:
-            return GSAOnDevice(self.head_dim, options, shared=True)
-        except ValueError as exc:
-            raise ConfigError(f"sparse.gsa_ondevice.{exc}") from None
+    def sparse_layer(self, layer_name: str) -> bool:
+        return layer_index(layer_name) >= self.config.dense_layers
 
+    # -- summaries -------------------------------------------------------------------------------
+    def write(self, layer_name: str, keys: torch.Tensor, slots: torch.Tensor, num_blocks: int, dtype: torch.dtype):
+        """Keys just written into the cache at ``slots``: fold them into the layer's summaries."""
+        if self.scoring is None:
+            return
+        summaries = self.summaries.get(layer_name)
+        if summaries is None or summaries.num_blocks != num_blocks:
+            summaries = self.summaries[layer_name] = BlockSummaries(
+                self.scoring, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, dtype
+            )
+        summaries.write(keys[: len(slots)], slots)
+
+    def invalidate(self, blocks: torch.Tensor) -> None:
+        """Blocks written without the attention backend (loaded from a store): their summaries are
+        recomputed from the cache before they are scored."""
+        for summaries in self.summaries.values():
+            summaries.invalidate(blocks)
+
+    # -- the step --------------------------------------------------------------------------------
     def begin_step(
-        self, block_table: torch.Tensor, seq_lens: list[int], query_lens: list[int]
-    ) -> list[RequestState | None]:
-        """The state of each row of the batch that decodes sparsely, None for dense rows."""
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> StepPlan | None:
+        """The step's plan, or None when no row decodes sparsely."""
         self._flush()
-        b, old = self.block_size, self._requests
-        self._requests = {}
-        rows: list[RequestState | None] = []
-        for i, (seq, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-            if q_len != 1 or seq < self.config.min_tokens:
-                rows.append(None)
-                continue
-            n = -(-seq // b)
-            writing = int(block_table[i, n - 1])
-            state = old.pop(writing, None)
-            if state is None and (seq - 1) % b == 0 and n >= 2:  # it just started a new block
-                state = old.pop(int(block_table[i, n - 2]), None)
-            if state is None or state.seq_len + 1 != seq:
-                state = RequestState(seq)
-                self.stats.requests += 1
-            else:
-                state.seq_len, state.steps = seq, state.steps + 1
-            self._requests[writing] = state
-            rows.append(state)
-        return rows
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        sparse = (query_lens == 1) & (seq_lens >= self.config.min_tokens)
+        rows = torch.nonzero(sparse).flatten()
+        self._ensure_tracking(block_table)
+        if len(rows) == 0:
+            self._forget()
+            self.plan = None
+            return None
+        b, hkv = self.block_size, self.num_kv_heads
+        seq = seq_lens[rows].to(torch.int32)
+        n = (seq + b - 1) // b
+        tables = block_table[rows].to(torch.int32).contiguous()
+        budget = self.config.options.budget_blocks(n.long(), b).to(torch.int32)
+        age, previous, continuing = self._track(rows, tables, seq, n)
+        due_mask = age % self.stride == 0
+        if self.scoring is None:  # static: nothing to retrieve
+            due_mask = torch.ones_like(due_mask)
+        kept = budget.long().clone()
+        due = reused = prev_rows = grown = None
+        if not bool(due_mask.all()):
+            due = torch.nonzero(due_mask).flatten()
+            reused = torch.nonzero(~due_mask).flatten()
+            prev_rows = previous[reused].long()
+            grown = (seq[reused] - 1) % b == 0  # the row's newest block started since the last step
+            previous_kept = self._previous_kept[prev_rows]
+            kept[reused] = previous_kept + grown.long()
+        tail = seq - (n - 1) * b
+        lens = ((kept.to(torch.int32) - 1) * b + tail).repeat_interleave(hkv)
+        stale = torch.empty(0, dtype=torch.int32)
+        if self.summaries:
+            stale = next(iter(self.summaries.values())).stale(tables, n.long() - 1)
+        self.plan = StepPlan(
+            rows=rows,
+            tokens=query_start_loc[rows].to(torch.int32),
+            seq_lens=seq,
+            tables=tables,
+            retrieve=budget,
+            kept=kept,
+            lens=lens,
+            width=int(kept.max()),
+            due=due,
+            reused=reused,
+            previous=prev_rows,
+            grown=grown,
+            stale=stale,
+        )
+        if self.scoring is None:
+            self.plan.fixed = self._static_table(self.plan, n.long())
+        self._previous_kept = kept
+        s = self.stats
+        s.requests += int((~continuing).sum())
+        sparse_layers = self.num_layers - self.dense_layers
+        s.attended += float(kept.sum()) * sparse_layers + float(n.sum()) * self.dense_layers
+        s.available += int(n.sum()) * self.num_layers
+        s.retrievals += (len(rows) if due is None else len(due)) * sparse_layers
+        return self.plan
 
     def select(
-        self,
-        layer: str,
-        state: RequestState,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        block_ids: torch.Tensor,
-    ) -> Selection:
-        """Blocks one request attends in one layer. ``q``: (H, D); ``keys``/``values``: the layer's
-        cache as (P, B, Hkv, D); ``block_ids``: the request's physical blocks, in order."""
+        self, layer_name: str, query: torch.Tensor, key_cache: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's per-head block table ((R * Hkv, width) int32, rows ``phys * Hkv + head``) and
+        the lengths the kernel attends over it ((R * Hkv,) int32: ``plan.lens`` unless adaptive).
+
+        ``query``: the step's (tokens, H, D); ``key_cache``: the layer's keys as stored
+        ((P, Hkv, ...), see :meth:`BlockSummaries.refresh` for ``positions``)."""
+        plan = self.plan
+        assert plan is not None
+        if plan.fixed is not None:
+            return plan.fixed, plan.lens
         started = time.perf_counter()
-        layer_state = state.layers.get(layer)
-        if layer_state is None:
-            meta = BlockMeta(self.num_kv_heads, self.head_dim, q.device)
-            layer_state = state.layers[layer] = LayerState(self._selector(), meta)
-        selector = layer_state.selector
-        kv = PagedKV(keys, values, block_ids, state.seq_len)
-        n = kv.num_blocks
-        if layer_state.last is not None and layer_state.last_blocks == n and state.steps % self.stride:
-            chosen = layer_state.last  # no retrieval due and no new block: the same blocks
-            attended = len(chosen.blocks)
-        elif isinstance(selector, PSA):  # its own exact attention, each KV head over its own blocks
-            output, used = selector.attend(q.float(), kv, layer_state.meta)
-            blocks = torch.tensor([n - 1])
-            chosen = Selection(blocks, block_ids[blocks], output)
-            attended = float(used.float().mean())
+        summaries = self.summaries[layer_name]
+        if len(plan.stale):
+            summaries.refresh(key_cache, positions, plan.stale)
+        hkv = self.num_kv_heads
+        table = torch.zeros(len(plan.rows) * hkv, plan.width, dtype=torch.int32)
+        windows = self.windows
+        lens = plan.lens
+        assert self.scoring is not None
+        if self.scoring.mass > 0:  # adaptive: each (request, KV head) keeps what its estimate needs
+            kept = torch.empty(len(plan.rows) * hkv, dtype=torch.int32)
+            summaries.select(
+                query,
+                plan.tokens,
+                plan.tables,
+                plan.seq_lens,
+                plan.retrieve,
+                windows,
+                scale,
+                table,
+                mass=self.scoring.mass,
+                kept=kept,
+            )
+            tail = (plan.seq_lens - 1) % self.block_size + 1
+            lens = (kept - 1) * self.block_size + tail.repeat_interleave(hkv)
+            self.stats.attended += float(kept.sum()) / hkv - float(plan.kept.sum())  # plan counted the cap
+        elif plan.due is None:
+            summaries.select(query, plan.tokens, plan.tables, plan.seq_lens, plan.retrieve, windows, scale, table)
         else:
-            rows = selector.select(q.float(), kv, layer_state.meta, state.steps)
-            if rows is layer_state.chose and layer_state.last is not None:
-                chosen = layer_state.last  # a reused selection (retrieval_stride): nothing to redo
-            else:
-                blocks = rows[0][rows[0] >= 0]
-                if int(blocks[-1]) != n - 1:  # windows guarantee it; a selection must end where attention does
-                    blocks = torch.unique(torch.cat([blocks, torch.tensor([n - 1])]))
-                chosen = Selection(blocks, block_ids[blocks])
-                layer_state.chose, layer_state.last = rows, chosen
-            layer_state.last_blocks = n
-            attended = len(chosen.blocks)
-        stats = self.stats
-        stats.attended += attended
-        stats.available += n
-        stats.selections += 1
-        stats.seconds += time.perf_counter() - started
-        return chosen
+            due = plan.due
+            if len(due):
+                fresh = torch.zeros(len(due) * hkv, plan.width, dtype=torch.int32)
+                summaries.select(
+                    query,
+                    plan.tokens[due].contiguous(),
+                    plan.tables[due].contiguous(),
+                    plan.seq_lens[due].contiguous(),
+                    plan.retrieve[due].contiguous(),
+                    windows,
+                    scale,
+                    fresh,
+                )
+                table.view(len(plan.rows), hkv, -1)[due] = fresh.view(len(due), hkv, -1)
+            self._reuse(layer_name, plan, table)
+        self._previous[layer_name] = table
+        self.stats.seconds += time.perf_counter() - started
+        return table, lens
+
+    def _reuse(self, layer_name: str, plan: StepPlan, table: torch.Tensor) -> None:
+        """Rows between retrievals: last step's selection, plus the block each has started since."""
+        assert plan.reused is not None and plan.previous is not None and plan.grown is not None
+        hkv, r = self.num_kv_heads, len(plan.rows)
+        before = self._previous[layer_name]
+        per_row = before.view(-1, hkv, before.shape[1])[plan.previous]  # (U, Hkv, w)
+        w = min(per_row.shape[2], plan.width)
+        view = table.view(r, hkv, -1)
+        view[plan.reused, :, :w] = per_row[:, :, :w]
+        if bool(plan.grown.any()):
+            rows = plan.reused[plan.grown]
+            n = (plan.seq_lens[rows].long() + self.block_size - 1) // self.block_size
+            newest = plan.tables[rows, n - 1].long() * hkv + torch.arange(hkv)[None, :]  # (G, Hkv)
+            column = plan.kept[rows] - 1
+            view[rows[:, None], torch.arange(hkv)[None, :], column[:, None]] = newest.to(torch.int32)
+
+    def _static_table(self, plan: StepPlan, n: torch.Tensor) -> torch.Tensor:
+        """Sinks and the most recent blocks, no scoring: what a selection costing nothing keeps."""
+        init = self.windows[0]
+        cols = torch.arange(plan.width)[None, :]
+        k = plan.kept[:, None]
+        logical = torch.where(cols < init, cols, n[:, None] - k + cols)
+        logical = torch.minimum(logical, n[:, None] - 1).clamp(min=0)
+        phys = plan.tables.long().gather(1, logical)
+        hkv = self.num_kv_heads
+        return (phys[:, None, :] * hkv + torch.arange(hkv)[None, :, None]).reshape(-1, plan.width).to(torch.int32)
+
+    # -- request tracking ------------------------------------------------------------------------
+    def _ensure_tracking(self, block_table: torch.Tensor) -> None:
+        blocks = int(block_table.max()) + 1 if block_table.numel() else 1
+        if len(self._seq) < blocks:
+            grow = max(blocks, 2 * len(self._seq))
+            self._seq = torch.cat([self._seq, torch.full((grow - len(self._seq),), -1, dtype=torch.int32)])
+            self._row = torch.cat([self._row, torch.full((grow - len(self._row),), -1, dtype=torch.int32)])
+            self._age = torch.cat([self._age, torch.zeros(grow - len(self._age), dtype=torch.int32)])
+
+    def _track(
+        self, rows: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, n: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per sparse row: steps since its last retrieval, its row in the previous plan, and whether
+        it continues a request of the previous step."""
+        idx = torch.arange(len(rows))
+        writing = tables[idx, n.long() - 1].long()
+        before = tables[idx, (n.long() - 2).clamp(min=0)].long()
+        here = self._seq[writing] == seq - 1
+        moved = ~here & (n >= 2) & ((seq - 1) % self.block_size == 0) & (self._seq[before] == seq - 1)
+        source = torch.where(moved, before, writing)
+        continuing = here | moved
+        age = torch.where(continuing, self._age[source] + 1, torch.zeros_like(seq))
+        previous = torch.where(continuing, self._row[source], torch.full_like(seq, -1))
+        self._forget()
+        self._seq[writing] = seq
+        self._row[writing] = idx.to(torch.int32)
+        self._age[writing] = age
+        self._written = writing
+        return age, previous, continuing
+
+    def _forget(self) -> None:
+        if len(self._written):
+            self._seq[self._written] = -1
+            self._written = torch.empty(0, dtype=torch.long)
 
     def _flush(self) -> None:
         """Publish the last step's counts (once per step: per-layer updates would cost more than
         the selection)."""
         s, algo = self.stats, self.config.algorithm
-        if s.selections or s.requests:
+        if s.retrievals or s.requests or s.available:
             metrics.SPARSE_REQUESTS.labels(algo).inc(s.requests)
             metrics.SPARSE_BLOCKS_ATTENDED.labels(algo).inc(s.attended)
             metrics.SPARSE_BLOCKS_AVAILABLE.labels(algo).inc(s.available)
             metrics.SPARSE_SELECTION_SECONDS.labels(algo).observe(s.seconds)
             t = self.totals
-            t.requests, t.attended, t.available = (
-                t.requests + s.requests,
-                t.attended + s.attended,
-                t.available + s.available,
-            )
-            t.seconds, t.selections = t.seconds + s.seconds, t.selections + s.selections
+            t.requests += s.requests
+            t.attended += s.attended
+            t.available += s.available
+            t.seconds += s.seconds
+            t.retrievals += s.retrievals
         self.stats = StepStats()

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "copy.h"
+#include "sparse.h"
 #ifdef UCM_WITH_CUDA
 #include "cuda_copy.h"
 #endif
@@ -26,8 +27,79 @@ static std::vector<ucm::Segment> segments_of(const std::vector<SegmentTuple>& in
   return out;
 }
 
+namespace sp = ucm::sparse;
+
+template <typename T>
+static T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+static void def_sparse(nb::module_& m) {
+  nb::class_<sp::Summaries>(m, "SparseSummaries", "One layer's block summaries (tensors owned by the caller).")
+      .def(
+          "__init__",
+          [](sp::Summaries* self, int mode, int dtype, int rep_dtype, uintptr_t lo, uintptr_t hi, uintptr_t mean,
+             uintptr_t rep, uintptr_t hashes, uintptr_t projection, uintptr_t count, int64_t block_size,
+             int64_t kv_heads, int64_t head_dim, int64_t hash_bytes) {
+            if (mode < 0 || mode > 2) throw std::invalid_argument("mode: 0 (bound), 1 (mean) or 2 (hash)");
+            for (int t : {dtype, rep_dtype})
+              if (t < 0 || t > 2) throw std::invalid_argument("dtypes: 0 (f32), 1 (bf16) or 2 (f16)");
+            new (self) sp::Summaries{static_cast<sp::Mode>(mode), static_cast<sp::DType>(dtype),
+                                     static_cast<sp::DType>(rep_dtype), ptr<void>(lo), ptr<void>(hi),
+                                     ptr<float>(mean), ptr<void>(rep), ptr<uint8_t>(hashes),
+                                     ptr<const float>(projection), ptr<int32_t>(count), block_size, kv_heads,
+                                     head_dim, hash_bytes};
+          },
+          nb::arg("mode"), nb::arg("dtype"), nb::arg("rep_dtype"), nb::arg("lo"), nb::arg("hi"), nb::arg("mean"),
+          nb::arg("rep"), nb::arg("hashes"), nb::arg("projection"), nb::arg("count"), nb::arg("block_size"),
+          nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("hash_bytes"))
+      .def(
+          "write",
+          [](const sp::Summaries& s, uintptr_t keys, int key_dtype, int64_t token_stride, uintptr_t slots,
+             int64_t tokens) {
+            nb::gil_scoped_release release;
+            sp::write(s, ptr<const void>(keys), static_cast<sp::DType>(key_dtype), token_stride,
+                      ptr<const int64_t>(slots), tokens);
+          },
+          nb::arg("keys"), nb::arg("key_dtype"), nb::arg("token_stride"), nb::arg("slots"), nb::arg("tokens"),
+          "Fold keys written at these slots into the summaries.")
+      .def(
+          "refresh",
+          [](const sp::Summaries& s, uintptr_t key_cache, int cache_dtype, int64_t block_stride, int64_t head_stride,
+             uintptr_t positions, uintptr_t blocks, uintptr_t fill, int64_t n) {
+            nb::gil_scoped_release release;
+            sp::refresh(s, ptr<const void>(key_cache), static_cast<sp::DType>(cache_dtype), block_stride,
+                        head_stride, ptr<const int32_t>(positions), ptr<const int32_t>(blocks),
+                        ptr<const int32_t>(fill), n);
+          },
+          nb::arg("key_cache"), nb::arg("cache_dtype"), nb::arg("block_stride"), nb::arg("head_stride"),
+          nb::arg("positions"), nb::arg("blocks"), nb::arg("fill"), nb::arg("n"),
+          "Recompute blocks' summaries from the paged key cache.")
+      .def(
+          "select",
+          [](const sp::Summaries& s, uintptr_t query, int query_dtype, int64_t token_stride, int64_t heads,
+             uintptr_t tokens, int64_t rows, uintptr_t block_table, int64_t table_stride, uintptr_t seq_lens,
+             uintptr_t budget, int64_t init, int64_t local, int64_t keep_channels, float temperature, float mass,
+             uintptr_t out, int64_t out_stride, uintptr_t kept, uintptr_t scores, int64_t score_stride) {
+            sp::Selection sel{ptr<const void>(query), static_cast<sp::DType>(query_dtype), token_stride, heads,
+                              ptr<const int32_t>(tokens), rows, ptr<const int32_t>(block_table), table_stride,
+                              ptr<const int32_t>(seq_lens), ptr<const int32_t>(budget), init, local, keep_channels,
+                              temperature, mass, ptr<int32_t>(out), out_stride, ptr<int32_t>(kept),
+                              ptr<float>(scores), score_stride};
+            nb::gil_scoped_release release;
+            sp::select(s, sel);
+          },
+          nb::arg("query"), nb::arg("query_dtype"), nb::arg("token_stride"), nb::arg("heads"), nb::arg("tokens"),
+          nb::arg("rows"), nb::arg("block_table"), nb::arg("table_stride"), nb::arg("seq_lens"), nb::arg("budget"),
+          nb::arg("init"), nb::arg("local"), nb::arg("keep_channels"), nb::arg("temperature"), nb::arg("mass"),
+          nb::arg("out"), nb::arg("out_stride"), nb::arg("kept") = 0, nb::arg("scores") = 0,
+          nb::arg("score_stride") = 0,
+          "Score every (request, KV head, block) of a step and write the kept blocks per (request, KV head).");
+}
+
 NB_MODULE(ucm_native, m) {
-  m.doc() = "UCM's native transfer layer";
+  m.doc() = "UCM's native transfer layer and sparse attention kernels";
+  def_sparse(m);
   auto def_move = [&m](const char* name, MoveFn move, const char* doc) {
     m.def(
         name,

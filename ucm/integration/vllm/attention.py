@@ -4,12 +4,15 @@
 registers :class:`UCMAttentionBackend` in place of ``CPU_ATTN``. With no sparse configuration it
 *is* the CPU backend (subclasses that defer to it). With one — ``sparse`` or UCM's
 ``ucm_sparse_config`` in UCMConnector's ``kv_connector_extra_config``, or the same keys in vLLM's
-``--additional-config`` for an engine without the connector — the metadata builder marks the rows
-of each step that decode sparsely (``ucm.sparse.serving``), and each layer's forward gives those
-rows a block table holding only the blocks the algorithm chose (ending with the block being
-written) and the matching length, then runs vLLM's own kernel: attention reads exactly those
-blocks. Prefill chunks and short requests keep their rows. PSA attends as it selects: its output
-replaces the kernel's for its rows.
+``--additional-config`` for an engine without the connector:
+
+- every key written into the cache is folded into its block's summary (``do_kv_cache_update``);
+- once per step the metadata builder plans which rows decode sparsely (``ucm.sparse.serving``);
+- in each sparse layer one native call selects, per (request, KV head), the blocks to attend, and
+  vLLM's own kernel attends them: the cache is viewed as ``(blocks * kv_heads, 1, block_size,
+  head_dim)``, so that row ``phys * kv_heads + head`` is one head of one block, and each
+  (request, KV head) becomes a row of that call with its group's query heads. Other rows (prefill
+  chunks, short requests) go through the kernel as before, in a call of their own.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm.config import ConfigError
 from ucm.integration.vllm.config import WHERE, sparse_config
-from ucm.sparse.base import BlockReader
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.serving import RequestState, SparseRuntime
+from ucm.sparse.serving import RUNTIMES, SparseRuntime, StepPlan
+from ucm.sparse.summaries import native_available
 from ucm.ucm_style import CONNECTOR_NAMES
 
 
@@ -55,7 +58,8 @@ def configured_sparse(vllm_config: VllmConfig) -> SparseConfig | None:
 
 def learn_layout(dtype: torch.dtype, isa: str, block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the kernel's cache writer puts token ``t``, channel ``d`` of a block's keys and of its
-    values: ``positions[t * head_dim + d]`` within one head's ``block_size * head_dim`` elements."""
+    values: ``positions[t * head_dim + d]`` (int32) within one head's ``block_size * head_dim``
+    elements."""
     cache = torch.zeros(1, 1, 2 * block_size, head_dim, dtype=dtype)
     key_cache, value_cache = cache.chunk(2, dim=2)
     t = torch.arange(block_size, dtype=torch.float32)[:, None, None].expand(block_size, 1, head_dim)
@@ -73,18 +77,85 @@ def learn_layout(dtype: torch.dtype, isa: str, block_size: int, head_dim: int) -
             raise ConfigError(f"sparse: vLLM's CPU KV cache layout for isa {isa!r} is not one UCM can read")
         positions = torch.empty_like(logical)
         positions[logical] = torch.arange(len(logical))
-        layouts.append(positions)
+        layouts.append(positions.to(torch.int32))
     return layouts[0], layouts[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """What vLLM's CPU kernel schedule depends on, besides the lengths: fixed per KV cache group."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    isa: str
+    kv_cache_dtype: str
+
+    def schedule(self, seq_lens: torch.Tensor, starts: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=seq_lens,
+            dtype=self.dtype,
+            query_start_loc=starts,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def per_head_schedule(self, lens: torch.Tensor) -> torch.Tensor:
+        """For one query token per (request, KV head), with that KV head only."""
+        starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+        return self.schedule(lens, starts, self.num_heads // self.num_kv_heads, 1)
 
 
 @dataclasses.dataclass
 class UCMAttentionMetadata(CPUAttentionMetadata):
     sparse: SparseRuntime | None = None
-    sparse_rows: list[RequestState | None] | None = None  # per row: its state when it decodes sparsely
+    sparse_plan: StepPlan | None = None
     sparse_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # see learn_layout
-    # The kernel's scheduler metadata for narrowed lengths, shared by the step's layers (most
-    # layers narrow the rows to the same lengths).
-    sparse_schedules: dict[tuple[int, ...], torch.Tensor] = dataclasses.field(default_factory=dict)
+    sparse_shape: KernelShape | None = None
+    sparse_schedule: torch.Tensor | None = None  # the per-head kernel schedule for the plan's lengths
+    sparse_starts: torch.Tensor | None = None  # (R * Hkv + 1,) one query token per (request, KV head)
+    # The other rows' metadata in sparse layers (sparse rows narrowed to one token); None: no other rows.
+    sparse_others: CPUAttentionMetadata | None = None
+
+
+def sparse_metadata(
+    metadata: CPUAttentionMetadata,
+    runtime: SparseRuntime,
+    plan: StepPlan,
+    layout: tuple[torch.Tensor, torch.Tensor],
+    shape: KernelShape,
+) -> UCMAttentionMetadata:
+    """The step's metadata for sparse layers: the plan, the per-head call's schedule, and the other
+    rows' metadata with the sparse rows narrowed to one token (their output is replaced)."""
+    others = None
+    if len(plan.rows) < len(metadata.seq_lens):
+        seq_lens = metadata.seq_lens.clone()
+        seq_lens[plan.rows] = 1
+        others = dataclasses.replace(
+            metadata,
+            seq_lens=seq_lens,
+            max_seq_len=int(seq_lens.max()),
+            scheduler_metadata=shape.schedule(seq_lens, metadata.query_start_loc, shape.num_heads, shape.num_kv_heads),
+        )
+    fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
+    return UCMAttentionMetadata(
+        **fields,
+        sparse=runtime,
+        sparse_plan=plan,
+        sparse_layout=layout,
+        sparse_shape=shape,
+        sparse_schedule=shape.per_head_schedule(plan.lens),
+        sparse_starts=torch.arange(len(plan.lens) + 1, dtype=torch.int32),
+        sparse_others=others,
+    )
 
 
 class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -98,8 +169,17 @@ class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if config is not None and decoder:
             if self.kv_cache_dtype != "auto":
                 raise ConfigError(f"sparse: needs the KV cache in the model's dtype, not {self.kv_cache_dtype}")
-            self.runtime = SparseRuntime(config, self.block_size, self.num_kv_heads, self.head_dim)
+            if self.window_size != -1:
+                raise ConfigError("sparse: models with sliding-window attention are not supported")
+            if not native_available():
+                raise ConfigError("sparse: needs UCM's native module ucm_native (make dev builds it)")
+            self.runtime = SparseRuntime(config, self.block_size, self.num_kv_heads, self.head_dim, list(layer_names))
             self.layout = learn_layout(self.dtype, self.isa, self.block_size, self.head_dim)
+            self.shape = KernelShape(
+                self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.isa, self.kv_cache_dtype
+            )
+            for name in layer_names:
+                RUNTIMES[name] = self.runtime
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -107,16 +187,28 @@ class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if self.runtime is None:
             return metadata
-        starts = common_attn_metadata.query_start_loc_cpu
-        query_lens = (starts[1:] - starts[:-1]).tolist()
-        rows = self.runtime.begin_step(metadata.block_table, metadata.seq_lens.tolist(), query_lens)
-        if not any(rows):
+        plan = self.runtime.begin_step(
+            metadata.block_table, metadata.seq_lens, common_attn_metadata.query_start_loc_cpu
+        )
+        if plan is None:
             return metadata
-        fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-        return UCMAttentionMetadata(**fields, sparse=self.runtime, sparse_rows=rows, sparse_layout=self.layout)
+        return sparse_metadata(metadata, self.runtime, plan, self.layout, self.shape)
 
 
 class UCMAttentionImpl(CPUAttentionBackendImpl):
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        runtime = RUNTIMES.get(layer.layer_name)
+        if runtime is not None and self.attn_type == AttentionType.DECODER and runtime.sparse_layer(layer.layer_name):
+            runtime.write(layer.layer_name, key, slot_mapping, kv_cache.shape[0], kv_cache.dtype)
+
     def forward(
         self,
         layer: Any,
@@ -129,73 +221,67 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        md = attn_metadata
         if (
-            not isinstance(attn_metadata, UCMAttentionMetadata)
-            or attn_metadata.sparse is None
+            not isinstance(md, UCMAttentionMetadata)
+            or md.sparse is None
             or self.attn_type != AttentionType.DECODER
+            or not md.sparse.sparse_layer(layer.layer_name)
+            or self.sinks is not None
+            or self.alibi_slopes is not None
         ):
-            return super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            return super().forward(layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale)
+        if md.sparse_others is not None:
+            super().forward(
+                layer, query, key, value, kv_cache, md.sparse_others, output, output_scale, output_block_scale
             )
-        sparse_metadata, replaced = self._select(layer, query, kv_cache, attn_metadata)
-        super().forward(layer, query, key, value, kv_cache, sparse_metadata, output, output_scale, output_block_scale)
-        for token, out in replaced:
-            output[token].copy_(out.reshape(output[token].shape))
+        self._sparse_rows(layer, query, kv_cache, md, output)
         return output
 
-    def _select(
-        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: UCMAttentionMetadata
-    ) -> tuple[CPUAttentionMetadata, list[tuple[int, torch.Tensor]]]:
-        """The step's metadata with each sparse row narrowed to its selected blocks."""
-        assert md.sparse is not None and md.sparse_rows is not None and md.sparse_layout is not None
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
-        key_positions, value_positions = md.sparse_layout
-        keys = BlockReader(key_cache.flatten(2), key_positions, block_size, self.head_size)
-        values = BlockReader(value_cache.flatten(2), value_positions, block_size, self.head_size)
-        table, seq_lens = md.block_table.clone(), md.seq_lens.clone()
-        starts = md.query_start_loc
-        replaced: list[tuple[int, torch.Tensor]] = []
-        for i, state in enumerate(md.sparse_rows):
-            if state is None:
-                continue
-            seq = state.seq_len
-            n = -(-seq // block_size)
-            block_ids = md.block_table[i, :n].long()
-            token = int(starts[i])
-            q = query[token].view(self.num_heads, self.head_size)
-            chosen = md.sparse.select(layer.layer_name, state, q, keys, values, block_ids)
-            k = len(chosen.physical)
-            table[i, :k] = chosen.physical
-            seq_lens[i] = (k - 1) * block_size + seq - (n - 1) * block_size
-            if chosen.output is not None:
-                replaced.append((token, chosen.output))
-        lengths = tuple(seq_lens.tolist())
-        scheduler_metadata = md.sparse_schedules.get(lengths)
-        if scheduler_metadata is None:
-            scheduler_metadata = md.sparse_schedules[lengths] = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=len(md.sparse_rows),
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_size,
-                seq_lens=seq_lens,
-                dtype=query.dtype,
-                query_start_loc=starts,
-                causal=md.causal,
-                sliding_window_size=self.sliding_window,
-                isa=layer.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                dynamic_causal=md.dynamic_causal,
-                kv_cache_dtype=self.kv_cache_dtype,
-            )
-        narrowed = dataclasses.replace(
-            md,
+    def _sparse_rows(
+        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: UCMAttentionMetadata, output: torch.Tensor
+    ) -> None:
+        """Attention of the sparse rows over the blocks each of their KV heads selected."""
+        plan, runtime = md.sparse_plan, md.sparse
+        assert plan is not None and runtime is not None and md.sparse_layout is not None
+        num_blocks, hkv, block_size, _ = kv_cache.shape
+        per_head = kv_cache.view(num_blocks, hkv, 2 * block_size, -1)
+        key_cache = per_head[:, :, :block_size]
+        table, lens = runtime.select(layer.layer_name, query, key_cache, md.sparse_layout[0], self.scale)
+        schedule = md.sparse_schedule
+        if lens is not plan.lens:  # an adaptive budget: lengths differ per layer
+            assert md.sparse_shape is not None
+            schedule = md.sparse_shape.per_head_schedule(lens)
+        flat = per_head.view(num_blocks * hkv, 1, 2 * block_size, -1)
+        flat_keys, flat_values = flat.chunk(2, dim=2)
+        g = self.num_heads // hkv
+        rows = len(plan.rows)
+        output = output.view(len(output), self.num_heads, -1)
+        tokens = plan.tokens.long()
+        contiguous = int(tokens[-1]) == rows - 1  # the sparse rows are the step's first tokens
+        q = query[:rows] if contiguous else query[tokens]
+        out = output[:rows] if contiguous else torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q.reshape(rows * hkv, g, -1),
+            key_cache=flat_keys,
+            value_cache=flat_values,
+            output=out.view(rows * hkv, g, -1),
+            query_start_loc=md.sparse_starts,
+            seq_lens=lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
             block_table=table,
-            seq_lens=seq_lens,
-            max_seq_len=int(seq_lens.max()),
-            scheduler_metadata=scheduler_metadata,
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=schedule,
+            s_aux=None,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
-        return narrowed, replaced
+        if not contiguous:
+            output[tokens] = out
 
 
 class UCMAttentionBackend(CPUAttentionBackend):

@@ -25,6 +25,7 @@ from ucm import metrics
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
+from ucm.sparse.serving import invalidate_summaries
 from ucm.store import Store, Task
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class WorkerSide:
     def start_load(self, meta: UCMConnectorMetadata) -> None:
         assert self.layout is not None, "register_kv_caches must run before the first step"
         self._loads = []
+        invalidate_summaries([b for transfer in meta.loads for b in transfer.block_ids])
         for transfer in meta.loads:
             started = time.perf_counter()
             if self._in_place:

@@ -1,0 +1,456 @@
+#include "sparse.h"
+
+#include <omp.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+namespace ucm::sparse {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = man;
+      do {
+        ++e;
+        m <<= 1;
+      } while ((m & 0x400u) == 0);
+      u = sign | ((112 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_f16(float f) {  // round to nearest even, saturating to inf
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0));
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past the largest half
+  if (abs < 0x38800000u) {  // a half subnormal (or zero)
+    const float scaled = std::fabs(f) * 16777216.0f;  // 2^24: units of the smallest subnormal
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
+  }
+  const uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+inline float load(const void* base, DType t, int64_t i) {
+  switch (t) {
+    case DType::F32:
+      return static_cast<const float*>(base)[i];
+    case DType::BF16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default:
+      return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+inline void store(void* base, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::F32:
+      static_cast<float*>(base)[i] = v;
+      break;
+    case DType::BF16:
+      static_cast<uint16_t*>(base)[i] = float_to_bf16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(base)[i] = float_to_f16(v);
+  }
+}
+
+// n consecutive elements as floats.
+void load_row(const void* base, DType t, int64_t offset, int64_t n, float* out) {
+  switch (t) {
+    case DType::F32:
+      std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float));
+      break;
+    case DType::BF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
+      break;
+    }
+    default: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(p[i]);
+    }
+  }
+}
+
+// exp(x) for x <= 0, to ~1e-6 relative; a branch-free polynomial the compiler vectorizes.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504f;  // log2(e)
+  const float fl = std::floor(t);
+  const float f = t - fl;
+  // 2^f on [0, 1): minimax polynomial
+  const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
+                                                                                           f * 0.00133335581f))));
+  const int32_t e = static_cast<int32_t>(fl) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Sign bits of x @ projection (D x bits, row-major), packed 8 per byte (bit i of byte j: column 8j+i).
+void hash_key(const float* x, const float* projection, int64_t d, int64_t bytes, uint8_t* out) {
+  const int64_t bits = bytes * 8;
+  float proj[512];
+  for (int64_t c = 0; c < bits; ++c) proj[c] = 0.0f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float xi = x[i];
+    const float* row = projection + i * bits;
+    for (int64_t c = 0; c < bits; ++c) proj[c] += xi * row[c];
+  }
+  for (int64_t j = 0; j < bytes; ++j) {
+    uint8_t byte = 0;
+    for (int b = 0; b < 8; ++b) byte |= static_cast<uint8_t>(proj[j * 8 + b] > 0.0f) << b;
+    out[j] = byte;
+  }
+}
+
+int popcount_xor(const uint8_t* a, const uint8_t* b, int64_t bytes) {
+  int n = 0;
+  int64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t x, y;
+    std::memcpy(&x, a + i, 8);
+    std::memcpy(&y, b + i, 8);
+    n += __builtin_popcountll(x ^ y);
+  }
+  for (; i < bytes; ++i) n += __builtin_popcount(static_cast<unsigned>(a[i] ^ b[i]));
+  return n;
+}
+
+void check(const Summaries& s) {
+  if (s.head_dim > 512 || s.hash_bytes * 8 > 512) throw std::invalid_argument("head_dim and hash bits: at most 512");
+  if (s.mode == Mode::Bound && (!s.lo || !s.hi || !s.rep)) throw std::invalid_argument("bound needs lo, hi, rep");
+  if (s.mode == Mode::Mean && (!s.mean || !s.rep)) throw std::invalid_argument("mean summaries need mean and rep");
+  if (s.mode == Mode::Hash && (!s.hashes || !s.projection || s.hash_bytes < 1))
+    throw std::invalid_argument("hash summaries need hashes, a projection and hash_bytes");
+}
+
+// Fold one key (D floats) of head h into block p's summary, the key being the block's `offset`-th
+// (offset 0 starts the block afresh), and derive the block's representation.
+void fold(const Summaries& s, int64_t p, int64_t h, int64_t offset, const float* key) {
+  const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d;
+  switch (s.mode) {
+    case Mode::Bound:
+      for (int64_t i = 0; i < d; ++i) {
+        const float lo = std::min(offset == 0 ? kInf : load(s.lo, s.dtype, at + i), key[i]);
+        const float hi = std::max(offset == 0 ? -kInf : load(s.hi, s.dtype, at + i), key[i]);
+        store(s.lo, s.dtype, at + i, lo);
+        store(s.hi, s.dtype, at + i, hi);
+        // lo and hi are stored values (exact in their dtype); c and r are rounded only once, here.
+        const float lo_s = load(s.lo, s.dtype, at + i), hi_s = load(s.hi, s.dtype, at + i);
+        store(s.rep, s.rep_dtype, 2 * at + i, 0.5f * (lo_s + hi_s));
+        store(s.rep, s.rep_dtype, 2 * at + d + i, 0.5f * (hi_s - lo_s));
+      }
+      break;
+    case Mode::Mean: {
+      const float w = 1.0f / static_cast<float>(offset + 1);
+      for (int64_t i = 0; i < d; ++i) {
+        const float m = offset == 0 ? key[i] : s.mean[at + i] + (key[i] - s.mean[at + i]) * w;
+        s.mean[at + i] = m;
+        store(s.rep, s.rep_dtype, at + i, m);
+      }
+      break;
+    }
+    case Mode::Hash:
+      hash_key(key, s.projection, d, s.hash_bytes,
+               s.hashes + ((p * s.block_size + offset) * s.kv_heads + h) * s.hash_bytes);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// The query group of one (request, KV head), ready for every way of scoring.
+struct Group {
+  int64_t g, d;
+  const float* q;       // (G, D) float
+  const float* q_abs;   // (G, D) |q|
+  const uint16_t* qb;   // (G, D) bf16 of q (Bound/Mean fast path)
+  const uint16_t* qab;  // (G, D) bf16 of |q|
+};
+
+#if defined(__AVX512BF16__)
+constexpr bool kFastBf16 = true;
+
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// sum over D (a multiple of 32) of a . b, both bf16.
+inline __m512 dot_bf16(__m512 acc, const uint16_t* a, const uint16_t* b, int64_t d) {
+  for (int64_t i = 0; i < d; i += 32) {
+    const __m512i va = _mm512_loadu_si512(a + i), vb = _mm512_loadu_si512(b + i);
+    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(va), reinterpret_cast<__m512bh>(vb));
+  }
+  return acc;
+}
+#else
+constexpr bool kFastBf16 = false;
+#endif
+
+// logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
+// logit (before the temperature) a key of the block gives that head.
+void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, int64_t n, int64_t seq, int64_t h,
+                  const int32_t* channels, int64_t used, const uint8_t* qhash, float* logits) {
+  const int64_t hkv = s.kv_heads, d = s.head_dim, g = grp.g, b = s.block_size;
+  const bool fast = kFastBf16 && s.rep_dtype == DType::BF16 && d % 32 == 0 && used == d;
+  float row[1024];
+  for (int64_t blk = 0; blk < n; ++blk) {
+    const int64_t p = table[blk];
+    switch (s.mode) {
+      case Mode::Bound: {
+        const int64_t at = (p * hkv + h) * 2 * d;
+#if defined(__AVX512BF16__)
+        if (fast) {
+          const uint16_t* rep = static_cast<const uint16_t*>(s.rep) + at;
+          for (int64_t j = 0; j < g; ++j) {
+            __m512 acc = dot_bf16(_mm512_setzero_ps(), rep, grp.qb + j * d, d);
+            acc = dot_bf16(acc, rep + d, grp.qab + j * d, d);
+            logits[j * n + blk] = reduce(acc);
+          }
+          break;
+        }
+#endif
+        load_row(s.rep, s.rep_dtype, at, 2 * d, row);
+        for (int64_t j = 0; j < g; ++j)
+          logits[j * n + blk] = dot(grp.q + j * d, row, d) + dot(grp.q_abs + j * d, row + d, d);
+        break;
+      }
+      case Mode::Mean: {
+        const int64_t at = (p * hkv + h) * d;
+#if defined(__AVX512BF16__)
+        if (fast) {
+          const uint16_t* rep = static_cast<const uint16_t*>(s.rep) + at;
+          for (int64_t j = 0; j < g; ++j)
+            logits[j * n + blk] = reduce(dot_bf16(_mm512_setzero_ps(), rep, grp.qb + j * d, d));
+          break;
+        }
+#endif
+        load_row(s.rep, s.rep_dtype, at, d, row);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = grp.q + j * d;
+          float acc = 0.0f;
+          for (int64_t c = 0; c < used; ++c) acc += qj[channels[c]] * row[channels[c]];
+          logits[j * n + blk] = acc;
+        }
+        break;
+      }
+      case Mode::Hash: {
+        const int64_t filled = blk == n - 1 ? seq - (n - 1) * b : b;
+        for (int64_t j = 0; j < g; ++j) {
+          int nearest = std::numeric_limits<int>::max();
+          for (int64_t t = 0; t < filled; ++t) {
+            const uint8_t* key = s.hashes + ((p * b + t) * hkv + h) * s.hash_bytes;
+            nearest = std::min(nearest, popcount_xor(qhash + j * s.hash_bytes, key, s.hash_bytes));
+          }
+          logits[j * n + blk] = -static_cast<float>(nearest);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void write(const Summaries& s, const void* keys, DType key_dtype, int64_t token_stride, const int64_t* slots,
+           int64_t tokens) {
+  check(s);
+  const int64_t hkv = s.kv_heads, d = s.head_dim, b = s.block_size;
+  // One thread per KV head: a block's tokens arrive in order and each head's summary is its own.
+#pragma omp parallel for schedule(static) if (tokens * hkv > 64)
+  for (int64_t h = 0; h < hkv; ++h) {
+    float key[512];
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      load_row(keys, key_dtype, t * token_stride + h * d, d, key);
+      fold(s, slot / b, h, slot % b, key);
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) s.count[slots[t] / b] = static_cast<int32_t>(slots[t] % b + 1);
+}
+
+void refresh(const Summaries& s, const void* key_cache, DType cache_dtype, int64_t block_stride,
+             int64_t head_stride, const int32_t* positions, const int32_t* blocks, const int32_t* fill, int64_t n) {
+  check(s);
+  const int64_t hkv = s.kv_heads, d = s.head_dim;
+#pragma omp parallel for schedule(dynamic) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    float key[512];
+    const int64_t p = blocks[i];
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t base = p * block_stride + h * head_stride;
+      for (int64_t t = 0; t < fill[i]; ++t) {
+        for (int64_t c = 0; c < d; ++c) key[c] = load(key_cache, cache_dtype, base + positions[t * d + c]);
+        fold(s, p, h, t, key);
+      }
+    }
+    s.count[p] = fill[i];
+  }
+}
+
+void select(const Summaries& s, const Selection& sel) {
+  check(s);
+  const int64_t hkv = s.kv_heads, d = s.head_dim, b = s.block_size;
+  if (sel.heads % hkv) throw std::invalid_argument("query heads must be a multiple of KV heads");
+  const int64_t g = sel.heads / hkv;
+  if (g > 64) throw std::invalid_argument("at most 64 query heads per KV head");
+  const int64_t pairs = sel.rows * hkv;
+#pragma omp parallel
+  {
+    std::vector<float> logits, group, threshold;
+    std::vector<int32_t> order;
+    std::vector<float> q(g * d), q_abs(g * d);
+    std::vector<uint16_t> qb(g * d), qab(g * d);
+    float channel_weight[512];
+    int32_t channels[512];
+    uint8_t qhash[64 * 64];
+#pragma omp for schedule(dynamic)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t r = pair / hkv, h = pair % hkv;
+      const int64_t seq = sel.seq_lens[r], n = (seq + b - 1) / b, k = std::min<int64_t>(sel.budget[r], n);
+      const int32_t* table = sel.block_table + r * sel.table_stride;
+      int32_t* out = sel.out + pair * sel.out_stride;
+      for (int64_t j = 0; j < g; ++j)
+        load_row(sel.query, sel.query_dtype, sel.tokens[r] * sel.token_stride + (h * g + j) * d, d, &q[j * d]);
+      // Scored against bf16 representations, the query is rounded to bf16 too, on every path (the
+      // dot products then differ between machines only in summation order).
+      const bool round = s.rep_dtype == DType::BF16 && s.mode != Mode::Hash;
+      for (int64_t i = 0; i < g * d; ++i) {
+        qb[i] = float_to_bf16(q[i]);
+        if (round) q[i] = bf16_to_float(qb[i]);
+        q_abs[i] = std::fabs(q[i]);
+        qab[i] = float_to_bf16(q_abs[i]);
+      }
+      // Mean: the channels scored (all, or those where the group's |q| is largest).
+      int64_t used = d;
+      for (int64_t c = 0; c < d; ++c) channels[c] = static_cast<int32_t>(c);
+      if (s.mode == Mode::Mean && sel.keep_channels > 0 && sel.keep_channels < d) {
+        for (int64_t c = 0; c < d; ++c) {
+          channel_weight[c] = 0.0f;
+          for (int64_t j = 0; j < g; ++j) channel_weight[c] += q_abs[j * d + c];
+        }
+        used = sel.keep_channels;
+        std::nth_element(channels, channels + used - 1, channels + d, [&](int32_t x, int32_t y) {
+          return channel_weight[x] > channel_weight[y] || (channel_weight[x] == channel_weight[y] && x < y);
+        });
+        std::sort(channels, channels + used);
+      }
+      if (s.mode == Mode::Hash)
+        for (int64_t j = 0; j < g; ++j) hash_key(&q[j * d], s.projection, d, s.hash_bytes, qhash + j * s.hash_bytes);
+      logits.resize(g * n);
+      const Group grp{g, d, q.data(), q_abs.data(), qb.data(), qab.data()};
+      score_blocks(s, grp, table, n, seq, h, channels, used, qhash, logits.data());
+      // Per query head, a softmax over blocks (each head's share of the group's attention), summed
+      // over the group: a head whose logits are larger does not outvote the others.
+      group.assign(n, 0.0f);
+      for (int64_t j = 0; j < g; ++j) {
+        float* head = logits.data() + j * n;
+        float top = -kInf;
+        for (int64_t blk = 0; blk < n; ++blk) top = std::max(top, head[blk]);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t blk = 0; blk < n; ++blk) {
+          head[blk] = exp_nonpositive((head[blk] - top) * sel.temperature);
+          total += head[blk];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t blk = 0; blk < n; ++blk) group[blk] += head[blk] * inv;
+      }
+      if (sel.scores) std::memcpy(sel.scores + pair * sel.score_stride, group.data(), n * sizeof(float));
+      int64_t keep = k;
+      if (sel.mass > 0.0f) {  // the fewest blocks, best first (the windows first), holding `mass`
+        order.resize(n);
+        for (int64_t blk = 0; blk < n; ++blk) order[blk] = static_cast<int32_t>(blk);
+        auto rank = [&](int32_t blk) {
+          return blk < sel.init || blk >= n - sel.local ? kInf : group[blk];
+        };
+        std::sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
+          const float rx = rank(x), ry = rank(y);
+          return rx > ry || (rx == ry && x < y);
+        });
+        const float target = sel.mass * static_cast<float>(g);  // each query head's softmax sums to 1
+        float reached = 0.0f;
+        int64_t taken = 0;
+        for (; taken < keep; ++taken) {
+          const int32_t blk = order[taken];
+          if (!std::isinf(rank(blk)) && reached >= target) break;
+          reached += group[blk];
+        }
+        keep = std::max<int64_t>(taken, 1);
+        std::sort(order.begin(), order.begin() + keep);
+        for (int64_t i = 0; i < keep; ++i) out[i] = table[order[i]] * static_cast<int32_t>(hkv) + h;
+      } else {
+        // The windows, then the best of the rest: the k-th largest score is the threshold; blocks
+        // above it are kept, then ties in block order. Ascending, so the block being written is last.
+        for (int64_t blk = 0; blk < std::min<int64_t>(sel.init, n); ++blk) group[blk] = kInf;
+        for (int64_t blk = std::max<int64_t>(0, n - sel.local); blk < n; ++blk) group[blk] = kInf;
+        float cut = -kInf;
+        if (keep < n) {
+          threshold.assign(group.begin(), group.end());
+          std::nth_element(threshold.begin(), threshold.begin() + (keep - 1), threshold.end(), std::greater<float>());
+          cut = threshold[keep - 1];
+        }
+        int64_t above = 0;
+        for (int64_t blk = 0; blk < n; ++blk) above += group[blk] > cut;
+        int64_t ties = keep - above, i = 0;
+        for (int64_t blk = 0; blk < n && i < keep; ++blk) {
+          const bool take = group[blk] > cut || (group[blk] == cut && ties-- > 0);
+          if (take) out[i++] = table[blk] * static_cast<int32_t>(hkv) + h;
+        }
+      }
+      if (sel.kept) sel.kept[pair] = static_cast<int32_t>(keep);
+    }
+  }
+}
+
+}  // namespace ucm::sparse

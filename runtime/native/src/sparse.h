@@ -1,0 +1,69 @@
+// Sparse attention's block summaries and block selection, for a whole engine step in one call.
+//
+// Summaries live in preallocated tensors indexed by physical block id (one set per layer) and are
+// kept current when keys are written into the paged cache; selection scores every (request, KV
+// head, block) of a step and writes, per (request, KV head), the kept blocks as row ids of the
+// cache viewed as (blocks * kv_heads, 1, block_size, head_dim): phys * kv_heads + head.
+#pragma once
+
+#include <cstdint>
+
+namespace ucm::sparse {
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+enum class Mode : int { Bound = 0, Mean = 1, Hash = 2 };
+
+// What selection reads per (block, head) is the representation `rep`, derived at write time:
+//   Bound: [c | r] with c = (lo + hi) / 2, r = (hi - lo) / 2, so that Quest's bound
+//          sum_d max(q_d lo_d, q_d hi_d) = q . c + |q| . r  (two dot products);
+//   Mean:  the mean key.
+// Exact state behind it is kept for maintenance: lo/hi (Bound, in the cache's dtype: minima and
+// maxima of stored values are exact) or the running mean in float32 (Mean).
+struct Summaries {
+  Mode mode;
+  DType dtype;              // of lo/hi
+  DType rep_dtype;          // of rep
+  void* lo;                 // Bound: (P, Hkv, D)
+  void* hi;                 // Bound: (P, Hkv, D)
+  float* mean;              // Mean: (P, Hkv, D)
+  void* rep;                // Bound: (P, Hkv, 2, D); Mean: (P, Hkv, D)
+  uint8_t* hashes;          // Hash: (P, B, Hkv, W) sign bits of each token's projected key
+  const float* projection;  // Hash: (D, W * 8) row-major
+  int32_t* count;           // (P,) tokens summarized; 0 after an invalidation
+  int64_t block_size, kv_heads, head_dim, hash_bytes;
+};
+
+// Keys (T, Hkv, D) with row stride `token_stride` (elements), written at `slots` (-1: padding).
+void write(const Summaries& s, const void* keys, DType key_dtype, int64_t token_stride, const int64_t* slots,
+           int64_t tokens);
+
+// Recompute `blocks[i]`'s summary from its first `fill[i]` tokens in the paged key cache: element
+// (t, d) of block b, head h lies at base + b * block_stride + h * head_stride + positions[t * D + d].
+void refresh(const Summaries& s, const void* key_cache, DType cache_dtype, int64_t block_stride,
+             int64_t head_stride, const int32_t* positions, const int32_t* blocks, const int32_t* fill, int64_t n);
+
+struct Selection {
+  const void* query;        // (tokens, H, D) with row stride token_stride
+  DType query_dtype;
+  int64_t token_stride, heads;
+  const int32_t* tokens;    // (R,) the query row of each request
+  int64_t rows;
+  const int32_t* block_table;  // (R, table_stride) physical blocks in logical order
+  int64_t table_stride;
+  const int32_t* seq_lens;  // (R,)
+  const int32_t* budget;    // (R,) blocks kept per KV head, <= the request's blocks
+  int64_t init, local;      // first / last blocks always kept
+  int64_t keep_channels;    // Mean: score with the channels where the group's |q| is largest (0: all)
+  float temperature;        // logit per unit of score (the attention scale; per bit for Hash)
+  float mass;               // > 0: keep blocks in score order until this share of the group's
+                            // estimated attention (the windows first), at most budget (PSA)
+  int32_t* out;             // (R * Hkv, out_stride)
+  int64_t out_stride;
+  int32_t* kept;            // optional (R * Hkv,): blocks kept per (request, KV head)
+  float* scores;            // optional (R * Hkv, score_stride): each block's group score, for tests
+  int64_t score_stride;
+};
+
+void select(const Summaries& s, const Selection& sel);
+
+}  // namespace ucm::sparse

@@ -1,0 +1,215 @@
+"""The native sparse kernels (ucm_native) against plain-torch references: summaries kept at write
+time equal a recomputation (after appends, chunked writes, block reuse and invalidation), block
+scores equal the reference's, and selection keeps the windows plus a true top-k of those scores,
+per KV head, as rows of the per-head cache view."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.sparse import reference
+from ucm.sparse.summaries import BlockSummaries, Scoring
+
+HKV, G, D, B = 3, 3, 64, 32
+H = HKV * G
+SCALE = 1 / math.sqrt(D)
+SCORINGS = {
+    "bound": Scoring("bound"),
+    "mean": Scoring("mean"),
+    "mean-pruned-f16": Scoring("mean", dtype=torch.float16, keep_channels=0.5),
+    "hash": Scoring("hash", hash_bits=32, seed=3),
+}
+
+
+def written(scoring: Scoring, tokens: int, blocks: int = 40, dtype=torch.bfloat16, seed: int = 0):
+    """Summaries of ``tokens`` keys written into a shuffled block table, in uneven chunks."""
+    g = torch.Generator().manual_seed(seed)
+    s = BlockSummaries(scoring, blocks, B, HKV, D, dtype)
+    keys = torch.randn(tokens, HKV, D, generator=g).to(dtype)
+    n = -(-tokens // B)
+    table = torch.randperm(blocks, generator=g)[:n].to(torch.int32)
+    slots = table.long()[torch.arange(tokens) // B] * B + torch.arange(tokens) % B
+    start = 0
+    for size in (37, 1, 200, 5, 1, 1, tokens):  # prefill chunks, then decode-sized appends
+        end = min(tokens, start + size)
+        s.write(keys[start:end], slots[start:end])
+        start = end
+    return s, keys, table
+
+
+def block_summary(s: BlockSummaries, p: int):
+    if s.scoring.mode == "bound":
+        return s.lo[p], s.hi[p], s.rep[p]
+    if s.scoring.mode == "mean":
+        return s.mean[p], s.rep[p]
+    return (s.hashes[p],)
+
+
+@pytest.mark.parametrize("name", SCORINGS)
+def test_summaries_kept_at_write_equal_a_recomputation(name):
+    scoring = SCORINGS[name]
+    tokens = 7 * B + 11
+    s, keys, table = written(scoring, tokens)
+    for i, p in enumerate(table.tolist()):
+        want = reference.summary(scoring, keys[i * B : (i + 1) * B], torch.bfloat16, s.dtype)
+        got = block_summary(s, p)
+        fill = min(B, tokens - i * B)
+        assert int(s.count[p]) == fill
+        if scoring.mode == "bound":
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # extremes are exact
+            torch.testing.assert_close(got[2].float(), want[2].float(), rtol=0, atol=0)
+        elif scoring.mode == "mean":
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got[0][:fill], want[0])
+
+
+def test_a_block_written_again_from_offset_zero_starts_afresh():
+    scoring = SCORINGS["bound"]
+    s = BlockSummaries(scoring, 4, B, HKV, D, torch.float32)
+    old = torch.full((B, HKV, D), 100.0)
+    s.write(old, torch.arange(B) + 2 * B)  # block 2, full of large keys
+    new = torch.randn(5, HKV, D)
+    s.write(new, torch.arange(5) + 2 * B)  # the block handed to another request
+    assert int(s.count[2]) == 5
+    torch.testing.assert_close(s.hi[2], new.amax(0))
+    torch.testing.assert_close(s.lo[2], new.amin(0))
+
+
+def test_padding_slots_are_skipped():
+    s = BlockSummaries(SCORINGS["mean"], 4, B, HKV, D, torch.float32)
+    keys = torch.randn(3, HKV, D)
+    s.write(keys, torch.tensor([B, -1, B + 1]))
+    torch.testing.assert_close(s.mean[1], (keys[0] + keys[2]) / 2)
+    assert int(s.count[1]) == 2
+
+
+def test_invalidated_blocks_are_reported_stale_until_refreshed():
+    s, keys, table = written(SCORINGS["bound"], 4 * B + 3)
+    tables = table[None]
+    full = torch.tensor([4])
+    assert len(s.stale(tables, full)) == 0
+    s.invalidate(table[[1, 2]])
+    assert sorted(s.stale(tables, full).tolist()) == sorted(table[[1, 2]].tolist())
+    # Refresh from a cache holding the same keys in plain (token, channel) order.
+    cache = torch.zeros(40, HKV, B, D, dtype=torch.bfloat16)
+    t = torch.arange(4 * B)
+    cache[table.long()[t // B], :, t % B] = keys[: 4 * B]
+    before = s.rep.clone()
+    s.rep[table[[1, 2]].long()] = 0
+    s.refresh(cache, torch.arange(B * D, dtype=torch.int32), s.stale(tables, full))
+    assert len(s.stale(tables, full)) == 0
+    assert torch.equal(s.rep, before)
+
+
+def select(s: BlockSummaries, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0):
+    r = len(seq_lens)
+    width = int(tables.shape[1])
+    out = torch.full((r * HKV, width), -1, dtype=torch.int32)
+    kept = torch.zeros(r * HKV, dtype=torch.int32)
+    scores = torch.zeros(r * HKV, width)
+    s.select(
+        q,
+        torch.arange(r, dtype=torch.int32),
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(budget, dtype=torch.int32),
+        windows,
+        SCALE,
+        out,
+        mass=mass,
+        kept=kept,
+        scores=scores,
+    )
+    return out, kept, scores
+
+
+@pytest.mark.parametrize("name", SCORINGS)
+def test_selection_keeps_the_windows_and_a_top_k_of_the_reference_scores_per_head(name):
+    scoring = SCORINGS[name]
+    tokens = 23 * B + 9
+    s, _, table = written(scoring, tokens, blocks=60, seed=1)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(2))
+    n = table.numel()
+    k = 9
+    out, kept, scores = select(s, q, table[None].contiguous(), [tokens], [k])
+    fills = [min(B, tokens - i * B) for i in range(n)]
+    summaries = [block_summary(s, p) for p in table.tolist()]
+    for h in range(HKV):
+        want = reference.group_scores(scoring, q[0], summaries, fills, h, HKV, SCALE, s.dtype)
+        torch.testing.assert_close(scores[h, :n], want, rtol=2e-3, atol=1e-6)
+        rows = out[h, :k]
+        assert int(kept[h]) == k
+        assert torch.all(rows % HKV == h), "rows address this head of each block"
+        logical = [table.tolist().index(p) for p in (rows // HKV).tolist()]
+        assert logical == sorted(logical) and logical[-1] == n - 1
+        assert {0, n - 2, n - 1} <= set(logical)  # sink and local windows
+        chosen = set(logical) - {0, n - 2, n - 1}
+        rest = set(range(1, n - 2)) - chosen
+        assert min(want[list(chosen)]) >= max(want[list(rest)]) * (1 - 1e-3)
+
+
+def test_heads_of_one_request_select_different_blocks():
+    """Each KV head's query group sees its own keys: a block planted for head h wins for h only."""
+    tokens = 20 * B
+    s = BlockSummaries(SCORINGS["bound"], 20, B, HKV, D, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    keys = 0.1 * torch.randn(tokens, HKV, D, generator=g)
+    q = torch.zeros(1, H, D)
+    planted = {0: 5, 1: 11, 2: 16}
+    for h, blk in planted.items():
+        direction = torch.randn(D, generator=g)
+        keys[blk * B + 7, h] = 4 * direction
+        q[0, h * G : (h + 1) * G] = direction
+    s.write(keys, torch.arange(tokens))
+    out, _, _ = select(s, q, torch.arange(20, dtype=torch.int32)[None], [tokens], [4])
+    for h, blk in planted.items():
+        blocks = (out[h, :4] // HKV).tolist()
+        assert blk in blocks
+        assert all(planted[o] not in blocks for o in planted if o != h)
+
+
+def test_a_budget_of_every_block_keeps_every_block():
+    tokens = 9 * B + 1
+    s, _, table = written(SCORINGS["mean"], tokens, seed=5)
+    out, _, _ = select(s, torch.randn(1, H, D), table[None].contiguous(), [tokens], [10])
+    for h in range(HKV):
+        assert (out[h, :10] // HKV).tolist() == table.tolist()
+
+
+def test_adaptive_budget_keeps_the_fewest_blocks_reaching_the_mass():
+    tokens = 30 * B
+    s, _, table = written(SCORINGS["bound"], tokens, blocks=30, dtype=torch.float32, seed=6)
+    q = 3 * torch.randn(1, H, D, generator=torch.Generator().manual_seed(7))
+    for mass in (0.5, 0.9):
+        out, kept, scores = select(s, q, table[None].contiguous(), [tokens], [30], mass=mass)
+        for h in range(HKV):
+            k = int(kept[h])
+            chosen = {table.tolist().index(p) for p in (out[h, :k] // HKV).tolist()}
+            forced = {0, 28, 29}
+            assert forced <= chosen
+            share = scores[h, :30]
+            others = sorted(set(range(30)) - forced, key=lambda b: -float(share[b]))
+            extra = len(chosen) - len(forced)
+            assert chosen - forced == set(others[:extra])  # best first
+            reached = float(share[list(chosen)].sum())
+            assert reached >= mass * G - 1e-4
+            if extra:  # one block fewer would not have reached it
+                assert reached - float(share[others[extra - 1]]) < mass * G
+
+
+def test_the_bound_is_above_every_logit_of_its_block():
+    """Quest's bound, kept as q . c + |q| . r (float32 here), is never below a key's q . k."""
+    tokens = 12 * B
+    s, keys, table = written(Scoring("bound", dtype=torch.float32), tokens, dtype=torch.float32, seed=8)
+    q = torch.randn(H, D)
+    for i, p in enumerate(table.tolist()):
+        c, r = s.rep[p, :, 0], s.rep[p, :, 1]  # (Hkv, D)
+        block = keys[i * B : (i + 1) * B]  # (B, Hkv, D)
+        for head in range(H):
+            h = head // G
+            bound = q[head] @ c[h] + q[head].abs() @ r[h]
+            assert float((block[:, h] @ q[head]).max()) <= float(bound) + 1e-4

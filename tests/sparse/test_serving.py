@@ -1,0 +1,115 @@
+"""The serving runtime's step plan, without vLLM: which rows decode sparsely, their budgets and the
+lengths the kernel sees, selections reused between retrievals (plus the blocks started since),
+requests recognized across steps, and the counts it publishes."""
+
+from __future__ import annotations
+
+import torch
+
+from ucm.sparse.config import SparseConfig
+from ucm.sparse.serving import SparseRuntime
+
+HKV, G, D, B = 2, 2, 64, 32
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def runtime(config: dict) -> SparseRuntime:
+    return SparseRuntime(SparseConfig.model_validate(config), B, HKV, D, LAYERS)
+
+
+def step(rt: SparseRuntime, tables: torch.Tensor, seq_lens: list[int], query_lens: list[int], keys=None):
+    """One engine step: the decode tokens written, the plan made, every sparse layer selecting."""
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    g = torch.Generator().manual_seed(sum(seq_lens))
+    for i, (s, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        positions = torch.arange(s - q_len, s)
+        slots = tables[i, positions // B].long() * B + positions % B
+        for name in LAYERS[rt.dense_layers :]:
+            rt.write(name, torch.randn(q_len, HKV, D, generator=g), slots, 64, torch.float32)
+    plan = rt.begin_step(tables, seq, starts)
+    chosen = {}
+    if plan is not None:
+        query = torch.randn(int(starts[-1]), HKV * G, D, generator=g)
+        for name in LAYERS[rt.dense_layers :]:
+            chosen[name] = rt.select(
+                name, query, torch.zeros(64, HKV, B, D), torch.arange(B * D, dtype=torch.int32), D**-0.5
+            )
+    return plan, chosen
+
+
+def tables_for(*lengths: int) -> torch.Tensor:
+    width = max(-(-n // B) for n in lengths) + 2
+    table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    base = 0
+    for i in range(len(lengths)):
+        table[i] = torch.arange(base, base + width, dtype=torch.int32)
+        base += width
+    return table
+
+
+def test_only_long_decodes_are_sparse_with_their_budgets_and_kernel_lengths():
+    rt = runtime({"algorithm": "gsa", "min_tokens": 100, "dense_layers": 2, "gsa": {"sparse_ratio": 0.5}})
+    tables = tables_for(300, 90, 150, 400)
+    # prefill rows (query > 1) write their chunk; the decode rows the token of this step
+    plan, chosen = step(rt, tables, [300, 90, 150, 400], [300, 90, 150, 400])
+    assert plan is None and chosen == {}  # all prefill
+    plan, chosen = step(rt, tables, [301, 91, 151, 401], [1, 1, 1, 1])
+    assert plan.rows.tolist() == [0, 2, 3]  # 91 < min_tokens
+    n = torch.tensor([10, 5, 13])  # blocks of 301, 151 and 401 tokens
+    assert plan.kept.tolist() == torch.ceil(n * 0.5).long().clamp(min=4).tolist()
+    tails = torch.tensor([301 - 9 * B, 151 - 4 * B, 401 - 12 * B])
+    assert plan.lens.tolist() == ((plan.kept - 1) * B + tails).repeat_interleave(HKV).tolist()
+    assert set(chosen) == set(LAYERS[2:])  # dense layers select nothing
+    assert rt.stats.requests == 3
+
+
+def test_between_retrievals_a_selection_is_reused_plus_the_block_started_since():
+    rt = runtime(
+        {"algorithm": "esa", "min_tokens": 64, "dense_layers": 0, "esa": {"sparse_ratio": 0.3, "retrieval_stride": 3}}
+    )
+    tables = tables_for(330)
+    step(rt, tables, [318], [318])
+    seen = []
+    for seq in range(319, 326):  # crosses into block 10 at 321
+        plan, chosen = step(rt, tables, [seq], [1])
+        seen.append((seq, plan, chosen))
+    for (seq, plan, chosen), (_, _, before) in zip(seen[1:], seen[:-1], strict=True):
+        due = (seq - 319) % 3 == 0
+        assert (plan.due is None) == due
+        if due:
+            continue
+        for name, (table, lens) in chosen.items():
+            old, _ = before[name]
+            assert lens.tolist() == plan.lens.tolist()
+            if seq == 321:  # a new block: the reused selection plus it
+                n = -(-seq // B)
+                prev_k = int(plan.kept[0]) - 1
+                assert torch.equal(table[:, :prev_k], old[:, :prev_k])
+                assert table[:, prev_k].tolist() == [(n - 1) * HKV + h for h in range(HKV)]
+            else:
+                k = int(plan.kept[0])
+                assert torch.equal(table[:, :k], old[:, :k])
+    assert rt.stats.requests + rt.totals.requests == 1  # one request throughout
+
+
+def test_a_new_request_in_a_reused_block_is_not_mistaken_for_the_old_one():
+    rt = runtime({"algorithm": "esa", "min_tokens": 64, "dense_layers": 0, "esa": {"retrieval_stride": 4}})
+    tables = tables_for(200)
+    step(rt, tables, [150], [150])
+    step(rt, tables, [151], [1])
+    plan, _ = step(rt, tables, [180], [1])  # same blocks, but not one token longer: another request
+    assert plan.due is None
+    plan, _ = step(rt, tables, [181], [1])
+    assert plan.due is not None and len(plan.due) == 0  # now it continues
+    assert rt.stats.requests + rt.totals.requests == 2
+
+
+def test_counts_cover_dense_layers_and_sparse_layers():
+    rt = runtime({"algorithm": "static", "min_tokens": 64, "dense_layers": 1, "static": {"sparse_ratio": 0.5}})
+    tables = tables_for(320)
+    step(rt, tables, [320], [320])
+    plan, _ = step(rt, tables, [321], [1])
+    n, k = 11, int(plan.kept[0])
+    assert (rt.stats.available, rt.stats.attended) == (4 * n, n + 3 * k)
+    assert rt.stats.retrievals == 3
