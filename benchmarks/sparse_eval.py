@@ -1,5 +1,11 @@
 """Sparse attention quality and cost on long contexts: KV attended vs error and mass recall.
 
+Every algorithm is run through the code that serves it: its options (``ucm.sparse.options``) give
+the scoring, budget and windows, and :class:`ucm.sparse.summaries.BlockSummaries` keeps the block
+summaries (written key by key, as the attention backend writes them) and selects per KV head with
+the native kernel, exactly as in an engine step. Only what happens after selection differs: here
+the kept blocks are attended in PyTorch, per head, and compared with dense attention.
+
 Two cases. **real**: Q, K and V captured from a pretrained model (SmolLM2-135M-Instruct, see
 benchmarks/real_model.py) reading long real text (Paul Graham's essays): the last positions of a
 long window, in layers spread over the model. **synthetic**: a generator, fixed below and never tuned
@@ -14,11 +20,12 @@ per algorithm, shaped like long-context attention:
   (head, query) pairs, 50-100 for about 60% and > 100 for about 20% (the PSA paper's observation).
   The benchmark prints that distribution.
 
-Algorithms see only Q, K, V and block metadata; the true attention mass is used only to score.
-Per algorithm: fraction of KV blocks attended, output relative error, attention-mass recall, and
-CPU time next to dense attention. PSA vs fixed top-k (the same block order, one fraction for
-everything): the smallest top-k fraction and the smallest PSA eps whose mean recall reaches 98%
-(and 95%), and the ratio of their mean KV fractions.
+The true attention mass is used only to score. Per algorithm: fraction of KV blocks attended,
+output relative error, attention-mass recall (per KV head: the mass of its kept blocks, averaged
+over the query heads sharing it), and the selection's CPU time next to dense attention of the same
+query. PSA vs fixed top-k in the same block order (the Quest bound; one fraction for everything):
+the smallest top-k fraction and the smallest PSA eps whose mean recall reaches 98% (and 95%), and
+the ratio of their mean KV fractions.
 
     python benchmarks/sparse_eval.py --quick --json OUT.json
 """
@@ -31,21 +38,25 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ucm.sparse.base import BlockMeta, BlockSelector, PagedKV, attention_mass, dense_attention
-from ucm.sparse.esa import ESA, ESAConfig
-from ucm.sparse.gsa import GSA, GSAConfig
-from ucm.sparse.gsa_ondevice import GSAOnDevice, GSAOnDeviceConfig
-from ucm.sparse.kvstar import KVStar, KVStarConfig
-from ucm.sparse.psa import PSA, PSAConfig
+from ucm.sparse.options import (
+    ESAConfig,
+    GSAConfig,
+    GSAOnDeviceConfig,
+    KVStarConfig,
+    PSAConfig,
+    StaticConfig,
+    TopKConfig,
+)
+from ucm.sparse.summaries import BlockSummaries
 
 BLOCK = 32
+CACHE_DTYPE = torch.bfloat16  # what the served engines here keep keys in
 # The generator, fixed: recency length scales (tokens), and per band (share of (head, query)
 # pairs, the scales its queries weight).
 SCALES = (256, 512, 1024, 2048, 4096, 8192)
@@ -57,10 +68,51 @@ RECENCY = 4.0  # amplitude of the recency features in keys
 @dataclass
 class Case:
     q: torch.Tensor  # (H, D)
-    kv: PagedKV
-    mass: torch.Tensor  # (Hkv, n) true attention mass per block (evaluation only)
+    keys: torch.Tensor  # (N, Hkv, D)
+    values: torch.Tensor  # (N, Hkv, D)
+    mass: torch.Tensor  # (Hkv, n) true attention mass per block, mean over the group (evaluation only)
     dense: torch.Tensor  # (H, D)
     dense_s: float
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-len(self.keys) // BLOCK)
+
+
+def make_case(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Case:
+    """The case of one query over ``keys``/``values``, with dense attention timed and the truth."""
+    keys = keys.to(CACHE_DTYPE).float()  # what attention reads from a bf16 cache
+    values = values.to(CACHE_DTYPE).float()
+    t0 = time.perf_counter()
+    dense = attend(q, keys, values, None)
+    dense_s = time.perf_counter() - t0
+    hkv, g = keys.shape[1], q.shape[0] // keys.shape[1]
+    n = -(-len(keys) // BLOCK)
+    p = probabilities(q, keys)  # (H, N)
+    per_block = torch.nn.functional.pad(p, (0, n * BLOCK - len(keys))).view(len(q), n, BLOCK).sum(-1)
+    return Case(q, keys, values, per_block.view(hkv, g, n).mean(1), dense, dense_s)
+
+
+def probabilities(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    g = q.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(g, 1)  # (N, H, D)
+    return torch.softmax(torch.einsum("hd,nhd->hn", q, k) / math.sqrt(q.shape[1]), -1)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: list[torch.Tensor] | None) -> torch.Tensor:
+    """Attention of each query head over the tokens of its KV head's kept blocks (all: None)."""
+    hkv, g = keys.shape[1], q.shape[0] // keys.shape[1]
+    out = torch.empty_like(q)
+    for h in range(hkv):
+        if kept is None:
+            k, v = keys[:, h], values[:, h]
+        else:
+            tokens = (kept[h][:, None] * BLOCK + torch.arange(BLOCK)).flatten()
+            tokens = tokens[tokens < len(keys)]
+            k, v = keys[tokens, h], values[tokens, h]
+        w = torch.softmax(q[h * g : (h + 1) * g] @ k.T / math.sqrt(q.shape[1]), -1)
+        out[h * g : (h + 1) * g] = w @ v
+    return out
 
 
 def generate(layers: int, queries: int, tokens: int, hkv: int, g: int, d: int, seed: int) -> list[Case]:
@@ -79,7 +131,6 @@ def generate(layers: int, queries: int, tokens: int, hkv: int, g: int, d: int, s
         weights = torch.stack([torch.exp(-distance / s) for s in SCALES], 1)  # (N, S)
         keys += RECENCY * torch.einsum("ns,hsd->nhd", weights, recency)
         values = torch.randn(tokens, hkv, d, generator=gen)
-        kv = PagedKV.from_dense(keys, values, BLOCK)
         for _ in range(queries):
             q = torch.empty(h, d)
             for head in range(h):
@@ -89,10 +140,7 @@ def generate(layers: int, queries: int, tokens: int, hkv: int, g: int, d: int, s
                 direction = 0.3 * sink[kvh] + 0.25 * retrieval[kvh] + (mix[:, None] * recency[kvh]).sum(0)
                 direction += 0.05 * torch.randn(d, generator=gen)
                 q[head] = _unit(direction) * SHARPNESS
-            t0 = time.perf_counter()
-            dense = dense_attention(q, kv)
-            dense_s = time.perf_counter() - t0
-            cases.append(Case(q, kv, attention_mass(q, kv), dense, dense_s))
+            cases.append(make_case(q, keys, values))
     return cases
 
 
@@ -114,46 +162,62 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True)
 
 
-def blocks_for_mass(q: torch.Tensor, kv: PagedKV, target: float) -> list[int]:
+def blocks_for_mass(case: Case, target: float) -> list[int]:
     """Per query head, the fewest blocks holding ``target`` of its attention mass."""
-    hkv, d = kv.keys.shape[2], kv.keys.shape[3]
-    g = q.shape[0] // hkv
-    keys = kv.keys.view(-1, hkv, d)[: kv.num_tokens]
-    out = []
-    for head in range(q.shape[0]):
-        p = torch.softmax(keys[:, head // g] @ q[head] / math.sqrt(d), 0)
-        per_block = torch.nn.functional.pad(p, (0, kv.num_blocks * BLOCK - kv.num_tokens)).view(-1, BLOCK).sum(-1)
-        cum = per_block.sort(descending=True).values.cumsum(0)
-        out.append(int((cum < target).sum()) + 1)
-    return out
+    p = probabilities(case.q, case.keys)
+    n = case.num_blocks
+    per_block = torch.nn.functional.pad(p, (0, n * BLOCK - len(case.keys))).view(len(p), n, BLOCK).sum(-1)
+    cum = per_block.sort(-1, descending=True).values.cumsum(-1)
+    return ((cum < target).sum(-1) + 1).tolist()
 
 
-def evaluate(name: str, cases: list[Case], make: Callable[[], BlockSelector]) -> dict[str, Any]:
+def select(options: TopKConfig | PSAConfig, case: Case) -> tuple[list[torch.Tensor], float]:
+    """The blocks each KV head keeps, through the serving selection; and the seconds it took."""
+    n, (hkv, d) = case.num_blocks, case.keys.shape[1:]
+    budget = int(options.budget_blocks(torch.tensor([n]), BLOCK)[0])
+    sink, local = options.windows(BLOCK)
+    scoring = options.scoring(d)
+    if scoring is None:  # static: the windows and the most recent blocks, nothing scored
+        recent = torch.arange(n - (budget - min(sink, budget)), n)
+        blocks = torch.unique(torch.cat([torch.arange(min(sink, budget)), recent]))
+        return [blocks] * hkv, 0.0
+    summaries = BlockSummaries(scoring, n, BLOCK, hkv, d, CACHE_DTYPE)
+    summaries.write(case.keys.to(CACHE_DTYPE), torch.arange(len(case.keys)))
+    out = torch.empty(hkv, budget, dtype=torch.int32)
+    kept = torch.empty(hkv, dtype=torch.int32)
+    one = torch.tensor([0], dtype=torch.int32)
+    t0 = time.perf_counter()
+    summaries.select(
+        case.q[None],
+        one,
+        torch.arange(n, dtype=torch.int32)[None],
+        torch.tensor([len(case.keys)], dtype=torch.int32),
+        torch.tensor([budget], dtype=torch.int32),
+        (sink, local),
+        1 / math.sqrt(d),
+        out,
+        mass=scoring.mass,
+        kept=kept,
+    )
+    secs = time.perf_counter() - t0
+    counts = kept.tolist() if scoring.mass > 0 else [budget] * hkv
+    return [out[h, : counts[h]].long() // hkv for h in range(hkv)], secs
+
+
+def evaluate(name: str, cases: list[Case], options: TopKConfig | PSAConfig) -> dict[str, Any]:
     """Mean KV fraction, relative error, mass recall and time vs dense of one configuration."""
     rows = []
     for case in cases:
-        algo = make()
-        meta = BlockMeta.of(case.kv)
-        t0 = time.perf_counter()
-        out, used = algo.attend(case.q, case.kv, meta)
-        secs = time.perf_counter() - t0
+        kept, secs = select(options, case)
+        out = attend(case.q, case.keys, case.values, kept)
         rows.append(
             {
-                "kv_fraction": float(used.float().mean()) / case.kv.num_blocks,
+                "kv_fraction": statistics.fmean(len(b) for b in kept) / case.num_blocks,
                 "rel_error": float((out - case.dense).norm() / case.dense.norm()),
-                "recall": attended_mass(algo, case),
+                "recall": statistics.fmean(float(case.mass[h][b].sum()) for h, b in enumerate(kept)),
                 "time_vs_dense": secs / case.dense_s,
             }
         )
-    return _mean(name, rows)
-
-
-def attended_mass(algo: BlockSelector, case: Case) -> float:
-    """The true attention mass of the blocks an algorithm attended, mean over KV heads."""
-    return float(torch.stack([case.mass[h][blocks].sum() for h, blocks in enumerate(algo.last_blocks)]).mean())
-
-
-def _mean(name: str, rows: list[dict[str, float]]) -> dict[str, Any]:
     return {"algorithm": name, **{k: statistics.fmean(r[k] for r in rows) for k in rows[0]}}
 
 
@@ -200,35 +264,32 @@ def captured(tokens: int, layers: int, queries: int) -> list[Case]:
     for i in chosen:
         q_all, k_all, v_all = grabbed[i]
         for pos in range(tokens - queries, tokens):
-            kv = PagedKV.from_dense(k_all[: pos + 1].contiguous(), v_all[: pos + 1].contiguous(), BLOCK)
-            q = q_all[pos].contiguous()
-            t0 = time.perf_counter()
-            dense = dense_attention(q, kv)
-            dense_s = time.perf_counter() - t0
-            cases.append(Case(q, kv, attention_mass(q, kv), dense, dense_s))
+            cases.append(make_case(q_all[pos].contiguous(), k_all[: pos + 1], v_all[: pos + 1]))
     return cases
 
 
-def evaluation(cases: list[Case], d: int) -> dict[str, Any]:
+ALGORITHMS: dict[str, TopKConfig | PSAConfig] = {
+    "esa(0.3)": ESAConfig(sparse_ratio=0.3),
+    "gsa(0.3)": GSAConfig(sparse_ratio=0.3),
+    "gsa(0.3,bound)": GSAConfig(sparse_ratio=0.3, block_repre="bound"),
+    "gsa_ondevice(0.3)": GSAOnDeviceConfig(sparse_ratio=0.3),
+    "kvstar(0.3)": KVStarConfig(sparse_ratio=0.3),
+    "kvstar(0.3,dims=0.25)": KVStarConfig(sparse_ratio=0.3, blk_repre_dim_prune_ratio=0.25),
+    "static(0.3)": StaticConfig(sparse_ratio=0.3),
+    "psa(eps=0.95)": PSAConfig(eps=0.95),
+}
+
+
+def evaluation(cases: list[Case]) -> dict[str, Any]:
     """Every algorithm at its usual settings, then PSA against fixed top-k at equal recall."""
-    results = [
-        evaluate("esa(0.3)", cases, lambda: ESA(ESAConfig(sparse_ratio=0.3))),
-        evaluate("gsa(0.3)", cases, lambda: GSA(GSAConfig(sparse_ratio=0.3))),
-        evaluate("gsa_ondevice(0.3)", cases, lambda: GSAOnDevice(d, GSAOnDeviceConfig(sparse_ratio=0.3))),
-        evaluate("kvstar(0.3,fp32)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3, store_dtype="float32"))),
-        evaluate("kvstar(0.3)", cases, lambda: KVStar(KVStarConfig(sparse_ratio=0.3))),
-        evaluate(
-            "kvstar(0.3,dims=0.25)",
-            cases,
-            lambda: KVStar(KVStarConfig(sparse_ratio=0.3, blk_repre_dim_prune_ratio=0.25)),
-        ),
-        evaluate("psa(eps=0.95)", cases, lambda: PSA(PSAConfig(eps=0.95))),
-    ]
-    # PSA vs fixed top-k in the same block order (GSA's bound): one fraction for all vs adaptive.
+    results = [evaluate(name, cases, options) for name, options in ALGORITHMS.items()]
+    # PSA vs fixed top-k in the same block order (the bound PSA ranks by): one fraction for all vs adaptive.
     fractions = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-    topk = [evaluate(f"topk({f})", cases, lambda f=f: GSA(GSAConfig(sparse_ratio=f, min_blocks=1))) for f in fractions]
+    topk = [
+        evaluate(f"topk({f})", cases, GSAConfig(sparse_ratio=f, min_blocks=1, block_repre="bound")) for f in fractions
+    ]
     epsilons = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
-    psa = [evaluate(f"psa(eps={e})", cases, lambda e=e: PSA(PSAConfig(eps=e))) for e in epsilons]
+    psa = [evaluate(f"psa(eps={e})", cases, PSAConfig(eps=e)) for e in epsilons]
     report: dict[str, Any] = {"cases": len(cases), "algorithms": results, "topk_sweep": topk, "psa_sweep": psa}
     for target, key in ((0.98, "98"), (0.95, "95")):
         t, p = smallest(topk, "kv_fraction", target), smallest(psa, "kv_fraction", target)
@@ -264,7 +325,7 @@ def main() -> int:
     hkv, g, d, tokens = 2, 4, 64, 8192
     cases = generate(layers, queries, tokens, hkv, g, d, seed=0)
 
-    need = [n for c in cases for n in blocks_for_mass(c.q, c.kv, 0.95)]
+    need = [n for c in cases for n in blocks_for_mass(c, 0.95)]
     dist = {
         "<50": sum(n < 50 for n in need) / len(need),
         "50-100": sum(50 <= n <= 100 for n in need) / len(need),
@@ -276,7 +337,7 @@ def main() -> int:
         + f" (of {tokens // BLOCK} blocks)"
     )
     report: dict[str, Any] = {"blocks_for_95_mass": dist, "tokens": tokens, "block_size": BLOCK}
-    report |= evaluation(cases, d)
+    report |= evaluation(cases)
     show("synthetic", report)
     if not args.no_real:
         real_tokens, real_layers, real_queries = (4096, 4, 3) if args.quick else (7168, 8, 6)
@@ -284,7 +345,7 @@ def main() -> int:
         real = captured(real_tokens, real_layers, real_queries)
         torch.set_num_threads(1)
         report["real"] = {"model": "SmolLM2-135M-Instruct", "text": "Paul Graham essays", "tokens": real_tokens}
-        report["real"] |= evaluation(real, real[0].kv.keys.shape[-1])
+        report["real"] |= evaluation(real)
         show(f"SmolLM2-135M on essays, {real_tokens} tokens", report["real"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

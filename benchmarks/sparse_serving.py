@@ -1,223 +1,477 @@
-"""Sparse attention in a real vLLM server: decode throughput and needle-in-a-haystack accuracy,
-each algorithm against dense, on a real pretrained model (SmolLM2-135M-Instruct) and real text
-(Paul Graham's essays) — see benchmarks/real_model.py for where both come from.
+"""Sparse attention in a real vLLM server: does it pay, and what does it cost? Dense, each algorithm
+and a zero-cost static selection, side by side in one run, on a real pretrained model
+(SmolLM2-135M-Instruct) and real text (Paul Graham's essays): see benchmarks/real_model.py.
 
-Per engine (dense, then one per algorithm, started in turn on the same cores), per context length:
+Engines run in turn on the same cores, each with UCMConnector on one POSIX store per model
+configuration: the first engine (dense) computes every prompt and writes its KV to the store, later
+engines load it instead of recomputing (prefill is dense in every arm, so the bytes are the same).
+Without that, 100 needle prompts of 7,000 tokens per arm would take hours on two cores.
 
-  decode_tokens_per_s   ``--concurrency`` streamed requests of that many prompt tokens (distinct
-                        windows of the essays), ``--decode-tokens`` each; tokens produced by all of
-                        them between the moment every one has its first token (all prefills done)
-                        and the moment the first one ends, per second: steady decode of long
-                        requests, where attention (not weights) dominates a step.
-  kv_fraction_attended  from the engine's ucm_sparse_* metrics over that decode (1 for dense).
-  needle_accuracy       ``--trials`` requests: "The special magic number is N." inserted into the
-                        essays at depths spread from ``--min-depth`` to 1, the question at the end
-                        and the answer's start given ("The special magic number is"); correct when
-                        N comes next. SmolLM2-135M finds a needle at most ~3.5k tokens back: dense,
-                        at 7,000 tokens, it scored 0.5 over depths 0..1 with every miss below depth
-                        0.5 (it answers " 11."), so the default ``--min-depth`` is 0.5.
+**Speed** (``--contexts``; above SmolLM2's 8,192 trained positions the model runs RoPE-scaled, for
+speed only): ``--rows`` concurrent requests of that many tokens, sharing one document (prefix-
+cached) and differing in their last 64 tokens, each decoding ``--decode-tokens`` greedy tokens.
+Every arm reads each request's whole context: sharing saves prefill, not decode reads.
 
-JSON: {"results": [{algorithm, context_tokens, concurrency, decode_tokens_per_s,
-kv_fraction_attended, needle_accuracy, trials}...], "default": <algorithm>,
-"decode_speedup_vs_dense": x, "needle_accuracy_vs_dense": y} — the two summaries for the default
-algorithm at the longest context.
+  decode_tokens_per_s        tokens of all rows between the moment every row has its first
+                             token and the moment the first one ends, per second
+  itl_p50_ms / itl_p99_ms    inter-token gaps in that window
+  speedup_vs_dense           / dense at the same context
+  speedup_vs_bound           / static (first and last blocks, no scoring) at the same kept
+                             fraction: what any selection costing nothing would reach here
+  selection_share_of_step    the backend's selection seconds (ucm_sparse_selection_seconds)
+                             over the run's wall time: scoring, top-k, summary refreshes
+  kv_fraction_attended       blocks read / blocks held, dense layers included
+  token_agreement_vs_dense   share of the first 32 generated tokens equal to dense's, per row
+  step split (dense)         the step at this context vs at --short-context with the same rows:
+                             attention = the difference, the rest = the short step; the bound
+                             on paper is rest + kv_fraction * attention
 
-    make bench-deps   # the bench extra (gguf, accelerate) for the model conversion
-    python benchmarks/sparse_serving.py --quick --json OUT.json
+**Accuracy** (``--needle-contexts``, native): ``--haystacks`` essay windows x ``--depths``
+needle depths spread over 0.05..0.95 ("The special magic number is N." inserted, the question
+at the end, the answer's start given); the same prompts for every arm (paired). Per arm: accuracy
+with a Wilson 95% interval, per-depth accuracy; against dense: exact McNemar p and Tango's 95%
+interval of the paired difference (testing/ucm_testing/stats.py).
+
+JSON summary keys for the default algorithm: decode_speedup_vs_dense_long (longest context),
+speedup_vs_bound, selection_share_of_step, needle_paired_trials, needle_diff_lower_95 (longest
+needle context), token_agreement_vs_dense (longest native context).
+
+    make bench-deps
+    python benchmarks/sparse_serving.py --quick --json OUT.json   # ~25 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import math
 import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
 
+from ucm.integration.vllm.config import kv_transfer_config
+from ucm_testing.stats import paired, wilson
 from ucm_testing.vllm_server import VLLMServer, metric_totals
 
-DEFAULT = "esa"
+DEFAULT = "gsa"
+RATIO = 0.3
 SETTINGS: dict[str, dict[str, Any]] = {
-    "esa": {"sparse_ratio": 0.3, "retrieval_stride": 4},
-    "gsa": {"sparse_ratio": 0.3},
-    "kvstar": {"sparse_ratio": 0.3, "retrieval_stride": 4, "blk_repre_dim_prune_ratio": 0.5},
-    "gsa_ondevice": {"sparse_ratio": 0.3},
+    "gsa": {"sparse_ratio": RATIO},
+    "esa": {"sparse_ratio": RATIO},
+    "kvstar": {"sparse_ratio": RATIO, "blk_repre_dim_prune_ratio": 0.5},
+    "gsa_ondevice": {"sparse_ratio": RATIO},
     "psa": {"eps": 0.95},
+    "static": {"sparse_ratio": RATIO},
 }
+NATIVE = 8192  # SmolLM2's trained positions
 QUESTION = "\n\nWhat is the special magic number mentioned in the text above?"
 ANSWER_START = "The special magic number is"
+AGREEMENT_TOKENS = 32
 
 
-class Prompts:
+class Text:
+    """Token ids of the essays and of the chat template around a user message."""
+
     def __init__(self, tokenizer: Any, text: str) -> None:
         self.tok = tokenizer
-        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def window(self, tokens: int, offset: int) -> str:
-        start = offset % max(1, len(self.ids) - tokens)
-        return self.tok.decode(self.ids[start : start + tokens])
-
-    def chat(self, user: str) -> str:
-        messages = [{"role": "user", "content": user}]
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def needle(self, tokens: int, depth: float, number: int) -> str:
-        """~``tokens`` in all: essays with the needle at ``depth``, the question, the answer's start."""
-        filler = tokens - 60
-        position = int(filler * depth)
-        words = self.ids[:filler]
-        haystack = (
-            self.tok.decode(words[:position])
-            + f" The special magic number is {number}. "
-            + self.tok.decode(words[position:])
+        self.ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        marker = "\x00MESSAGE\x00"
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
         )
-        return self.chat(haystack + QUESTION) + ANSWER_START
+        before, after = chat.split(marker)
+        self.head = self.encode(before)
+        self.tail = self.encode(QUESTION + after + ANSWER_START)
+
+    def encode(self, s: str) -> list[int]:
+        return self.tok(s, add_special_tokens=False)["input_ids"]
+
+    def window(self, tokens: int, offset: int) -> list[int]:
+        start = offset % max(1, len(self.ids) - tokens)
+        return self.ids[start : start + tokens]
+
+    def rows(self, tokens: int, rows: int) -> list[list[int]]:
+        """``rows`` prompts of ``tokens``: one shared document, a distinct 64-token ending each."""
+        doc = self.window(tokens - 64, 0)
+        return [doc + self.window(64, 100_003 + 7919 * i) for i in range(rows)]
+
+    def needle(self, tokens: int, haystack: int, depth: float, number: int) -> list[int]:
+        """A chat prompt of ~``tokens``: essays with the needle at ``depth``, the question, the
+        answer's start."""
+        needle = self.encode(f" The special magic number is {number}. ")
+        filler = tokens - len(self.head) - len(self.tail) - len(needle)
+        words = self.window(filler, 50_021 * haystack)
+        at = int(filler * depth)
+        return self.head + words[:at] + needle + words[at:] + self.tail
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[float]:
-    """Arrival time of each streamed token."""
+@dataclass
+class Arm:
+    name: str  # dense, or an algorithm
+    group: str  # "native" or "scaled": the model configuration
+    factor: int  # RoPE scaling factor (1: native)
+
+    def sparse(self, min_tokens: int | None) -> dict[str, Any] | None:
+        if self.name == "dense":
+            return None
+        config: dict[str, Any] = {"algorithm": self.name, self.name: SETTINGS[self.name]}
+        if min_tokens is not None:
+            config["min_tokens"] = min_tokens
+        return config
+
+
+def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, min_tokens: int | None):
+    length = NATIVE * arm.factor
+    args = ["--dtype", "bfloat16", "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
+    if arm.factor > 1:
+        rope = {"rope_type": "linear", "factor": float(arm.factor)}
+        args += ["--hf-overrides", json.dumps({"rope_scaling": rope, "max_position_embeddings": length})]
+    extra: dict[str, Any] = {}
+    sparse = arm.sparse(min_tokens)
+    if sparse is not None:
+        extra["sparse"] = sparse
+    kv = kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, "kv_both", **extra)
+    server = VLLMServer(
+        model, logs / f"{arm.group}-{arm.name}.log", kv_transfer_config=kv, extra_args=args, kv_cache_gib=kv_gib
+    )
+    # Workers count the ucm_sparse_* metrics; the API server sums every process's samples from here.
+    server.env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ucm-metrics-")
+    return server
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[list[float], list[str]]:
+    """Arrival time and text of each streamed token."""
     times: list[float] = []
+    texts: list[str] = []
     async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
         r.raise_for_status()
         async for line in r.content:
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 times.append(time.perf_counter())
-    return times
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+    return times, texts
 
 
-async def decode_throughput(server: VLLMServer, prompts: list[str], tokens: int) -> float:
+async def run_rows(server: VLLMServer, prompts: list[list[int]], tokens: int) -> list[tuple[list[float], list[str]]]:
     body = {"model": server.model, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        runs = await asyncio.gather(*(stream(s, server.url, {**body, "prompt": p}) for p in prompts))
-    start = max(t[0] for t in runs)  # every request is decoding from here
-    end = min(t[-1] for t in runs)  # until the first one ends
-    produced = sum(sum(1 for x in t if start < x <= end) for t in runs)
-    return produced / (end - start) if end > start else float("nan")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=7200)) as s:
+        return await asyncio.gather(*(stream(s, server.url, {**body, "prompt": p}) for p in prompts))
 
 
-async def needle_accuracy(
-    server: VLLMServer, prompts: Prompts, tokens: int, trials: int, min_depth: float, seed: int
-) -> float:
+@dataclass
+class Speed:
+    tokens_per_s: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    wall_s: float
+    texts: list[list[str]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def measure_speed(server: VLLMServer, prompts: list[list[int]], decode_tokens: int) -> Speed:
+    # Warm-up: the first prompt computes (or loads) the document, then every row's prompt is
+    # cached and one decode step refreshes the summaries of loaded blocks: the timed run is steady.
+    asyncio.run(run_rows(server, prompts[:1], 2))
+    asyncio.run(run_rows(server, prompts, 2))
+    before = metric_totals(server.url)
+    started = time.perf_counter()
+    runs = asyncio.run(run_rows(server, prompts, decode_tokens))
+    wall = time.perf_counter() - started
+    after = metric_totals(server.url)
+    start = max(t[0] for t, _ in runs)  # every row is decoding from here
+    end = min(t[-1] for t, _ in runs)  # until the first one ends
+    produced = sum(sum(1 for x in t if start < x <= end) for t, _ in runs)
+    gaps = [(b - a) * 1e3 for t, _ in runs for a, b in itertools.pairwise(t) if start <= a and b <= end]
+    gaps.sort()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("ucm_sparse") or k.startswith("vllm:")}
+    return Speed(
+        tokens_per_s=produced / (end - start) if end > start else float("nan"),
+        itl_p50_ms=gaps[len(gaps) // 2] if gaps else float("nan"),
+        itl_p99_ms=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan"),
+        wall_s=wall,
+        texts=[texts for _, texts in runs],
+        metrics=delta,
+    )
+
+
+def agreement(texts: list[list[str]], reference: list[list[str]]) -> float:
+    """Share of the first AGREEMENT_TOKENS generated tokens equal to the reference's, over rows."""
+    same = total = 0
+    for got, want in zip(texts, reference, strict=True):
+        n = min(AGREEMENT_TOKENS, len(got), len(want))
+        same += sum(a == b for a, b in zip(got[:n], want[:n], strict=True))
+        total += n
+    return same / total if total else float("nan")
+
+
+@dataclass(frozen=True)
+class Trial:
+    context: int
+    haystack: int
+    depth: float
+    number: int
+
+
+def trials_for(context: int, haystacks: int, depths: int, seed: int) -> list[Trial]:
     rng = random.Random(seed)
-    depths = [min_depth + (1 - min_depth) * i / max(1, trials - 1) for i in range(trials)]
-    cases = [(d, rng.randrange(10_000, 100_000)) for d in depths]
+    grid = [0.05 + 0.9 * i / max(1, depths - 1) for i in range(depths)]
+    out = [Trial(context, h, d, rng.randrange(10_000, 100_000)) for h in range(haystacks) for d in grid]
+    # Deepest first within a haystack: each prompt then shares its text up to the needle with the
+    # prompt before it (prefix cache and store), so a trial computes only what follows its needle.
+    return sorted(out, key=lambda t: (t.haystack, -t.depth))
+
+
+def needle_outcomes(server: VLLMServer, text: Text, trials: list[Trial]) -> list[bool]:
     body = {"model": server.model, "max_tokens": 8, "temperature": 0}
-    timeout = aiohttp.ClientTimeout(total=3600)
-    sem = asyncio.Semaphore(4)
-
-    async def one(depth: float, number: int) -> bool:
-        async with sem, aiohttp.ClientSession(timeout=timeout) as s:
-            prompt = prompts.needle(tokens, depth, number)
-            async with s.post(server.url + "/v1/completions", json={**body, "prompt": prompt}) as r:
-                text = (await r.json())["choices"][0]["text"]
-        return str(number) in text.replace(",", "")
-
-    hits = await asyncio.gather(*(one(d, n) for d, n in cases))
-    return sum(hits) / len(hits)
+    out = []
+    for t in trials:  # one at a time, in order: each reuses the previous prompt's prefix
+        r = server.post("/v1/completions", {**body, "prompt": text.needle(t.context, t.haystack, t.depth, t.number)})
+        out.append(str(t.number) in r["choices"][0]["text"].replace(",", ""))
+    return out
 
 
-def engine(model: Path, algorithm: str, logs: Path, kv_gib: int, min_tokens: int) -> VLLMServer:
-    args = ["--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "16"]
-    if algorithm != "dense":
-        sparse = {"algorithm": algorithm, "min_tokens": min_tokens, algorithm: SETTINGS[algorithm]}
-        args += ["--additional-config", json.dumps({"sparse": sparse})]
-    server = VLLMServer(model, logs / f"{algorithm}.log", extra_args=args, kv_cache_gib=kv_gib)
-    # VLLMServer passes float32 and 4096 first; later flags win.
-    server.env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ucm-metrics-")
-    return server
+def accuracy_row(arm: str, context: int, trials: list[Trial], outcomes: list[bool], dense: list[bool] | None):
+    lo, hi = wilson(sum(outcomes), len(outcomes))
+    by_depth: dict[str, list[bool]] = {}
+    for t, ok in zip(trials, outcomes, strict=True):
+        by_depth.setdefault(f"{t.depth:.2f}", []).append(ok)
+    row: dict[str, Any] = {
+        "algorithm": arm,
+        "context_tokens": context,
+        "trials": len(outcomes),
+        "accuracy": round(sum(outcomes) / len(outcomes), 4),
+        "accuracy_95": [round(lo, 4), round(hi, 4)],
+        "by_depth": {d: round(sum(v) / len(v), 3) for d, v in sorted(by_depth.items())},
+    }
+    if dense is not None:
+        p = paired(dense, outcomes)
+        row |= {
+            "lost_vs_dense": p.only_first,
+            "gained_vs_dense": p.only_second,
+            "mcnemar_p": round(p.mcnemar_p, 4),
+            "diff_vs_dense": round(p.difference, 4),
+            "diff_95": [round(p.difference_interval[0], 4), round(p.difference_interval[1], 4)],
+        }
+    return row
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the default algorithm only; two context lengths")
-    p.add_argument("--algorithms", help=f"comma-separated, from {', '.join(SETTINGS)} (default: all; quick: {DEFAULT})")
-    p.add_argument("--contexts", help="prompt tokens, comma-separated (default 2000,7000)")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--quick", action="store_true", help="dense, static and the default algorithm; fewer trials")
+    p.add_argument("--algorithms", help=f"comma-separated, from {', '.join(SETTINGS)} (default: all)")
+    p.add_argument("--contexts", help="speed contexts (default 2000,7000,16000,32000)")
+    p.add_argument("--needle-contexts", help="accuracy contexts, native (default 2000,7000; quick: 7000)")
+    p.add_argument("--rows", type=int, default=8, help="concurrent requests in a speed run")
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--min-depth", type=float, default=0.5, help="shallowest needle (0: the start of the text)")
-    p.add_argument("--min-tokens", type=int, default=1024, help="sparse decoding from this context length")
-    p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--short-context", type=int, default=256, help="the dense step's non-attention reference")
+    p.add_argument("--haystacks", type=int, help="essay windows per needle context (default 4; quick 2)")
+    p.add_argument("--depths", type=int, help="needle depths per haystack (default 25; quick 20)")
+    p.add_argument("--min-tokens", type=int, help="sparse from this length (default: the engine's default)")
+    p.add_argument("--kv-cache-gib", type=int, default=6)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    algorithms = (args.algorithms or (DEFAULT if args.quick else ",".join(SETTINGS))).split(",")
-    contexts = [int(c) for c in (args.contexts or "2000,7000").split(",")]
+    algorithms = (args.algorithms or (f"{DEFAULT},static" if args.quick else ",".join(SETTINGS))).split(",")
+    if "static" not in algorithms:
+        algorithms.append("static")
+    contexts = [int(c) for c in (args.contexts or "2000,7000,16000,32000").split(",") if c]
+    needles = args.needle_contexts if args.needle_contexts is not None else ("7000" if args.quick else "2000,7000")
+    needle_contexts = [int(c) for c in needles.split(",") if c]
+    haystacks = args.haystacks or (2 if args.quick else 4)
+    depths = args.depths or (20 if args.quick else 25)
     from transformers import AutoTokenizer
 
     model = smollm2()
-    prompts = Prompts(AutoTokenizer.from_pretrained(model), essays())
-    logs = Path(tempfile.mkdtemp(prefix="sparse-serving-"))
-    results: list[dict[str, Any]] = []
-    for algorithm in ["dense", *algorithms]:
-        server = engine(model, algorithm, logs, args.kv_cache_gib, args.min_tokens).start()
-        try:
-            server.wait_ready(600)
-            for tokens in contexts:
-                batch = [prompts.window(tokens, 7919 * i) for i in range(args.concurrency)]
-                before = metric_totals(server.url)
-                speed = asyncio.run(decode_throughput(server, batch, args.decode_tokens))
-                after = metric_totals(server.url)
-                attended = after.get("ucm_sparse_blocks_attended_total", 0) - before.get(
-                    "ucm_sparse_blocks_attended_total", 0
-                )
-                available = after.get("ucm_sparse_blocks_available_total", 0) - before.get(
-                    "ucm_sparse_blocks_available_total", 0
-                )
-                accuracy = asyncio.run(
-                    needle_accuracy(server, prompts, tokens, args.trials, args.min_depth, seed=tokens)
-                )
-                row = {
-                    "algorithm": algorithm,
-                    "context_tokens": tokens,
-                    "concurrency": args.concurrency,
-                    "decode_tokens_per_s": round(speed, 2),
-                    "kv_fraction_attended": round(attended / available, 3) if available else 1.0,
-                    "needle_accuracy": round(accuracy, 3),
-                    "trials": args.trials,
-                }
-                results.append(row)
-                print(
-                    f"{algorithm:>12} {tokens:>6} tokens x{args.concurrency}: {row['decode_tokens_per_s']:>8} tok/s "
-                    f"decode, KV read {row['kv_fraction_attended']:.2f}, needle {row['needle_accuracy']:.2f}",
-                    flush=True,
-                )
-        finally:
-            server.stop()
-    longest = max(contexts)
-    base = next(r for r in results if r["algorithm"] == "dense" and r["context_tokens"] == longest)
-    default = DEFAULT if DEFAULT in algorithms else algorithms[0]
-    mine = next(r for r in results if r["algorithm"] == default and r["context_tokens"] == longest)
-    report = {
-        "results": results,
-        "default": default,
-        "decode_speedup_vs_dense": round(mine["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2),
-        "needle_accuracy_vs_dense": round(mine["needle_accuracy"] / base["needle_accuracy"], 2)
-        if base["needle_accuracy"]
-        else None,
-        "dense_needle_accuracy": base["needle_accuracy"],
-        "needle_depths": [args.min_depth, 1.0],
+    text = Text(AutoTokenizer.from_pretrained(model), essays())
+    work = Path(tempfile.mkdtemp(prefix="sparse-serving-"))
+    print(f"logs and stores under {work}", flush=True)
+    groups = {"native": 1, "scaled": max(1, math.ceil((max(contexts) + 256) / NATIVE))}
+    speed_rows: list[dict[str, Any]] = []
+    accuracy_rows: list[dict[str, Any]] = []
+    dense_speed: dict[int, Speed] = {}
+    dense_short: dict[str, Speed] = {}
+    dense_needles: dict[int, list[bool]] = {}
+    trials = {c: trials_for(c, haystacks, depths, seed=c) for c in needle_contexts}
+    for group, factor in groups.items():
+        group_contexts = [c for c in contexts if (c + 256 <= NATIVE) == (group == "native")]
+        group_needles = needle_contexts if group == "native" else []
+        if not group_contexts and not group_needles:
+            continue
+        store = work / f"store-{group}"
+        store.mkdir()
+        for name in ["dense", *algorithms]:
+            arm = Arm(name, group, factor)
+            needles_here = group_needles if name not in ("static",) or not args.quick else []
+            server = engine(model, arm, store, work, args.rows, args.kv_cache_gib, args.min_tokens).start()
+            try:
+                server.wait_ready(900)
+                if name == "dense":
+                    short = measure_speed(server, text.rows(args.short_context, args.rows), args.decode_tokens)
+                    dense_short[group] = short
+                for context in group_contexts:
+                    s = measure_speed(server, text.rows(context, args.rows), args.decode_tokens)
+                    row = speed_row(name, group, context, args.rows, s, dense_speed.get(context))
+                    if name == "dense":
+                        dense_speed[context] = s
+                        row |= step_split(s, dense_short[group], args.rows)
+                    speed_rows.append(row)
+                    print(format_speed(row), flush=True)
+                for context in needles_here:
+                    outcomes = needle_outcomes(server, text, trials[context])
+                    reference = dense_needles.setdefault(context, outcomes) if name != "dense" else None
+                    if name == "dense":
+                        dense_needles[context] = outcomes
+                    row = accuracy_row(name, context, trials[context], outcomes, reference)
+                    accuracy_rows.append(row)
+                    print(format_accuracy(row), flush=True)
+            finally:
+                server.stop()
+    report = summarize(speed_rows, accuracy_rows, algorithms, contexts, needle_contexts)
+    report["setup"] = {
+        "model": "SmolLM2-135M-Instruct (bfloat16)",
+        "rows": args.rows,
+        "decode_tokens": args.decode_tokens,
+        "scaled_rope_factor": groups["scaled"],
+        "haystacks": haystacks,
+        "depths": depths,
+        "settings": {a: SETTINGS[a] for a in algorithms},
+        "min_tokens": args.min_tokens,
     }
-    print(f"\n{'algorithm':>12} {'tokens':>6} {'tok/s':>8} {'KV read':>8} {'needle':>7}")
-    for r in results:
-        print(
-            f"{r['algorithm']:>12} {r['context_tokens']:>6} {r['decode_tokens_per_s']:>8} "
-            f"{r['kv_fraction_attended']:>8} {r['needle_accuracy']:>7}"
-        )
-    print(
-        f"\n{default} at {longest} tokens: decode_speedup_vs_dense {report['decode_speedup_vs_dense']}, "
-        f"needle_accuracy_vs_dense {report['needle_accuracy_vs_dense']} (dense accuracy {base['needle_accuracy']})"
-    )
+    show(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def speed_row(name: str, group: str, context: int, rows: int, s: Speed, dense: Speed | None) -> dict[str, Any]:
+    m = s.metrics
+    available = m.get("ucm_sparse_blocks_available_total", 0.0)
+    selection = m.get("ucm_sparse_selection_seconds_sum", 0.0)
+    row: dict[str, Any] = {
+        "algorithm": name,
+        "model": group,
+        "context_tokens": context,
+        "rows": rows,
+        "decode_tokens_per_s": round(s.tokens_per_s, 2),
+        "itl_p50_ms": round(s.itl_p50_ms, 2),
+        "itl_p99_ms": round(s.itl_p99_ms, 2),
+        "kv_fraction_attended": round(m.get("ucm_sparse_blocks_attended_total", 0.0) / available, 3)
+        if available
+        else 1.0,
+        "selection_share_of_step": round(selection / s.wall_s, 4),
+    }
+    if dense is not None:
+        row["speedup_vs_dense"] = round(s.tokens_per_s / dense.tokens_per_s, 3)
+        row["token_agreement_vs_dense"] = round(agreement(s.texts, dense.texts), 3)
+    row["_texts"] = s.texts
+    return row
+
+
+def step_split(long: Speed, short: Speed, rows: int) -> dict[str, Any]:
+    """A dense step at this context against one at a short context, same rows: attention is the
+    difference."""
+    step = rows / long.tokens_per_s * 1e3
+    rest = rows / short.tokens_per_s * 1e3
+    return {
+        "dense_step_ms": round(step, 2),
+        "dense_attention_ms": round(step - rest, 2),
+        "dense_rest_ms": round(rest, 2),
+    }
+
+
+def summarize(
+    speed: list[dict[str, Any]],
+    accuracy: list[dict[str, Any]],
+    algorithms: list[str],
+    contexts: list[int],
+    needle_contexts: list[int],
+) -> dict[str, Any]:
+    by = {(r["algorithm"], r["context_tokens"]): r for r in speed}
+    for r in speed:  # the bound: static at the same context
+        static = by.get(("static", r["context_tokens"]))
+        if static is not None and r["algorithm"] not in ("dense", "static"):
+            r["speedup_vs_bound"] = round(r["decode_tokens_per_s"] / static["decode_tokens_per_s"], 3)
+        dense = by.get(("dense", r["context_tokens"]))
+        if dense is not None and "dense_attention_ms" in dense and r["algorithm"] != "dense":
+            predicted = dense["dense_rest_ms"] + r["kv_fraction_attended"] * dense["dense_attention_ms"]
+            r["bound_on_paper_speedup"] = round(dense["dense_step_ms"] / predicted, 3)
+    for r in speed:
+        r.pop("_texts", None)
+    default = DEFAULT if DEFAULT in algorithms else algorithms[0]
+    longest = max(contexts)
+    native = max([c for c in contexts if c + 256 <= NATIVE], default=None)
+    mine = by.get((default, longest), {})
+    report: dict[str, Any] = {"speed": speed, "accuracy": accuracy, "default": default}
+    report["decode_speedup_vs_dense_long"] = mine.get("speedup_vs_dense")
+    report["speedup_vs_bound"] = mine.get("speedup_vs_bound")
+    report["selection_share_of_step"] = mine.get("selection_share_of_step")
+    report["token_agreement_vs_dense"] = by.get((default, native), {}).get("token_agreement_vs_dense")
+    acc = [r for r in accuracy if r["algorithm"] == default and r["context_tokens"] == max(needle_contexts, default=0)]
+    if acc:
+        report["needle_paired_trials"] = acc[0]["trials"]
+        report["needle_diff_lower_95"] = acc[0]["diff_95"][0]
+        report["needle_mcnemar_p"] = acc[0]["mcnemar_p"]
+    report["slower_than_dense_at_2k"] = [
+        r["algorithm"] for r in speed if r["context_tokens"] <= 2048 and r.get("speedup_vs_dense", 1.0) < 0.97
+    ]
+    return report
+
+
+def format_speed(r: dict[str, Any]) -> str:
+    extra = "".join(
+        f", {k} {r[k]}" for k in ("speedup_vs_dense", "token_agreement_vs_dense", "dense_attention_ms") if k in r
+    )
+    return (
+        f"{r['algorithm']:>12} {r['context_tokens']:>6} x{r['rows']}: {r['decode_tokens_per_s']:>8} tok/s, "
+        f"ITL p50 {r['itl_p50_ms']} ms p99 {r['itl_p99_ms']} ms, KV read {r['kv_fraction_attended']}, "
+        f"selection {r['selection_share_of_step']:.1%}{extra}"
+    )
+
+
+def format_accuracy(r: dict[str, Any]) -> str:
+    s = f"{r['algorithm']:>12} {r['context_tokens']:>6} needles: {r['accuracy']:.3f} {r['accuracy_95']}"
+    s += f" (n={r['trials']})"
+    if "diff_95" in r:
+        s += f", vs dense {r['diff_vs_dense']:+.3f} {r['diff_95']}, lost {r['lost_vs_dense']} gained "
+        s += f"{r['gained_vs_dense']}, McNemar p {r['mcnemar_p']}"
+    return s
+
+
+def show(report: dict[str, Any]) -> None:
+    print(
+        f"\n{'algorithm':>12} {'tokens':>6} {'tok/s':>8} {'vs dense':>8} {'vs bound':>8} {'paper':>6} "
+        f"{'select':>7} {'KV read':>7} {'agree':>6} {'ITL p50':>8} {'p99':>8}"
+    )
+    for r in report["speed"]:
+        print(
+            f"{r['algorithm']:>12} {r['context_tokens']:>6} {r['decode_tokens_per_s']:>8} "
+            f"{r.get('speedup_vs_dense', ''):>8} {r.get('speedup_vs_bound', ''):>8} "
+            f"{r.get('bound_on_paper_speedup', ''):>6} {r['selection_share_of_step']:>7.1%} "
+            f"{r['kv_fraction_attended']:>7} {r.get('token_agreement_vs_dense', ''):>6} {r['itl_p50_ms']:>8} "
+            f"{r['itl_p99_ms']:>8}"
+        )
+    for r in report["accuracy"]:
+        print(format_accuracy(r))
+        print(f"{'':>12} by depth: {r['by_depth']}")
+    keys = (
+        "decode_speedup_vs_dense_long",
+        "speedup_vs_bound",
+        "selection_share_of_step",
+        "needle_paired_trials",
+        "needle_diff_lower_95",
+        "needle_mcnemar_p",
+        "token_agreement_vs_dense",
+        "slower_than_dense_at_2k",
+    )
+    print(f"\n{report['default']}: " + ", ".join(f"{k} {report.get(k)}" for k in keys))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ SPARSE_BLOCKS_AVAILABLE = Counter(
     "KV blocks those requests held, summed the same way (attended / available = the fraction read)",
     ["algorithm"],
 )
+SPARSE_DECODE_TOKENS = Counter(
+    "ucm_sparse_decode_tokens_total",
+    "Decode tokens of an engine with sparse attention, by path: sparse, or dense because the request is "
+    "shorter than min_tokens (below that length selection does not pay for itself)",
+    ["algorithm", "path"],
+)
 SPARSE_SELECTION_SECONDS = Histogram(
     "ucm_sparse_selection_seconds",
     "Time one engine step spent choosing blocks (all layers and sparse requests)",

@@ -14,13 +14,15 @@ def summary(scoring: Scoring, keys: torch.Tensor, cache_dtype: torch.dtype, rep_
     """One block's summary from its keys (t, Hkv, D): (lo, hi, rep) for bound, (mean, rep) for mean,
     (hashes,) for hash — the layout BlockSummaries keeps per block."""
     k = keys.to(cache_dtype).float()
+    lo, hi = k.amin(0).to(cache_dtype), k.amax(0).to(cache_dtype)
+    c, r = (lo.float() + hi.float()) / 2, (hi.float() - lo.float()) / 2
+    mean = k.mean(0)
     if scoring.mode == "bound":
-        lo, hi = k.amin(0).to(cache_dtype), k.amax(0).to(cache_dtype)
-        c, r = (lo.float() + hi.float()) / 2, (hi.float() - lo.float()) / 2
         return lo, hi, torch.stack([c, r], 1).to(rep_dtype)  # rep: (Hkv, 2, D)
     if scoring.mode == "mean":
-        mean = k.mean(0)
         return mean, mean.to(rep_dtype)
+    if scoring.mode == "both":
+        return lo, hi, mean, torch.stack([mean, c, r], 1).to(rep_dtype)  # rep: (Hkv, 3, D)
     return (hashes(scoring, k),)
 
 
@@ -48,11 +50,18 @@ def group_scores(
     qg = q[h * g : (h + 1) * g].float()
     if scoring.mode != "hash" and rep_dtype == torch.bfloat16:
         qg = qg.to(torch.bfloat16).float()
-    if scoring.mode == "bound":
-        rep = torch.stack([s[2][h] for s in block_summaries]).float()  # (n, 2, D)
-        logits = qg @ rep[:, 0].T + qg.abs() @ rep[:, 1].T
+    if scoring.mode in ("bound", "both"):
+        rep = torch.stack([s[-1][h] for s in block_summaries]).float()  # (n, 2 or 3, D)
+        bound = qg @ rep[:, -2].T + qg.abs() @ rep[:, -1].T
+        if scoring.mode == "bound":
+            logits = bound
+        else:  # two estimates: their softmaxes averaged
+            t = scoring.temperature(d, scale)
+            mean = qg @ rep[:, 0].T
+            both = (torch.softmax(mean.double() * t, 1) + torch.softmax(bound.double() * t, 1)) / 2
+            return both.sum(0).float()
     elif scoring.mode == "mean":
-        rep = torch.stack([s[1][h] for s in block_summaries]).float()  # (n, D)
+        rep = torch.stack([s[1][h] for s in block_summaries]).float().reshape(len(block_summaries), d)
         keep = scoring.keep_channels
         if keep < 1:
             used = max(1, round(keep * d))

@@ -62,6 +62,7 @@ def test_only_long_decodes_are_sparse_with_their_budgets_and_kernel_lengths():
     assert plan.lens.tolist() == ((plan.kept - 1) * B + tails).repeat_interleave(HKV).tolist()
     assert set(chosen) == set(LAYERS[2:])  # dense layers select nothing
     assert rt.stats.requests == 3
+    assert (rt.stats.decodes, rt.stats.short) == (3, 1)  # the short decode is counted as such
 
 
 def test_between_retrievals_a_selection_is_reused_plus_the_block_started_since():

@@ -63,13 +63,17 @@ class ESAConfig(TopKConfig):
 
 
 class GSAConfig(TopKConfig):
-    """GSA's selection: blocks scored by an upper bound of ``q . k`` over the block, from each
-    channel's smallest and largest key (Quest's bound): one key that matches is not averaged away."""
+    """GSA's selection, scored against the query: by the mean key and by an upper bound of ``q . k``
+    over the block from each channel's smallest and largest key (Quest's bound), a block either
+    favours being kept (``block_repre: both``); ``bound`` uses the bound alone. (UCM's design note
+    scores blocks by past accesses and position, which cannot see what the current query needs.)"""
+
+    block_repre: Literal["both", "bound"] = Field("both", description="How blocks are scored: mean and bound, or bound")
 
     def scoring(self, head_dim: int) -> Scoring:
         from ucm.sparse.summaries import Scoring
 
-        return Scoring("bound")
+        return Scoring(self.block_repre)
 
 
 class StaticConfig(TopKConfig):

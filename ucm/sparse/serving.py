@@ -85,6 +85,8 @@ class StepStats:
     available: int = 0  # blocks those requests hold, summed the same way
     seconds: float = 0.0  # spent selecting (scoring, top-k, refreshing summaries)
     retrievals: int = 0  # (request, layer) selections computed afresh
+    decodes: int = 0  # decode tokens on the sparse path
+    short: int = 0  # decode tokens kept dense: their request is shorter than min_tokens
 
 
 class SparseRuntime:
@@ -142,8 +144,10 @@ class SparseRuntime:
         """The step's plan, or None when no row decodes sparsely."""
         self._flush()
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        sparse = (query_lens == 1) & (seq_lens >= self.config.min_tokens)
+        decode = query_lens == 1
+        sparse = decode & (seq_lens >= self.config.min_tokens)
         rows = torch.nonzero(sparse).flatten()
+        self.stats.short += int(decode.sum()) - len(rows)
         self._ensure_tracking(block_table)
         if len(rows) == 0:
             self._forget()
@@ -196,6 +200,7 @@ class SparseRuntime:
         s.attended += float(kept.sum()) * sparse_layers + float(n.sum()) * self.dense_layers
         s.available += int(n.sum()) * self.num_layers
         s.retrievals += (len(rows) if due is None else len(due)) * sparse_layers
+        s.decodes += len(rows)
         return self.plan
 
     def select(
@@ -324,7 +329,12 @@ class SparseRuntime:
         """Publish the last step's counts (once per step: per-layer updates would cost more than
         the selection)."""
         s, algo = self.stats, self.config.algorithm
+        if s.short:
+            metrics.SPARSE_DECODE_TOKENS.labels(algo, "dense_short").inc(s.short)
+            self.totals.short += s.short
         if s.retrievals or s.requests or s.available:
+            metrics.SPARSE_DECODE_TOKENS.labels(algo, "sparse").inc(s.decodes)
+            self.totals.decodes += s.decodes
             metrics.SPARSE_REQUESTS.labels(algo).inc(s.requests)
             metrics.SPARSE_BLOCKS_ATTENDED.labels(algo).inc(s.attended)
             metrics.SPARSE_BLOCKS_AVAILABLE.labels(algo).inc(s.available)

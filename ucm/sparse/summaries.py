@@ -17,6 +17,10 @@ Three kinds of summary, one per way of scoring a block for a query:
   the channels where the query group's magnitude is largest (KVStar's pruned representation).
 - ``hash`` (GSA on-device): sign bits of each token's key under a fixed random rotation; a block's
   score is minus the smallest Hamming distance between the query's bits and its tokens' bits.
+- ``both``: the mean and the bound, each turned into a softmax over blocks per query head and the
+  two averaged. On SmolLM2's activations (benchmarks/sparse_eval.py) the bound alone overrates
+  blocks whose keys spread widely and the mean alone dilutes a single matching key; together they
+  keep more of the attention mass than either, and the blocks needle-retrieving heads attend.
 
 Selection (:meth:`select`) is one native call per layer for the whole step: per (request, KV head)
 it scores every block, turns each query head's scores into a softmax over blocks (so that no head
@@ -38,8 +42,8 @@ try:
 except ImportError:  # checked where sparse attention is configured
     _native = None
 
-Mode = Literal["bound", "mean", "hash"]
-MODES: dict[str, int] = {"bound": 0, "mean": 1, "hash": 2}
+Mode = Literal["bound", "mean", "hash", "both"]
+MODES: dict[str, int] = {"bound": 0, "mean": 1, "hash": 2, "both": 3}
 DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -99,12 +103,13 @@ class BlockSummaries:
         shape = (num_blocks, kv_heads, head_dim)
         empty = torch.empty(0)
         self.lo = self.hi = self.mean = self.rep = self.hashes = self.projection = empty
-        if scoring.mode == "bound":
+        if scoring.mode in ("bound", "both"):
             self.lo, self.hi = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
-            self.rep = torch.zeros(num_blocks, kv_heads, 2, head_dim, dtype=self.dtype)
-        elif scoring.mode == "mean":
+        if scoring.mode in ("mean", "both"):
             self.mean = torch.zeros(shape, dtype=torch.float32)
-            self.rep = torch.zeros(shape, dtype=self.dtype)
+        if scoring.mode != "hash":  # [mean] [c | r]: what selection reads
+            width = {"mean": 1, "bound": 2, "both": 3}[scoring.mode]
+            self.rep = torch.zeros(num_blocks, kv_heads, width, head_dim, dtype=self.dtype)
         else:
             bits = scoring.hash_bits
             if bits % 8 or not 8 <= bits <= head_dim:

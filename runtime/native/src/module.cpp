@@ -41,7 +41,7 @@ static void def_sparse(nb::module_& m) {
           [](sp::Summaries* self, int mode, int dtype, int rep_dtype, uintptr_t lo, uintptr_t hi, uintptr_t mean,
              uintptr_t rep, uintptr_t hashes, uintptr_t projection, uintptr_t count, int64_t block_size,
              int64_t kv_heads, int64_t head_dim, int64_t hash_bytes) {
-            if (mode < 0 || mode > 2) throw std::invalid_argument("mode: 0 (bound), 1 (mean) or 2 (hash)");
+            if (mode < 0 || mode > 3) throw std::invalid_argument("mode: 0 (bound), 1 (mean), 2 (hash) or 3 (both)");
             for (int t : {dtype, rep_dtype})
               if (t < 0 || t > 2) throw std::invalid_argument("dtypes: 0 (f32), 1 (bf16) or 2 (f16)");
             new (self) sp::Summaries{static_cast<sp::Mode>(mode), static_cast<sp::DType>(dtype),

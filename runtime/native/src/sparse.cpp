@@ -164,41 +164,46 @@ int popcount_xor(const uint8_t* a, const uint8_t* b, int64_t bytes) {
 
 void check(const Summaries& s) {
   if (s.head_dim > 512 || s.hash_bytes * 8 > 512) throw std::invalid_argument("head_dim and hash bits: at most 512");
-  if (s.mode == Mode::Bound && (!s.lo || !s.hi || !s.rep)) throw std::invalid_argument("bound needs lo, hi, rep");
-  if (s.mode == Mode::Mean && (!s.mean || !s.rep)) throw std::invalid_argument("mean summaries need mean and rep");
+  const bool bound = s.mode == Mode::Bound || s.mode == Mode::Both;
+  const bool mean = s.mode == Mode::Mean || s.mode == Mode::Both;
+  if (bound && (!s.lo || !s.hi || !s.rep)) throw std::invalid_argument("bound summaries need lo, hi and rep");
+  if (mean && (!s.mean || !s.rep)) throw std::invalid_argument("mean summaries need mean and rep");
   if (s.mode == Mode::Hash && (!s.hashes || !s.projection || s.hash_bytes < 1))
     throw std::invalid_argument("hash summaries need hashes, a projection and hash_bytes");
 }
 
+// Vectors of D in one (block, head)'s representation.
+int64_t rep_width(Mode mode) { return mode == Mode::Both ? 3 : mode == Mode::Bound ? 2 : 1; }
+
 // Fold one key (D floats) of head h into block p's summary, the key being the block's `offset`-th
 // (offset 0 starts the block afresh), and derive the block's representation.
+
 void fold(const Summaries& s, int64_t p, int64_t h, int64_t offset, const float* key) {
-  const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d;
-  switch (s.mode) {
-    case Mode::Bound:
-      for (int64_t i = 0; i < d; ++i) {
-        const float lo = std::min(offset == 0 ? kInf : load(s.lo, s.dtype, at + i), key[i]);
-        const float hi = std::max(offset == 0 ? -kInf : load(s.hi, s.dtype, at + i), key[i]);
-        store(s.lo, s.dtype, at + i, lo);
-        store(s.hi, s.dtype, at + i, hi);
-        // lo and hi are stored values (exact in their dtype); c and r are rounded only once, here.
-        const float lo_s = load(s.lo, s.dtype, at + i), hi_s = load(s.hi, s.dtype, at + i);
-        store(s.rep, s.rep_dtype, 2 * at + i, 0.5f * (lo_s + hi_s));
-        store(s.rep, s.rep_dtype, 2 * at + d + i, 0.5f * (hi_s - lo_s));
-      }
-      break;
-    case Mode::Mean: {
-      const float w = 1.0f / static_cast<float>(offset + 1);
-      for (int64_t i = 0; i < d; ++i) {
-        const float m = offset == 0 ? key[i] : s.mean[at + i] + (key[i] - s.mean[at + i]) * w;
-        s.mean[at + i] = m;
-        store(s.rep, s.rep_dtype, at + i, m);
-      }
-      break;
+  const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d, rep = at * rep_width(s.mode);
+  if (s.mode == Mode::Hash) {
+    hash_key(key, s.projection, d, s.hash_bytes,
+             s.hashes + ((p * s.block_size + offset) * s.kv_heads + h) * s.hash_bytes);
+    return;
+  }
+  int64_t next = rep;  // where the next part of the representation goes
+  if (s.mode == Mode::Mean || s.mode == Mode::Both) {
+    const float w = 1.0f / static_cast<float>(offset + 1);
+    for (int64_t i = 0; i < d; ++i) {
+      const float m = offset == 0 ? key[i] : s.mean[at + i] + (key[i] - s.mean[at + i]) * w;
+      s.mean[at + i] = m;
+      store(s.rep, s.rep_dtype, next + i, m);
     }
-    case Mode::Hash:
-      hash_key(key, s.projection, d, s.hash_bytes,
-               s.hashes + ((p * s.block_size + offset) * s.kv_heads + h) * s.hash_bytes);
+    next += d;
+  }
+  if (s.mode == Mode::Bound || s.mode == Mode::Both) {
+    for (int64_t i = 0; i < d; ++i) {
+      store(s.lo, s.dtype, at + i, std::min(offset == 0 ? kInf : load(s.lo, s.dtype, at + i), key[i]));
+      store(s.hi, s.dtype, at + i, std::max(offset == 0 ? -kInf : load(s.hi, s.dtype, at + i), key[i]));
+      // lo and hi are stored values (exact in their dtype); c and r are rounded only once, here.
+      const float lo = load(s.lo, s.dtype, at + i), hi = load(s.hi, s.dtype, at + i);
+      store(s.rep, s.rep_dtype, next + i, 0.5f * (lo + hi));
+      store(s.rep, s.rep_dtype, next + d + i, 0.5f * (hi - lo));
+    }
   }
 }
 
@@ -236,63 +241,57 @@ constexpr bool kFastBf16 = false;
 #endif
 
 // logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
-// logit (before the temperature) a key of the block gives that head.
+// logit (before the temperature) a key of the block gives that head. Both: rows 0..G-1 from the
+// mean key, rows G..2G-1 from the bound.
 void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, int64_t n, int64_t seq, int64_t h,
                   const int32_t* channels, int64_t used, const uint8_t* qhash, float* logits) {
-  const int64_t hkv = s.kv_heads, d = s.head_dim, g = grp.g, b = s.block_size;
+  const int64_t hkv = s.kv_heads, d = s.head_dim, g = grp.g, b = s.block_size, width = rep_width(s.mode);
   const bool fast = kFastBf16 && s.rep_dtype == DType::BF16 && d % 32 == 0 && used == d;
-  float row[1024];
+  const bool has_mean = s.mode == Mode::Mean || s.mode == Mode::Both;
+  const bool has_bound = s.mode == Mode::Bound || s.mode == Mode::Both;
+  const int64_t bound_row = s.mode == Mode::Both ? g : 0;  // first logits row of the bound
+  const int64_t bound_at = s.mode == Mode::Both ? d : 0;   // the bound's [c | r] within rep
+  float row[3 * 512];
   for (int64_t blk = 0; blk < n; ++blk) {
     const int64_t p = table[blk];
-    switch (s.mode) {
-      case Mode::Bound: {
-        const int64_t at = (p * hkv + h) * 2 * d;
+    if (s.mode == Mode::Hash) {
+      const int64_t filled = blk == n - 1 ? seq - (n - 1) * b : b;
+      for (int64_t j = 0; j < g; ++j) {
+        int nearest = std::numeric_limits<int>::max();
+        for (int64_t t = 0; t < filled; ++t) {
+          const uint8_t* key = s.hashes + ((p * b + t) * hkv + h) * s.hash_bytes;
+          nearest = std::min(nearest, popcount_xor(qhash + j * s.hash_bytes, key, s.hash_bytes));
+        }
+        logits[j * n + blk] = -static_cast<float>(nearest);
+      }
+      continue;
+    }
+    const int64_t at = (p * hkv + h) * d * width;
 #if defined(__AVX512BF16__)
-        if (fast) {
-          const uint16_t* rep = static_cast<const uint16_t*>(s.rep) + at;
-          for (int64_t j = 0; j < g; ++j) {
-            __m512 acc = dot_bf16(_mm512_setzero_ps(), rep, grp.qb + j * d, d);
-            acc = dot_bf16(acc, rep + d, grp.qab + j * d, d);
-            logits[j * n + blk] = reduce(acc);
-          }
-          break;
+    if (fast) {
+      const uint16_t* rep = static_cast<const uint16_t*>(s.rep) + at;
+      for (int64_t j = 0; j < g; ++j) {
+        if (has_mean) logits[j * n + blk] = reduce(dot_bf16(_mm512_setzero_ps(), rep, grp.qb + j * d, d));
+        if (has_bound) {
+          __m512 acc = dot_bf16(_mm512_setzero_ps(), rep + bound_at, grp.qb + j * d, d);
+          acc = dot_bf16(acc, rep + bound_at + d, grp.qab + j * d, d);
+          logits[(bound_row + j) * n + blk] = reduce(acc);
         }
+      }
+      continue;
+    }
 #endif
-        load_row(s.rep, s.rep_dtype, at, 2 * d, row);
-        for (int64_t j = 0; j < g; ++j)
-          logits[j * n + blk] = dot(grp.q + j * d, row, d) + dot(grp.q_abs + j * d, row + d, d);
-        break;
+    load_row(s.rep, s.rep_dtype, at, width * d, row);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = grp.q + j * d;
+      if (has_mean) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < used; ++c) acc += qj[channels[c]] * row[channels[c]];
+        logits[j * n + blk] = acc;
       }
-      case Mode::Mean: {
-        const int64_t at = (p * hkv + h) * d;
-#if defined(__AVX512BF16__)
-        if (fast) {
-          const uint16_t* rep = static_cast<const uint16_t*>(s.rep) + at;
-          for (int64_t j = 0; j < g; ++j)
-            logits[j * n + blk] = reduce(dot_bf16(_mm512_setzero_ps(), rep, grp.qb + j * d, d));
-          break;
-        }
-#endif
-        load_row(s.rep, s.rep_dtype, at, d, row);
-        for (int64_t j = 0; j < g; ++j) {
-          const float* qj = grp.q + j * d;
-          float acc = 0.0f;
-          for (int64_t c = 0; c < used; ++c) acc += qj[channels[c]] * row[channels[c]];
-          logits[j * n + blk] = acc;
-        }
-        break;
-      }
-      case Mode::Hash: {
-        const int64_t filled = blk == n - 1 ? seq - (n - 1) * b : b;
-        for (int64_t j = 0; j < g; ++j) {
-          int nearest = std::numeric_limits<int>::max();
-          for (int64_t t = 0; t < filled; ++t) {
-            const uint8_t* key = s.hashes + ((p * b + t) * hkv + h) * s.hash_bytes;
-            nearest = std::min(nearest, popcount_xor(qhash + j * s.hash_bytes, key, s.hash_bytes));
-          }
-          logits[j * n + blk] = -static_cast<float>(nearest);
-        }
-      }
+      if (has_bound)
+        logits[(bound_row + j) * n + blk] =
+            dot(qj, row + bound_at, d) + dot(grp.q_abs + j * d, row + bound_at + d, d);
     }
   }
 }
@@ -386,13 +385,15 @@ void select(const Summaries& s, const Selection& sel) {
       }
       if (s.mode == Mode::Hash)
         for (int64_t j = 0; j < g; ++j) hash_key(&q[j * d], s.projection, d, s.hash_bytes, qhash + j * s.hash_bytes);
-      logits.resize(g * n);
+      const int64_t estimates = s.mode == Mode::Both ? 2 : 1;
+      logits.resize(estimates * g * n);
       const Group grp{g, d, q.data(), q_abs.data(), qb.data(), qab.data()};
       score_blocks(s, grp, table, n, seq, h, channels, used, qhash, logits.data());
-      // Per query head, a softmax over blocks (each head's share of the group's attention), summed
-      // over the group: a head whose logits are larger does not outvote the others.
+      // Per query head (and estimate), a softmax over blocks (each head's share of the group's
+      // attention), summed over the group: a head whose logits are larger does not outvote the
+      // others. Two estimates are averaged.
       group.assign(n, 0.0f);
-      for (int64_t j = 0; j < g; ++j) {
+      for (int64_t j = 0; j < estimates * g; ++j) {
         float* head = logits.data() + j * n;
         float top = -kInf;
         for (int64_t blk = 0; blk < n; ++blk) top = std::max(top, head[blk]);
@@ -402,7 +403,7 @@ void select(const Summaries& s, const Selection& sel) {
           head[blk] = exp_nonpositive((head[blk] - top) * sel.temperature);
           total += head[blk];
         }
-        const float inv = 1.0f / total;
+        const float inv = 1.0f / (total * static_cast<float>(estimates));
 #pragma omp simd
         for (int64_t blk = 0; blk < n; ++blk) group[blk] += head[blk] * inv;
       }

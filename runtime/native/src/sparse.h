@@ -11,22 +11,24 @@
 namespace ucm::sparse {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
-enum class Mode : int { Bound = 0, Mean = 1, Hash = 2 };
+enum class Mode : int { Bound = 0, Mean = 1, Hash = 2, Both = 3 };
 
 // What selection reads per (block, head) is the representation `rep`, derived at write time:
 //   Bound: [c | r] with c = (lo + hi) / 2, r = (hi - lo) / 2, so that Quest's bound
 //          sum_d max(q_d lo_d, q_d hi_d) = q . c + |q| . r  (two dot products);
-//   Mean:  the mean key.
-// Exact state behind it is kept for maintenance: lo/hi (Bound, in the cache's dtype: minima and
-// maxima of stored values are exact) or the running mean in float32 (Mean).
+//   Mean:  the mean key;
+//   Both:  [mean | c | r]: each query head's blocks are ranked by both estimates (two softmaxes over
+//          the blocks, averaged): a block either one favours is kept.
+// Exact state behind it is kept for maintenance: lo/hi (Bound, Both; in the cache's dtype: minima
+// and maxima of stored values are exact) and the running mean in float32 (Mean, Both).
 struct Summaries {
   Mode mode;
   DType dtype;              // of lo/hi
   DType rep_dtype;          // of rep
-  void* lo;                 // Bound: (P, Hkv, D)
-  void* hi;                 // Bound: (P, Hkv, D)
-  float* mean;              // Mean: (P, Hkv, D)
-  void* rep;                // Bound: (P, Hkv, 2, D); Mean: (P, Hkv, D)
+  void* lo;                 // Bound, Both: (P, Hkv, D)
+  void* hi;                 // Bound, Both: (P, Hkv, D)
+  float* mean;              // Mean, Both: (P, Hkv, D)
+  void* rep;                // Bound: (P, Hkv, 2, D); Mean: (P, Hkv, D); Both: (P, Hkv, 3, D)
   uint8_t* hashes;          // Hash: (P, B, Hkv, W) sign bits of each token's projected key
   const float* projection;  // Hash: (D, W * 8) row-major
   int32_t* count;           // (P,) tokens summarized; 0 after an invalidation
