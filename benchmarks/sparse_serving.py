@@ -120,23 +120,27 @@ class Arm:
     group: str  # "native" or "scaled": the model configuration
     factor: int  # RoPE scaling factor (1: native)
 
-    def sparse(self, min_tokens: int | None) -> dict[str, Any] | None:
+    def sparse(self, knobs: dict[str, Any]) -> dict[str, Any] | None:
         if self.name == "dense":
             return None
-        config: dict[str, Any] = {"algorithm": self.name, self.name: SETTINGS[self.name]}
-        if min_tokens is not None:
-            config["min_tokens"] = min_tokens
+        settings = dict(SETTINGS[self.name])
+        if "sparse_ratio" in settings and knobs.get("sparse_ratio") is not None:
+            settings["sparse_ratio"] = knobs["sparse_ratio"]
+        config: dict[str, Any] = {"algorithm": self.name, self.name: settings}
+        for key in ("min_tokens", "dense_layers"):
+            if knobs.get(key) is not None:
+                config[key] = knobs[key]
         return config
 
 
-def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, min_tokens: int | None):
+def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, knobs: dict[str, Any]):
     length = NATIVE * arm.factor
     args = ["--dtype", "bfloat16", "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
     if arm.factor > 1:
         rope = {"rope_type": "linear", "factor": float(arm.factor)}
         args += ["--hf-overrides", json.dumps({"rope_scaling": rope, "max_position_embeddings": length})]
     extra: dict[str, Any] = {}
-    sparse = arm.sparse(min_tokens)
+    sparse = arm.sparse(knobs)
     if sparse is not None:
         extra["sparse"] = sparse
     kv = kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, "kv_both", **extra)
@@ -276,6 +280,8 @@ def main() -> int:
     p.add_argument("--haystacks", type=int, help="essay windows per needle context (default 4; quick 2)")
     p.add_argument("--depths", type=int, help="needle depths per haystack (default 25; quick 20)")
     p.add_argument("--min-tokens", type=int, help="sparse from this length (default: the engine's default)")
+    p.add_argument("--sparse-ratio", type=float, help=f"share of blocks the top-k algorithms keep (default {RATIO})")
+    p.add_argument("--dense-layers", type=int, help="first layers kept dense (default: the engine's default)")
     p.add_argument("--kv-cache-gib", type=int, default=6)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -291,6 +297,7 @@ def main() -> int:
 
     model = smollm2()
     text = Text(AutoTokenizer.from_pretrained(model), essays())
+    knobs = {"min_tokens": args.min_tokens, "sparse_ratio": args.sparse_ratio, "dense_layers": args.dense_layers}
     work = Path(tempfile.mkdtemp(prefix="sparse-serving-"))
     print(f"logs and stores under {work}", flush=True)
     groups = {"native": 1, "scaled": max(1, math.ceil((max(contexts) + 256) / NATIVE))}
@@ -310,7 +317,7 @@ def main() -> int:
         for name in ["dense", *algorithms]:
             arm = Arm(name, group, factor)
             needles_here = group_needles if name not in ("static",) or not args.quick else []
-            server = engine(model, arm, store, work, args.rows, args.kv_cache_gib, args.min_tokens).start()
+            server = engine(model, arm, store, work, args.rows, args.kv_cache_gib, knobs).start()
             try:
                 server.wait_ready(900)
                 if name == "dense":
@@ -342,8 +349,7 @@ def main() -> int:
         "scaled_rope_factor": groups["scaled"],
         "haystacks": haystacks,
         "depths": depths,
-        "settings": {a: SETTINGS[a] for a in algorithms},
-        "min_tokens": args.min_tokens,
+        "settings": {a: Arm(a, "native", 1).sparse(knobs) for a in algorithms},
     }
     show(report)
     if args.json:
