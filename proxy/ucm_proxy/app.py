@@ -6,9 +6,10 @@ a lean HTTP/1.1 client on kept-alive connections (``http1``), the client's body 
 to decode with ``kv_transfer_params`` spliced in rather than re-encoded, and stream chunks passed
 through as they arrive. FastAPI serves the rest (models, health, readiness, PD path, metrics).
 
-PD mode: the prefill backend gets a copy of the request with ``max_tokens=1``, ``stream=false``
-and ``kv_transfer_params={"do_remote_decode": true}``; the decode backend gets the original
-request plus the ``kv_transfer_params`` prefill returned. Mixed mode sends whole requests.
+PD mode: the prefill backend gets a copy of the request's prompt fields (``requests.prefill_body``)
+with ``max_tokens=1``, ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true}``; the
+decode backend gets the original request plus the ``kv_transfer_params`` prefill returned. Mixed
+mode sends whole requests.
 
 Request bodies are read and written in ``requests``, errors shaped in ``errors``, upstream
 requests and stream relaying live in ``relay``.
@@ -296,7 +297,7 @@ class Proxy:
     ) -> tuple[Any, str | None] | None:
         """kv_transfer_params from a prefill backend and that backend's pairing identity; None when
         decode must do it all (fallback)."""
-        payload = prefill_body(body)
+        payload = prefill_body(body, route)
         avoid = unpaired(self.prefill, self.decode)
         if avoid and not self.prefill.available(avoid):
             # Mid-rollout, no prefill matches a decode: KV from one could not be used, decode serves alone.

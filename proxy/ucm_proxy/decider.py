@@ -65,8 +65,9 @@ def prompt_chunks(body: dict[str, Any], route: str, chars_per_token: float) -> t
 
 
 def _content(content: Any) -> str:
-    if isinstance(content, list):  # parts: the text ones make the prompt
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    """A message's text, its content as ``requests.parse_body`` lets it through."""
+    if isinstance(content, list):  # parts: the text ones make the prompt (a string part is text)
+        return "".join(p if isinstance(p, str) else p.get("text", "") for p in content)
     return content if isinstance(content, str) else ""
 
 

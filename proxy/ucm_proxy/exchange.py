@@ -165,6 +165,11 @@ class Exchange:
 
     # -- the answer ------------------------------------------------------------------------------
     async def send(self, response: Answer | Stream) -> None:
+        if self.more_body:
+            # Answered before the whole body arrived (401, 413, 429, 408): the rest is never read.
+            # Kept alive, the connection would take it in and drop it for as long as the client
+            # trickled it, then parse what followed as a next request: close it after the answer.
+            self.keep_alive = False
         if isinstance(response, Answer):
             self.guarding = False  # a whole answer goes out now: too late to cancel anything
             length = b"content-length: %d\r\n" % len(response.body)

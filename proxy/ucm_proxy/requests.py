@@ -38,6 +38,8 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ProxyError(400, "'messages' is required and must be a non-empty list of objects.", "messages")
+        for i, message in enumerate(messages):
+            _check_content(message.get("content"), f"messages[{i}].content")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
@@ -57,14 +59,78 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
     return body
 
 
-def prefill_body(body: dict[str, Any]) -> bytes:
-    """The prefill copy: one token, not streamed, asking the engine to keep the KV for decode."""
-    pbody = dict(body)
+def _check_content(content: Any, field: str) -> None:
+    """A message's content in a shape vLLM takes, as the routing decider reads its text: a string,
+    a list of parts (objects, or strings as text), or null (an assistant's message with tool calls)."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ProxyError(400, f"'{field}' must be a string, a list of content parts, or null.", field)
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            continue
+        if not isinstance(part, dict):
+            raise ProxyError(400, f"'{field}[{j}]' must be a content part object or a string.", f"{field}[{j}]")
+        if "text" in part and not isinstance(part["text"], str):
+            raise ProxyError(400, f"'{field}[{j}].text' must be a string.", f"{field}[{j}].text")
+
+
+# The prefill copy is built from an allowlist: the fields that make the prompt's tokens, and so the
+# KV decode will load (found by hashes of those tokens and the cache salt); what schedules the
+# request on the engine; and sampling knobs vLLM checks each on its own, so that a bad value is
+# refused by prefill before any work rather than by decode after it. Prefill's one token is thrown
+# away (decode samples its own): every other field shapes only an output nobody reads, and some are
+# refused next to max_tokens=1 or stream=false (min_tokens above 1, stream_options), change what is
+# generated (n, use_beam_search) or cost prefill work for nothing (prompt_logprobs, logprobs,
+# structured_outputs' grammar). A field not listed here, one vLLM adds later say, goes to decode only.
+_PREFILL_COMMON = frozenset(
+    {
+        "model",
+        "cache_salt",
+        "add_special_tokens",
+        "truncate_prompt_tokens",
+        "truncation_side",
+        "priority",
+        "session_id",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
+)
+COMPLETION_PREFILL_FIELDS = _PREFILL_COMMON | {"prompt", "prompt_embeds", "suffix"}  # suffix: fill-in-the-middle
+# What vLLM hands the chat template (tools, tool_choice and response_format too: some templates
+# render them into the prompt) and the media the prompt is built from.
+CHAT_PREFILL_FIELDS = _PREFILL_COMMON | {
+    "messages",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "reasoning_effort",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+}
+
+
+def prefill_body(body: dict[str, Any], route: str) -> bytes:
+    """The prefill copy: the allowed fields, one token, not streamed, asking the engine to keep the
+    KV for decode."""
+    chat = route.endswith("/chat/completions")
+    kept = CHAT_PREFILL_FIELDS if chat else COMPLETION_PREFILL_FIELDS
+    pbody = {k: v for k, v in body.items() if k in kept}
     pbody["max_tokens"] = 1
-    if "max_completion_tokens" in pbody:
-        pbody["max_completion_tokens"] = 1
+    if chat:
+        pbody["max_completion_tokens"] = 1  # what vLLM's chat reads first (max_tokens is deprecated there)
     pbody["stream"] = False
-    pbody.pop("stream_options", None)
     pbody["kv_transfer_params"] = {"do_remote_decode": True}
     return json.dumps(pbody).encode()
 

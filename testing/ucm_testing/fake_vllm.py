@@ -5,7 +5,9 @@ It speaks the parts of vLLM's API the proxy uses: ``/v1/completions`` and
 (``kv_transfer_params.do_remote_decode``) is answered with ``kv_transfer_params`` naming this
 backend and promising ``ucm_blocks``, and a decode request's ``kv_transfer_params`` are echoed
 back, so tests can follow them; a decode given promised blocks reports them in
-``kv_transfer_params.ucm_loaded_tokens`` (16 tokens a block), as UCM's connector does.
+``kv_transfer_params.ucm_loaded_tokens`` (16 tokens a block), as UCM's connector does. A request
+vLLM's own validation would refuse in a way a proxy could cause (``min_tokens`` above the token
+limit, as in a one-token prefill copy) gets vLLM's 400.
 
 Run standalone (benchmarks): ``python -m ucm_testing.fake_vllm --port P --name decode``.
 """
@@ -104,6 +106,11 @@ class FakeVLLM:
         # Header names as a client would look them up (HTTP names are case-insensitive).
         headers = {k.title(): v for k, v in request.headers.items()}
         self.requests.append({"path": request.path, "body": body, "headers": headers})
+        refusal = _refusal(body)
+        if refusal is not None:
+            return web.json_response(
+                {"error": {"message": refusal, "type": "BadRequestError", "code": 400}}, status=400
+            )
         b = self.behaviour
         failure = b.fail_next.pop(0) if b.fail_next else None
         if failure == "500":
@@ -194,6 +201,15 @@ class FakeVLLM:
             self.cancelled += 1
             raise
         return resp
+
+
+def _refusal(body: dict[str, Any]) -> str | None:
+    """vLLM's 400 for a request whose ``min_tokens`` exceeds its token limit (SamplingParams)."""
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and isinstance(limit, int) and min_tokens > limit:
+        return f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}."
+    return None
 
 
 class FakeVLLMThread:

@@ -106,6 +106,28 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(fakes, make_prox
 
 
 @pytest.mark.parametrize(
+    ("status", "options"),
+    [(401, {"api_keys": ["key"]}), (413, {"max_body_bytes": 1000}), (429, {"max_in_flight": 1})],
+    ids=["unauthorized", "too-large", "busy"],
+)
+def test_an_answer_before_the_whole_body_closes_the_connection(fakes, make_proxy, status, options):
+    """The rest of the body is never read: kept alive, the connection would take it (a client could
+    trickle it for as long as it liked) and parse whatever followed as the next request."""
+    proxy = make_proxy(prefill=[fakes.add("p").url], decode=[fakes.add("d").url], **options)
+    if status == 429:
+        proxy.app.in_flight = 1  # as if another request held the only place
+    head = post(body=b"x" * 5000).partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
+    with connect(proxy) as sock:
+        sock.sendall(head + BODY[:20])  # 20 bytes of the 5000 declared, then nothing
+        [response] = Responses().read(sock, 1, timeout=5)
+        assert response["status"] == status, response
+        assert response["headers"]["connection"] == "close"
+        sock.settimeout(2)  # well before uvicorn's keep-alive timeout (5 s) would close it
+        assert sock.recv(1024) == b""  # closed by the proxy, right after its answer
+    proxy.app.in_flight = 0
+
+
+@pytest.mark.parametrize(
     ("request_bytes", "why"),
     [
         (post(extra="Connection: close\r\n"), "the client asked"),

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 from ucm.config import ConfigError, parse_config
 from ucm_proxy.config import ProxyConfig
+from ucm_proxy.decider import Decider
+from ucm_proxy.errors import ProxyError
+from ucm_proxy.requests import parse_body
 from ucm_testing.fake_vllm import MODEL
 
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
@@ -63,6 +66,48 @@ def test_bad_requests(proxy, route, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["code"] == status and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        ([{"type": "text", "text": "Hi"}, {"type": "text", "text": 5}], "messages[0].content[1].text"),
+        ([{"type": "text", "text": None}], "messages[0].content[0].text"),
+        (5, "messages[0].content"),
+        ({"type": "text", "text": "Hi"}, "messages[0].content"),
+        (["Hi", 7], "messages[0].content[1]"),
+        ([["Hi"]], "messages[0].content[0]"),
+    ],
+)
+def test_malformed_chat_content_is_a_400_naming_the_field(fakes, make_proxy, content, param):
+    """The routing decider reads the text parts (here for every request): one that is not a string
+    was a 500."""
+    d = fakes.add("d")
+    running = make_proxy(prefill=[fakes.add("p").url], decode=[d.url], disaggregation={"min_prefill_tokens": 1})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    with running.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert d.requests == []
+
+
+def test_every_chat_content_shape_vllm_accepts_is_served(fakes, make_proxy):
+    """Strings among the parts (text, to vLLM), parts without text, no content or null content."""
+    running = make_proxy(
+        prefill=[fakes.add("p").url], decode=[fakes.add("d").url], disaggregation={"min_prefill_tokens": 1}
+    )
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": ["plain text parts", {"type": "text", "text": "typed ones"}, image]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "found"},
+        {"role": "user"},
+    ]
+    with running.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_api_keys(fakes, make_proxy, tmp_path):
@@ -149,6 +194,18 @@ def test_fuzzed_bodies_never_get_a_proxy_5xx(proxy, body, chat):
     with proxy.client() as c:
         r = c.post(route, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert r.status_code < 500, (body, r.status_code, r.text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(content=json_values | st.lists(json_values | st.fixed_dictionaries({"text": json_values}), max_size=3))
+def test_the_decider_reads_any_chat_content_that_passes_validation(content):
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode()
+    try:
+        body = parse_body(raw, "/v1/chat/completions")
+    except ProxyError as exc:
+        assert exc.status == 400 and exc.param.startswith("messages[0].content"), exc.message
+        return
+    Decider(1, 4.0, 100, 0.0).decide(body, "/v1/chat/completions")
 
 
 def test_deeply_nested_json_is_a_400(fakes, make_proxy):

@@ -92,6 +92,25 @@ def test_pd_chat_caps_max_completion_tokens_for_prefill(pd):
     assert r.json()["choices"][0]["message"]["content"] == " t0 t1 t2 t3"
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/completions", {**COMPLETION, "min_tokens": 3, "logprobs": 2, "stop": ["\n"]}),
+        ("/v1/chat/completions", {**CHAT, "min_tokens": 3, "logprobs": True, "top_logprobs": 2}),
+    ],
+)
+def test_pd_prefill_copy_leaves_output_constraints_to_decode(pd, route, body):
+    """vLLM refuses min_tokens above a prefill's one token (the fake engines do too): PD requests
+    with it were answered 400."""
+    proxy, prefills, decodes = pd
+    with proxy.client() as c:
+        r = c.post(route, json=body)
+    assert r.status_code == 200, r.text
+    [pre], [dec] = all_requests(prefills), all_requests(decodes)
+    assert not {"min_tokens", "logprobs", "top_logprobs", "stop"} & pre["body"].keys()
+    assert dec["body"]["min_tokens"] == 3 and dec["body"]["logprobs"] == body["logprobs"]
+
+
 def test_streaming_is_passed_through_chunk_by_chunk(fakes, make_proxy):
     p = fakes.add("p")
     d = fakes.add("d", Behaviour(chunks=6, chunk_delay_s=0.15))
@@ -489,7 +508,8 @@ def test_a_stalled_upload_is_cut_off(fakes, make_proxy):
         )  # one byte of a hundred, then nothing
         started = time.monotonic()
         reply = s.recv(4096)
-    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
+        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
+        assert b"connection: close" in reply and s.recv(4096) == b""  # the rest of the body is not awaited
 
 
 @pytest.mark.parametrize(
