@@ -1,6 +1,7 @@
 """The DRAM tier: LRU within its capacity, read-through fill, write-through and bounded write-back."""
 
 import threading
+import time
 
 from ucm.store.base import Store, Task
 from ucm.store.cache import CacheConfig, CacheStore
@@ -133,3 +134,60 @@ def test_block_bigger_than_the_tier_bypasses_it():
     assert cache.used_bytes == 0
     buf = bytearray(1000)
     assert cache.wait(cache.load(ids, [buf])) == [True] and bytes(buf) == data[0]
+
+
+def dump_within(cache: CacheStore, ids: list[bytes], data: list[bytes], seconds: float) -> Task:
+    """``cache.dump`` run on a thread: the test fails, rather than hangs, if it freezes."""
+    tasks: list[Task] = []
+    caller = threading.Thread(target=lambda: tasks.append(cache.dump(ids, data)), daemon=True)
+    caller.start()
+    caller.join(seconds)
+    assert not caller.is_alive(), f"dump froze for more than {seconds} s"
+    return tasks[0]
+
+
+def test_write_back_to_a_hung_backend_fails_the_dump_at_its_deadline_and_leaves_a_miss():
+    """A backend whose writes never finish stands in for a hung NFS or 3FS server (none can be hung
+    here). Once the pending bytes are full, a dump waits for room at most write_back_timeout_s, then
+    fails: the engine's step goes on, the block counts as not saved, and a read of it is a miss."""
+    hung = threading.Event()  # set only to let the test's threads end
+    back = Recording(hung)
+    config = CacheConfig(capacity=10_000, write_mode="back", write_back_max_pending=200, write_back_timeout_s=0.3)
+    cache = CacheStore(config, back)
+    ids, data = blocks(4, 100)
+    assert cache.wait(dump_within(cache, ids[:2], data[:2], 1), 0) == [True, True]  # pending bytes now full
+    try:
+        started = time.monotonic()
+        assert cache.wait(dump_within(cache, ids[2:3], data[2:3], 2), 0) == [False]
+        assert 0.3 <= time.monotonic() - started < 1
+        # The backend is still stuck: the next dump fails at once instead of waiting again.
+        started = time.monotonic()
+        assert cache.wait(dump_within(cache, ids[3:], data[3:], 2), 0) == [False]
+        assert time.monotonic() - started < 0.1
+        assert cache.lookup(ids[2:]) == [False, False]
+        bufs = [bytearray(b"x" * 100) for _ in ids[2:]]
+        assert cache.wait(cache.load(ids[2:], bufs), 1) == [False, False]
+        # What was accepted is served from memory, the bytes that were dumped.
+        accepted = [bytearray(100) for _ in ids[:2]]
+        assert cache.wait(cache.load(ids[:2], accepted), 1) == [True, True]
+        assert [bytes(b) for b in accepted] == data[:2]
+        started = time.monotonic()
+        cache.close()  # gives up on the stuck writes after write_back_timeout_s
+        assert time.monotonic() - started < 1
+    finally:
+        hung.set()
+
+
+def test_write_back_waits_again_once_the_backend_answers():
+    gate = threading.Event()
+    back = Recording(gate)
+    config = CacheConfig(capacity=10_000, write_mode="back", write_back_max_pending=100, write_back_timeout_s=0.2)
+    cache = CacheStore(config, back)
+    ids, data = blocks(3, 100)
+    cache.wait(cache.dump(ids[:1], data[:1]))
+    assert cache.wait(dump_within(cache, ids[1:2], data[1:2], 2), 0) == [False]  # timed out: the backend is stuck
+    gate.set()
+    assert cache.flush(5)
+    assert cache.wait(cache.dump(ids[2:], data[2:]), 5) == [True]
+    assert cache.flush(5)
+    assert set(back.data) == {ids[0], ids[2]}

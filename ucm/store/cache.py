@@ -4,6 +4,11 @@ Loads are served from memory when they can and read through to the backend other
 tier. Dumps go to both: ``through`` completes when the backend has the block; ``back`` completes
 once the block is in memory and writes to the backend in the background, with at most
 ``write_back_max_pending`` bytes in flight (dumps wait beyond that, so memory stays bounded).
+
+A dump runs on the engine's step, so ``back`` never waits on the backend without a bound: a dump
+that finds no room within ``write_back_timeout_s`` fails (the block is in neither tier), and while
+the backend then finishes no write (a hung NFS or 3FS server), later dumps that find no room fail
+at once instead of each waiting again.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ class CacheConfig(StrictModel):
     write_back_max_pending: ByteSize = Field(
         ByteSize(256 << 20), gt=0, description="write_mode=back: most bytes not yet in the backend"
     )
+    write_back_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="write_mode=back: a dump waits at most this long for room among the pending bytes, then "
+        "fails (the block is not saved); closing waits at most this long for the pending writes",
+    )
 
 
 class CacheStore(Store):
@@ -49,6 +60,8 @@ class CacheStore(Store):
         self._pending_bytes = 0
         self._pending_tasks: set[Task] = set()
         self._pending_cv = threading.Condition()
+        # A dump timed out waiting for room and no write-back has finished since: the backend is stuck.
+        self._backend_stuck = False
 
     # -- memory tier ---------------------------------------------------------------------------
     def _copy_out(self, block_id: bytes, dst: Blob) -> bool:
@@ -127,21 +140,21 @@ class CacheStore(Store):
         return task
 
     def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
+        if self.config.write_mode == "back":
+            return self._write_back(ids, payloads)
         for block_id, payload in zip(ids, payloads, strict=True):
             self._put(block_id, payload)
-        if self.config.write_mode == "through":
-            return self.next.dump(ids, payloads)
-        return self._write_back(ids, payloads)
+        return self.next.dump(ids, payloads)
 
     def _write_back(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:
+        nbytes = sum(blob_size(p) for p in payloads)
+        if not self._reserve(nbytes):
+            # Not saved: kept out of memory too, so the caller's "not saved" holds for every reader.
+            return Task.completed([False] * len(ids))
         # The backend writes from private copies: the caller may reuse its buffers at once.
         copies = [b"".join(p) if isinstance(p, list) else bytes(p) for p in payloads]
-        nbytes = sum(len(c) for c in copies)
-        with self._pending_cv:
-            self._pending_cv.wait_for(
-                lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.config.write_back_max_pending
-            )
-            self._pending_bytes += nbytes
+        for block_id, copy in zip(ids, copies, strict=True):
+            self._put(block_id, memoryview(copy))
         inner = self.next.dump(list(ids), copies)
         with self._pending_cv:
             self._pending_tasks.add(inner)
@@ -153,15 +166,36 @@ class CacheStore(Store):
             with self._pending_cv:
                 self._pending_bytes -= nbytes
                 self._pending_tasks.discard(t)
+                self._backend_stuck = False
                 self._pending_cv.notify_all()
 
         inner.add_done_callback(settle)
         return Task.completed([True] * len(ids))
 
-    def flush(self) -> None:
-        """Wait until every write-back has reached the backend."""
+    def _reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` as pending once they fit, waiting at most ``write_back_timeout_s`` (not at
+        all while the backend is stuck); False when they do not fit in time."""
+        limit = int(self.config.write_back_max_pending)
         with self._pending_cv:
-            self._pending_cv.wait_for(lambda: not self._pending_tasks)
+            timeout = 0.0 if self._backend_stuck else self.config.write_back_timeout_s
+            if not self._pending_cv.wait_for(
+                lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= limit, timeout
+            ):
+                if not self._backend_stuck:
+                    logger.warning(
+                        "cache: %s finished no pending write in %.1f s; dumps finding no room fail until it does",
+                        self.next.backend,
+                        timeout,
+                    )
+                self._backend_stuck = True
+                return False
+            self._pending_bytes += nbytes
+            return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write-back has reached the backend, at most ``timeout`` seconds; True if so."""
+        with self._pending_cv:
+            return self._pending_cv.wait_for(lambda: not self._pending_tasks, timeout)
 
     def scan(self):  # type: ignore[no-untyped-def]
         return self.next.scan()
@@ -186,5 +220,11 @@ class CacheStore(Store):
         self.next.register_buffer(buffer)
 
     def close(self) -> None:
-        self.flush()
+        if not self.flush(self.config.write_back_timeout_s):
+            logger.warning(
+                "cache: closing with %d write-backs to %s not done after %.1f s; those blocks are not saved there",
+                len(self._pending_tasks),
+                self.next.backend,
+                self.config.write_back_timeout_s,
+            )
         self.next.close()
