@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.connector.test_scheduler import CTX, Req, put, side
+from tests.connector.test_scheduler import CTX, Req, put, side, step
 from tests.connector.test_worker import IDS, NB, kv_caches, run_step, worker
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, WARMUP_ENV, HealthMiddleware, StoreHealth, stuck_for
@@ -105,12 +105,50 @@ def test_a_stuck_lookup_is_a_miss_and_later_lookups_do_not_queue_behind_it(tmp_p
     started = time.monotonic()
     assert s.num_new_matched_tokens(Req("a", tokens), 0) == (0, False)  # at the deadline: a miss
     assert time.monotonic() - started < 1
+    s.build_meta(step())  # the next step, with a budget of its own
     started = time.monotonic()
     assert s.num_new_matched_tokens(Req("b", tokens), 0) == (0, False)  # still stuck: at once
     assert time.monotonic() - started < 0.1
     stalled.release()
     time.sleep(0.1)
+    s.build_meta(step())
     assert s.num_new_matched_tokens(Req("c", tokens), 0) == (4 * CTX.block_size - 1, False)  # answering again
+    real.close()
+
+
+class Slow:
+    """A real store whose every lookup takes ``seconds``: slow (an overloaded NFS server), not stuck."""
+
+    def __init__(self, store, seconds: float) -> None:  # type: ignore[no-untyped-def]
+        self.store = store
+        self.seconds = seconds
+
+    def lookup_prefix(self, ids):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+        return self.store.lookup_prefix(ids)
+
+
+def test_one_steps_lookups_share_one_deadline_and_the_rest_are_misses_at_once(tmp_path):
+    """vLLM asks for every waiting request in one step: with a per-call deadline, six 0.3 s lookups held
+    the scheduler 1.8 s. The step's budget is lookup_timeout_s for all of them together."""
+    real = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    tokens = list(range(16))
+    put(real, tokens, 4)
+    s = side(Slow(real, 0.3))
+    s._lookups.timeout_s = 0.5
+    full_hit = (4 * CTX.block_size - 1, False)
+    started = time.monotonic()
+    answers = [s.num_new_matched_tokens(Req(f"r{i}", tokens), 0) for i in range(6)]
+    assert time.monotonic() - started < 0.5 + 0.15
+    # The first answers in 0.3 s; the second is cut at the deadline; the rest are not asked.
+    assert answers == [full_hit] + [(0, False)] * 5
+    stats = s._stats.take().data
+    assert stats["lookup_timeouts"] == 1
+    assert stats["lookup_deadline_skips"] == 4
+
+    s.build_meta(step())  # the step ends: the next one has a fresh budget
+    time.sleep(0.2)  # the lookup cut at the deadline returns meanwhile
+    assert s.num_new_matched_tokens(Req("next", tokens), 0) == full_hit
     real.close()
 
 

@@ -45,19 +45,21 @@ class Deadlined:
         with self._lock:
             return self._stuck is not None and not self._stuck.done()
 
-    def call(self, fn: Callable[[], T], fallback: T) -> T:
+    def call(self, fn: Callable[[], T], fallback: T, timeout_s: float | None = None) -> T:
+        """``fn()``, or ``fallback`` if it takes longer than ``timeout_s`` (default: ``self.timeout_s``)."""
         if self.stuck:
             self.timeouts += 1
             return fallback
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         started = time.time()
         future = self._pool.submit(fn)
         try:
-            return future.result(self.timeout_s)
+            return future.result(timeout_s)
         except FutureTimeout:
             with self._lock:
                 self._stuck = future  # type: ignore[assignment]
             self.timeouts += 1
-            logger.warning("%s: no answer from the store in %.1f s; treating it as a miss", self.name, self.timeout_s)
+            logger.warning("%s: no answer from the store in %.2f s; treating it as a miss", self.name, timeout_s)
             if self._on_stuck is not None:
                 self._on_stuck(started)
             future.add_done_callback(lambda _: self._answered())

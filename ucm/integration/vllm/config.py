@@ -66,7 +66,10 @@ class ConnectorConfig(StrictModel):
         64, ge=0, description="Blocks filled while decoding that are saved too, per request (0: prompt blocks only)"
     )
     lookup_timeout_s: float = Field(
-        2.0, gt=0, description="A store lookup not answered by then counts as a miss (vLLM's scheduler never waits)"
+        2.0,
+        gt=0,
+        description="The store lookups of one scheduler step together take at most this long: a lookup not "
+        "answered by then counts as a miss, and the step's later lookups are misses at once",
     )
     store_unhealthy_after_s: float | None = Field(
         30.0,

@@ -4,6 +4,10 @@ It runs in vLLM's scheduler process and only decides; workers move the bytes. A 
 is hashed once (ids are kept for the request's lifetime), the store is asked for the longest
 stored prefix, blocks beyond vLLM's own prefix-cache hit are loaded, and every prompt block that
 becomes full and is not yet stored is saved.
+
+vLLM asks for every waiting request in one scheduler step, and the step waits for all answers: the
+lookups of one step share one deadline (``lookup_timeout_s`` from the step's first lookup). Once
+it has passed, the step's remaining requests count as misses at once and are recomputed.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ class SchedulerSide:
         self.block_size = context.block_size
         health = health or StoreHealth(None)
         self._lookups = Deadlined(lookup_timeout_s, "UCM lookup", on_stuck=health.stuck, on_answer=health.answered)
+        # When this step's lookups must be done (time.monotonic: real waits, not the injected clock);
+        # None until the step's first lookup.
+        self._step_deadline: float | None = None
         self._decode_save_blocks = decode_save_blocks
         self._saves_failing = False
 
@@ -116,9 +123,7 @@ class SchedulerSide:
         state.load = None
         if not state.ids:
             return 0, False
-        timeouts = self._lookups.timeouts
-        state.stored = self._lookups.call(lambda: self._store.lookup_prefix(state.ids), 0)
-        self._stats.add("lookup_timeouts", self._lookups.timeouts - timeouts)
+        state.stored = self._lookup_prefix(state.ids)
         state.next_save = state.stored
         if not self._can_load:
             return 0, False
@@ -156,6 +161,21 @@ class SchedulerSide:
         state.load_tokens = external
         return external, False
 
+    def _lookup_prefix(self, ids: list[bytes]) -> int:
+        """Leading blocks of ``ids`` in the store, asked within what is left of the step's deadline
+        (0, a miss, when nothing is left)."""
+        now = time.monotonic()
+        if self._step_deadline is None:
+            self._step_deadline = now + self._lookups.timeout_s
+        remaining = self._step_deadline - now
+        if remaining <= 0:
+            self._stats.add("lookup_deadline_skips", 1)
+            return 0
+        timeouts = self._lookups.timeouts
+        stored = self._lookups.call(lambda: self._store.lookup_prefix(ids), 0, remaining)
+        self._stats.add("lookup_timeouts", self._lookups.timeouts - timeouts)
+        return stored
+
     def _promised_blocks(self, request: RequestLike, state: _RequestState) -> int:
         params = request.kv_transfer_params or {}
         promised = params.get(PARAM_BLOCKS)
@@ -172,6 +192,7 @@ class SchedulerSide:
 
     # -- vLLM: build_connector_meta --------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
+        self._step_deadline = None  # vLLM builds the metadata once per step, after all its lookups
         meta = UCMConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:

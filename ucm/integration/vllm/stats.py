@@ -28,6 +28,8 @@ COUNTERS: dict[str, str] = {
     "pd_save_wait_timeouts": "PD prefill steps that answered before their saves were in the store",
     "load_timeouts": "Loads abandoned at their deadline (their blocks recomputed)",
     "lookup_timeouts": "Store lookups answered as misses because the store did not answer in time",
+    "lookup_deadline_skips": "Requests not looked up (misses, recomputed): their scheduler step had spent "
+    "its lookup_timeout_s on other lookups",
     "store_corrupt_blocks": "Stored blocks that failed their integrity check in this engine's workers",
     "store_evicted_blocks": "Blocks evicted by this engine's workers to keep stores under capacity",
 }
