@@ -19,7 +19,7 @@ from tests.sparse.reference import attention_over
 from ucm.config import ConfigError
 from ucm.integration.vllm.attention import KernelShape, UCMAttentionImpl, learn_layout, sparse_metadata
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.serving import SparseRuntime
+from ucm.sparse.serving import SparseRuntime, invalidate_summaries
 
 H, HKV, D, B = 6, 2, 64, 32
 G = H // HKV
@@ -45,7 +45,9 @@ class Batch:
     """Requests with distinct shuffled blocks; their keys written through the backend (so the
     summaries are kept as in serving), some keys planted so that one block per KV head matters."""
 
-    def __init__(self, seq_lens: list[int], query_lens: list[int], runtime: SparseRuntime, seed: int = 0) -> None:
+    def __init__(
+        self, seq_lens: list[int], query_lens: list[int], runtime: SparseRuntime, seed: int = 0, loaded: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.seq_lens, self.query_lens = seq_lens, query_lens
         self.keys = 0.3 * torch.randn(POOL * B, HKV, D, generator=g)
@@ -72,12 +74,18 @@ class Batch:
                 phys = int(self.table[i, blk])
                 self.keys[phys * B + 5, h] = 3 * self.query[starts[i], h * G : (h + 1) * G].mean(0)
                 self.planted[i, h] = blk
-        # Write every request's tokens through the backend, in slot order.
+        # Write every request's tokens through the backend, in slot order; or, as a connector load
+        # does, with vLLM's cache writer alone, the blocks' summaries then invalidated.
         slots = torch.cat(
             [self.table[i, torch.arange(s) // B].long() * B + torch.arange(s) % B for i, s in enumerate(seq_lens)]
         )
-        for name in (SPARSE_LAYER, DENSE_LAYER):
-            impl().do_kv_cache_update(layer(name), self.keys[slots], self.values[slots], self.kv_cache, slots)
+        if loaded:
+            key_cache, value_cache = self.kv_cache.view(POOL, HKV, 2 * B, D).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(self.keys[slots], self.values[slots], key_cache, value_cache, slots, ISA)
+            invalidate_summaries(torch.unique(slots // B).tolist())
+        else:
+            for name in (SPARSE_LAYER, DENSE_LAYER):
+                impl().do_kv_cache_update(layer(name), self.keys[slots], self.values[slots], self.kv_cache, slots)
         self.metadata = CPUAttentionMetadata(
             num_actual_tokens=starts[-1],
             max_query_len=max(query_lens),
@@ -122,9 +130,13 @@ def runtime_for(config: dict) -> SparseRuntime:
     return runtime
 
 
-def run(config: dict, seq_lens: list[int], query_lens: list[int], name: str = SPARSE_LAYER):
+def run(config: dict, seq_lens: list[int], query_lens: list[int], name: str = SPARSE_LAYER, loaded: bool = False):
+    """One step of a batch. ``loaded``: the batch's blocks held another batch before, written through
+    the backend, and this one's bytes arrive by a connector load."""
     runtime = runtime_for(config)
-    batch = Batch(seq_lens, query_lens, runtime)
+    if loaded:
+        Batch(seq_lens, query_lens, runtime, seed=7)
+    batch = Batch(seq_lens, query_lens, runtime, loaded=loaded)
     md = batch.metadata
     plan = runtime.begin_step(md.block_table, md.seq_lens, md.query_start_loc)
     tables: list[torch.Tensor] = []
@@ -154,11 +166,14 @@ def chosen_blocks(batch: Batch, plan, table: torch.Tensor, row: int, h: int) -> 
     return [batch.table[row].tolist().index(p) for p in phys]
 
 
-def test_sparse_rows_attend_exactly_their_heads_selections_and_other_rows_are_untouched():
+@pytest.mark.parametrize("loaded", [False, True], ids=["written", "loaded-over-other-blocks"])
+def test_sparse_rows_attend_exactly_their_heads_selections_and_other_rows_are_untouched(loaded):
+    """Also when the blocks held another request's keys and this one's arrived by a connector load:
+    their summaries are recomputed from the cache, not the previous request's."""
     # two long decodes (300 and 270 tokens), a prefill chunk of 5 tokens, a short decode (under min_tokens)
     seq_lens, query_lens = [300, 69, 270, 40], [1, 5, 1, 1]
     config = {"algorithm": "gsa", "min_tokens": 64, "gsa": {"sparse_ratio": 0.4, "min_blocks": 1}}
-    batch, plan, tables, out, dense = run(config, seq_lens, query_lens)
+    batch, plan, tables, out, dense = run(config, seq_lens, query_lens, loaded=loaded)
     assert plan.rows.tolist() == [0, 2]
     (table,) = tables
     for row in (0, 2):
