@@ -82,6 +82,17 @@ STORE_CAPACITY_BYTES = Gauge(
     ["backend"],
     multiprocess_mode="livemax",
 )
+STORE_DEGRADED = Gauge(
+    "ucm_store_degraded",
+    "1 while the store is skipped: its operations timed out in a row and no probe was answered in time since",
+    ["backend"],
+    multiprocess_mode="livemax",
+)
+STORE_SKIPPED_BLOCKS = Counter(
+    "ucm_store_skipped_blocks_total",
+    "Blocks not loaded or saved (recomputed, or not stored) because the store was degraded",
+    ["backend", "op"],
+)
 STORE_OP_SECONDS = Histogram(
     "ucm_store_operation_seconds",
     "Latency of one batched store operation, from submission to completion",

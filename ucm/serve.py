@@ -21,7 +21,7 @@ from typing import Any
 from ucm.config import ConfigError
 from ucm.environment import apply_environment
 from ucm.integration.vllm.config import WHERE, native_config, parse_connector_config
-from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV
+from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV, health_files
 from ucm.integration.vllm.identity import pairing_identity
 from ucm.store.factory import validate_store_config
 from ucm.ucm_style import CONNECTOR_NAMES
@@ -142,7 +142,8 @@ def serve(kv_config: str, vllm_args: list[str], dry_run: bool = False) -> int:
         return 0
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir(os.environ)
     health = os.environ.get(HEALTH_FILE_ENV) or os.path.join(tempfile.mkdtemp(prefix="ucm-health-"), "stuck.json")
-    Path(health).unlink(missing_ok=True)  # left by a stuck store before a restart: not this start's state
+    for left in health_files(Path(health)):  # left by a stuck store before a restart: not this start's state
+        left.unlink(missing_ok=True)
     os.environ[HEALTH_FILE_ENV] = health
     os.environ[WARMUP_ENV] = "1"
     os.environ[IDENTITY_ENV] = pairing_identity(written["kv_connector_extra_config"], vllm_args)

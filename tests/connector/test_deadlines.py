@@ -20,6 +20,7 @@ import uvicorn
 
 from tests.connector.test_scheduler import CTX, Req, put, side, step
 from tests.connector.test_worker import IDS, NB, kv_caches, run_step, worker
+from tests.store.test_cache import Recording
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, WARMUP_ENV, HealthMiddleware, StoreHealth, stuck_for
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
@@ -27,6 +28,7 @@ from ucm.integration.vllm.scheduler import PARAM_BLOCKS
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import Task, create_store
+from ucm.store.breaker import BreakerConfig, BreakerStore
 
 
 class Stalled:
@@ -198,6 +200,61 @@ def test_a_store_stuck_past_its_limit_turns_health_503_until_it_answers(tmp_path
     assert not path.exists()
     assert asgi_get(app, "/health")[0] == 200
     real.close()
+
+
+def test_pd_steps_stop_waiting_on_a_store_whose_writes_hang_and_health_goes_down_until_it_answers(
+    tmp_path, monkeypatch
+):
+    """Before the breaker every PD step waited the full pd_save_wait_s on a store whose writes hang, and
+    /health stayed 200. ``Recording`` with a closed gate stands in for a hung NFS or 3FS server."""
+    gate = threading.Event()
+    path = tmp_path / "stuck.json"
+    health = StoreHealth(0.3, environ={HEALTH_FILE_ENV: str(path)}, worker=0)
+    breaker = BreakerConfig(timeouts=2, timeout_s=0.2, probe_interval_s=0.2)
+    store = BreakerStore(Recording(gate), breaker, on_degraded=health.stuck, on_recovered=health.answered)
+    w = WorkerSide(
+        store, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), pd_save_wait_s=0.5
+    )
+    kv = kv_caches(True)
+    w.register(kv, NB)
+    monkeypatch.setenv(HEALTH_FILE_ENV, str(path))
+    app = HealthMiddleware(vllm_app)
+    try:
+        took = []
+        for i in range(6):  # two PD prefills a step
+            saves = [BlockTransfer(f"r{i}{j}", [bytes([i, j]) * 16], [2 * i + j], wait=True) for j in range(2)]
+            started = time.monotonic()
+            run_step(w, kv, UCMConnectorMetadata(saves=saves))
+            took.append(time.monotonic() - started)
+        assert took[0] >= 0.5  # the first step's saves hang: it waits pd_save_wait_s ...
+        assert sum(took[1:]) < 0.3  # ... and the store is skipped from then on
+        assert w._stats.take().data["save_failed_blocks"] == 10  # not saved: PD decodes are promised nothing
+        assert asgi_get(app, "/health")[0] == 503  # degraded for longer than the 0.3 s limit
+
+        gate.set()  # the server answers again: the next probe brings the store back
+        deadline = time.monotonic() + 5
+        while asgi_get(app, "/health")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("again", [b"a" * 32], [15], wait=True)]))
+        assert w._stats.take().data["saved_blocks"] == 3  # the two hung saves of step one, and this one
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_the_scheduler_and_each_worker_keep_their_own_health_file(tmp_path, monkeypatch):
+    path = tmp_path / "stuck.json"
+    scheduler = StoreHealth(30.0, environ={HEALTH_FILE_ENV: str(path)})
+    worker = StoreHealth(30.0, environ={HEALTH_FILE_ENV: str(path)}, worker=1)
+    worker.stuck(time.time() - 40)
+    scheduler.stuck(time.time())
+    scheduler.answered()  # the scheduler's lookups answer again; the worker's store is still degraded
+    monkeypatch.setenv(HEALTH_FILE_ENV, str(path))
+    status, body = asgi_get(HealthMiddleware(vllm_app), "/health")
+    assert status == 503 and b"has not answered for 40 s" in body
+    worker.answered()
+    assert asgi_get(HealthMiddleware(vllm_app), "/health")[0] == 200
 
 
 def test_without_ucm_serve_nothing_is_written(tmp_path):

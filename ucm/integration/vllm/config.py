@@ -13,6 +13,7 @@ from ucm.config import ConfigError, StrictModel, parse_config
 from ucm.hashing import HASH_ALGORITHMS, HashAlgorithm
 from ucm.sparse.config import SparseConfig, from_ucm
 from ucm.store import validate_store_config
+from ucm.store.breaker import BreakerConfig
 from ucm.store.factory import parse_spec
 
 # vLLM's connector API changes between minor versions; this is the range the tests run against.
@@ -76,6 +77,12 @@ class ConnectorConfig(StrictModel):
         gt=0,
         description="The engine's /health answers 503 once a store call has been stuck this long (with ucm "
         "serve, which adds the middleware); null: never",
+    )
+    store_breaker: BreakerConfig | None = Field(
+        default_factory=BreakerConfig,
+        description="Workers skip a store whose loads and saves time out several in a row (loads are recomputed, "
+        "saves dropped) until a probe is answered in time; /health turns 503 after store_unhealthy_after_s of "
+        "it. null: never skip the store",
     )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
 

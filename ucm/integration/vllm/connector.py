@@ -44,6 +44,7 @@ from ucm.integration.vllm.scheduler import SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import create_store
+from ucm.store.breaker import BreakerStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,6 +113,11 @@ class UCMConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size + get_tensor_model_parallel_rank()
+            if config.store_breaker is not None:
+                health = StoreHealth(config.store_unhealthy_after_s, worker=rank)
+                self._store = store = BreakerStore(
+                    store, config.store_breaker, on_degraded=health.stuck, on_recovered=health.answered
+                )
             self._worker = WorkerSide(
                 store,
                 rank=rank,

@@ -12,7 +12,9 @@ The connector's scheduler half runs in vLLM's engine process; ``/health`` is ans
 server process. They share one small file (``UCM_STORE_HEALTH_FILE``, which ``ucm serve`` sets to a
 fresh path per start): the scheduler writes it when a store call misses its deadline and removes
 it when that call finally returns; ``HealthMiddleware`` (added with vLLM's ``--middleware``)
-answers ``/health`` with 503 once the call has been stuck for ``store_unhealthy_after_s``.
+answers ``/health`` with 503 once the call has been stuck for ``store_unhealthy_after_s``. Each
+worker has a file of its own beside it (``<file>.worker<rank>``), there while its store is degraded
+(``ucm.store.breaker``): one process's store answering again must not clear another's.
 
 Until then the engine keeps serving: lookups count as misses and blocks are recomputed. A short
 stall should not take every engine sharing the store out of service at once.
@@ -30,6 +32,7 @@ answers ``/health`` and new POSTs with 503 (``Retry-After``), which the proxy re
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import logging
 import os
@@ -46,24 +49,31 @@ HEALTH_FILE_ENV = "UCM_STORE_HEALTH_FILE"
 WARMUP_ENV = "UCM_ENGINE_WARMUP"
 IDENTITY_ENV = "UCM_KV_IDENTITY"
 IDENTITY_HEADER = b"x-ucm-kv-identity"
+WORKER_SUFFIX = ".worker"
+TMP_SUFFIX = ".tmp"
 MIDDLEWARE = f"{__name__}.HealthMiddleware"
 WARMUP_TIMEOUT_S = 300.0
 
 
 class StoreHealth:
-    """The scheduler's side: records when the store stopped answering (wall time, shared with the
-    API server process) and when it answers again. Without the environment variable it does
-    nothing: the engine was not started by ``ucm serve`` and nobody reads the file."""
+    """The scheduler's side, or with ``worker`` (its rank) a worker's: records when the store stopped
+    answering (wall time, shared with the API server process) and when it answers again. Without
+    the environment variable it does nothing: the engine was not started by ``ucm serve`` and
+    nobody reads the file."""
 
-    def __init__(self, unhealthy_after_s: float | None, environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, unhealthy_after_s: float | None, environ: dict[str, str] | None = None, worker: int | None = None
+    ) -> None:
         path = (os.environ if environ is None else environ).get(HEALTH_FILE_ENV)
+        if path and worker is not None:
+            path = f"{path}{WORKER_SUFFIX}{worker}"
         self.path = Path(path) if path and unhealthy_after_s is not None else None
         self.unhealthy_after_s = unhealthy_after_s
 
     def stuck(self, since: float) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
         try:
             tmp.write_text(json.dumps({"since": since, "unhealthy_after_s": self.unhealthy_after_s}))
             tmp.replace(self.path)
@@ -73,6 +83,12 @@ class StoreHealth:
     def answered(self) -> None:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+
+
+def health_files(path: Path) -> list[Path]:
+    """The scheduler's file and the workers' files present beside it."""
+    workers = path.parent.glob(f"{glob.escape(path.name)}{WORKER_SUFFIX}*")
+    return [path, *(p for p in workers if not p.name.endswith(TMP_SUFFIX))]
 
 
 def stuck_for(path: Path, now: float | None = None) -> tuple[float, float] | None:
@@ -112,7 +128,7 @@ class HealthMiddleware:
                     self._warming = asyncio.create_task(self._warm_up(f"http://{host}:{port}"))
                 await _unavailable(send, "warming up: the first request is on its way")
                 return
-            stuck = stuck_for(self.path) if self.path is not None else None
+            stuck = self._stuck()
             if stuck is not None:
                 await _unavailable(send, f"the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)")
                 return
@@ -120,6 +136,12 @@ class HealthMiddleware:
                 await self.app(scope, receive, self._with_identity(send))
                 return
         await self.app(scope, receive, send)
+
+    def _stuck(self) -> tuple[float, float] | None:
+        """The longest a store has been stuck past its limit, by the scheduler's or a worker's file."""
+        if self.path is None:
+            return None
+        return max((s for p in health_files(self.path) if (s := stuck_for(p)) is not None), default=None)
 
     def _with_identity(self, send: Any) -> Any:
         async def send_with_identity(message: dict[str, Any]) -> None:

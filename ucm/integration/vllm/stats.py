@@ -32,6 +32,7 @@ COUNTERS: dict[str, str] = {
     "its lookup_timeout_s on other lookups",
     "store_corrupt_blocks": "Stored blocks that failed their integrity check in this engine's workers",
     "store_evicted_blocks": "Blocks evicted by this engine's workers to keep stores under capacity",
+    "store_skipped_blocks": "Blocks this engine's workers did not load or save because the store was degraded",
 }
 HISTOGRAMS: dict[str, str] = {
     "load_seconds": "Time to load one request's blocks in one step",

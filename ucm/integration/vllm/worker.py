@@ -105,6 +105,7 @@ class WorkerSide:
         self._store_counters = {
             "store_corrupt_blocks": metrics.STORE_CORRUPT_BLOCKS,
             "store_evicted_blocks": metrics.STORE_EVICTED_BLOCKS,
+            "store_skipped_blocks": metrics.STORE_SKIPPED_BLOCKS,
         }
         self._store_seen = dict.fromkeys(self._store_counters, 0.0)
 
