@@ -290,6 +290,7 @@ class Proxy:
             async with asyncio.timeout(self.config.timeouts.body_s):  # a stalled upload holds nothing long
                 return await exchange.read_body(limit)
         except TimeoutError:
+            metrics.child(metrics.REJECTED, "body_timeout").inc()
             raise ProxyError(408, f"Request body not received within {self.config.timeouts.body_s} s.") from None
 
     async def _prefill(
@@ -485,7 +486,14 @@ def _response_headers(resp: http1.Response, sent: dict[str, str]) -> dict[str, s
 class ProxyApp:
     """The proxy's two front doors: the hot routes (``HOT_ROUTES``) are answered on the socket by
     ``serve`` (``server`` hands it each such request as an ``Exchange``, no ASGI), everything else
-    by the FastAPI app ``api``."""
+    by the FastAPI app ``api``.
+
+    A request's body is reserved before it is read (its Content-Length, or max_body_bytes when
+    chunked) until its answer ends: all of them within ``max_in_flight_bytes``, one client's (the
+    peer address, ``server.client_key``) within its share, so that uploads which send nothing until
+    ``timeouts.body_s`` cuts them off cannot hold the whole budget. A connection is served one
+    request at a time (a pipelined one waits, reading paused), so it holds one reservation at most:
+    ``max_body_bytes``."""
 
     HOT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -493,22 +501,40 @@ class ProxyApp:
         self.proxy = proxy
         self.api = api
         self.in_flight = 0  # client requests being handled, streams until their last byte
-        self.in_flight_bytes = 0  # their bodies, as declared
+        self.in_flight_bytes = 0  # their bodies, as reserved
+        self.client_bytes: dict[str, int] = {}  # the same per client; a client holding none has no entry
 
     def _body_size(self, exchange: Exchange) -> int:
         """What a request's body will hold: its Content-Length, else (chunked) the most allowed."""
         limit, declared = self.proxy.config.max_body_bytes, exchange.declared_length()
         return limit if declared is None else min(declared, limit)  # larger ones get 413 without a read
 
+    def _refusal(self, client: str, size: int) -> str | None:
+        """Why a request of ``size`` body bytes from ``client`` cannot be admitted now (None: it can)."""
+        config = self.proxy.config
+        if self.client_bytes.get(client, 0) + size > config.client_bytes:
+            return "client_bytes"
+        if self.in_flight >= config.max_in_flight:
+            return "in_flight"
+        if self.in_flight_bytes + size > config.max_in_flight_bytes:
+            return "in_flight_bytes"
+        return None
+
     async def serve(self, exchange: Exchange) -> None:
-        config, size = self.proxy.config, self._body_size(exchange)
-        if self.in_flight >= config.max_in_flight or self.in_flight_bytes + size > config.max_in_flight_bytes:
+        size, client = self._body_size(exchange), exchange.client
+        refusal = self._refusal(client, size)
+        if refusal is not None:
             metrics.child(metrics.REQUESTS, exchange.route, "429", "none").inc()
-            busy = ProxyError(429, "The proxy is at its request limit; retry shortly.", headers={"Retry-After": "1"})
-            await exchange.send(busy.answer())
+            metrics.child(metrics.REJECTED, refusal).inc()
+            message = "The proxy is at its request limit; retry shortly."
+            if refusal == "client_bytes":
+                message = "This client's requests hold their share of the proxy's request budget; retry shortly."
+                exchange.keep_alive = False  # it has connections enough: one fewer held open
+            await exchange.send(ProxyError(429, message, headers={"Retry-After": "1"}).answer())
             return
         self.in_flight += 1
         self.in_flight_bytes += size
+        self.client_bytes[client] = self.client_bytes.get(client, 0) + size
         try:
             try:
                 response = await self.proxy.handle(exchange)
@@ -519,6 +545,9 @@ class ProxyApp:
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= size
+            left = self.client_bytes.pop(client, 0) - size  # (bodies of 0 bytes leave an entry of 0)
+            if left:
+                self.client_bytes[client] = left  # the map holds only clients that hold bytes
 
 
 def create_app(config: ProxyConfig) -> ProxyApp:

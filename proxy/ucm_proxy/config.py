@@ -154,6 +154,20 @@ class ProxyConfig(StrictModel):
         description="Request bodies held at once (by Content-Length; a chunked upload counts as max_body_bytes); "
         "more get 429. A body costs up to ~8x its size while handled (token ids parsed into Python ints)",
     )
+    max_client_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Of max_in_flight_bytes, what one client (an IPv4 address, an IPv6 /64) may hold at once; more "
+        "from it get 429, so a few idle uploads cannot hold the whole budget. Default: a quarter of "
+        "max_in_flight_bytes, at least max_body_bytes. Behind a load balancer every client has its address: raise "
+        "it to max_in_flight_bytes to turn it off",
+    )
+    max_header_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        description="A request's line and headers together; larger heads get 431 and the connection closes",
+    )
+    max_header_count: int = Field(100, ge=16, description="Headers in a request; more get 431")
 
     @field_validator("prefill", "decode")
     @classmethod
@@ -195,7 +209,24 @@ class ProxyConfig(StrictModel):
                 f"max_in_flight_bytes: {self.max_in_flight_bytes} is below max_body_bytes ({self.max_body_bytes}); "
                 "the largest accepted body could never be admitted"
             )
+        if self.max_client_bytes is not None and self.max_client_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_client_bytes: {self.max_client_bytes} is below max_body_bytes ({self.max_body_bytes}); "
+                "the largest accepted body could never be admitted"
+            )
+        if self.max_client_bytes is not None and self.max_client_bytes > self.max_in_flight_bytes:
+            raise ValueError(
+                f"max_client_bytes: {self.max_client_bytes} is above max_in_flight_bytes "
+                f"({self.max_in_flight_bytes}); set it equal to give one client the whole budget"
+            )
         return self
+
+    @property
+    def client_bytes(self) -> int:
+        """What one client may hold of the body budget (``max_client_bytes``, or its default)."""
+        if self.max_client_bytes is not None:
+            return self.max_client_bytes
+        return max(self.max_in_flight_bytes // 4, self.max_body_bytes)
 
     def backend_key(self) -> str | None:
         """The engines' key; an unreadable or empty file is a startup error."""

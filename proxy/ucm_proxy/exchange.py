@@ -37,6 +37,7 @@ class Exchange:
     __slots__ = (
         "_disconnected",
         "body",
+        "client",
         "default_headers",
         "expect_100_continue",
         "flow",
@@ -64,6 +65,7 @@ class Exchange:
         keep_alive: bool,
         expect_100_continue: bool,
         on_response: Callable[[], None],
+        client: str,
     ) -> None:
         self.route = route
         self.headers = headers  # names lowercased by uvicorn
@@ -74,6 +76,7 @@ class Exchange:
         self.keep_alive = keep_alive
         self.expect_100_continue = expect_100_continue
         self.on_response = on_response  # uvicorn's: starts the next pipelined request, or the keep-alive timer
+        self.client = client  # whose share of the body budget it takes (server.client_key)
         self.message_event = asyncio.Event()
         self.body = bytearray()
         self.more_body = True

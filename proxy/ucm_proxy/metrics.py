@@ -34,6 +34,14 @@ BACKEND_HEALTHY = Gauge("ucm_proxy_backend_healthy", "1 when the backend passes 
 EJECTIONS = Counter(
     "ucm_proxy_backend_ejections_total", "Backends ejected after consecutive failures", ["backend", "role"]
 )
+REJECTED = Counter(
+    "ucm_proxy_rejected_requests_total",
+    "Requests refused by a limit that protects the proxy, by reason: header_bytes, header_count (431: the head "
+    "over max_header_bytes or max_header_count), header_timeout, body_timeout (408: past timeouts.header_s or "
+    "body_s), in_flight, in_flight_bytes (429: the proxy at max_in_flight or max_in_flight_bytes), client_bytes "
+    "(429: the client at its share, max_client_bytes)",
+    ["reason"],
+)
 WAITING = Gauge("ucm_proxy_waiting_requests", "Requests waiting for a backend of a pool with none available", ["role"])
 RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])
 PD_PATH_HEALTHY = Gauge(

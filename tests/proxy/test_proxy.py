@@ -539,7 +539,9 @@ def test_the_header_deadline_does_not_cut_kept_alive_requests(fakes, make_proxy)
 
 def test_request_bodies_held_at_once_are_bounded(fakes, make_proxy):
     slow = fakes.add("slow", Behaviour(delay_s=1.0))
-    proxy = make_proxy(mode="mixed", decode=[slow.url], max_body_bytes=1000, max_in_flight_bytes=2000)
+    # One client here: its share is the whole budget (test_limits holds a client to its share).
+    options = {"max_body_bytes": 1000, "max_in_flight_bytes": 2000, "max_client_bytes": 2000}
+    proxy = make_proxy(mode="mixed", decode=[slow.url], **options)
     big = {**COMPLETION, "prompt": "x" * 800}  # ~850 bytes: two fit, a third waits for room
 
     def call(body):
