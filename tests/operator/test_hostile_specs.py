@@ -70,9 +70,16 @@ HOSTILE = [
         "spec.decode.affinity: engines may not be placed on control-plane nodes",
     ),
     ({"model.extraArgs": ["--trust-remote-code"]}, "spec.model.extraArgs[0]: --trust-remote-code is not allowed"),
+    ({"model.extraArgs": ["--trust_remote"]}, "spec.model.extraArgs[0]: --trust-remote-code is not allowed"),
+    (
+        {"prefill.extraArgs": ["--kv-transfer-config.kv_connector=Evil"]},
+        "spec.prefill.extraArgs[0]: --kv-transfer-config is not allowed",
+    ),
     ({"decode.extraArgs": ["--max-num-seqs", "8", "--middleware=x.y"]}, "spec.decode.extraArgs[2]: --middleware is"),
     ({"prefill.extraArgs": ["--api-key", "mine"]}, "spec.prefill.extraArgs[0]: --api-key is not allowed"),
     ({"decode.env": [{"name": "VLLM_API_KEY", "value": "x"}]}, "spec.decode.env[0].name: VLLM_API_KEY is set by"),
+    ({"decode.env": [{"name": "LD_PRELOAD", "value": "/x.so"}]}, "spec.decode.env[0].name: LD_PRELOAD is not allowed"),
+    ({"prefill.envFrom": [{"configMapRef": {"name": "c"}}]}, "spec.prefill.envFrom[0].prefix: without a prefix"),
     ({"proxy.service": {"type": "LoadBalancer"}}, "spec.proxy.apiKeySecret: required with proxy.service.type"),
     ({"proxy.config": {"backend_api_key_file": "/x"}}, "spec.proxy.config.backend_api_key_file: set by the"),
     ({"proxy.config": {"api_keys": ["k"]}}, "spec.proxy.config.api_keys: set by the deployment"),
@@ -104,7 +111,10 @@ def test_what_the_policy_allows_renders_safely():
             "model.source": {"hostPath": "/data/models/llama"},
             "proxy.apiKeySecret": {"name": "shared", "key": "ucm-keys"},
             "decode.env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
-            "decode.envFrom": [{"secretRef": {"name": "hf-all"}, "prefix": "HF_"}, {"configMapRef": {"name": "tun"}}],
+            "decode.envFrom": [
+                {"secretRef": {"name": "hf-all"}, "prefix": "HF_"},
+                {"configMapRef": {"name": "tun"}, "prefix": "TUN_"},
+            ],
         }
     )
     planned = plan_of(owner(spec), policy)
@@ -124,7 +134,7 @@ def test_what_the_policy_allows_renders_safely():
     # Whole Secrets as env only where asked; the deployment's own env entries win over them.
     assert decode["containers"][0]["envFrom"] == [
         {"secretRef": {"name": "hf-all"}, "prefix": "HF_"},
-        {"configMapRef": {"name": "tun"}},
+        {"configMapRef": {"name": "tun"}, "prefix": "TUN_"},
     ]
     assert "envFrom" not in objs[("Deployment", "h-prefill")]["spec"]["template"]["spec"]["containers"][0]
     escape = {**spec, "model": {**spec["model"], "source": {"hostPath": "/data/models/../../etc"}}}

@@ -17,6 +17,7 @@ from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.monitors import Monitors
 from ucm.deploy.monitors import from_args as monitors_from_args
 from ucm.deploy.plan import build_plan
+from ucm.deploy.policy import from_args as policy_from_args
 from ucm.deploy.roles import Site
 from ucm.deploy.spec import UCMDeploymentSpec
 from ucm_operator.cli import build_parser
@@ -157,7 +158,14 @@ def test_chart_lints(tmp_path):
         [],
         ["--set", "metrics.service.enabled=true", "--set", "watchNamespaces={serving,batch}"],
         ["--set", "metrics.serviceMonitor.enabled=true", "--set", "image.tag=dev"],
-        ["--set", "policy.hostPathPrefixes={/data/models}", "--set", "policy.anyScheduling=true"],
+        [
+            "--set",
+            "policy.hostPathPrefixes={/data/models}",
+            "--set",
+            "policy.anyScheduling=true",
+            "--set",
+            "policy.allowedEnv={LD_PRELOAD}",
+        ],
         [
             "--set",
             "monitoring.prometheusOperator=true",
@@ -184,9 +192,11 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     assert "--allow-image-prefix=ucm/" in args
     if "policy.anyScheduling=true" in values:
         assert "--allow-host-path=/data/models" in args and "--allow-any-scheduling" in args
+        assert "--allow-env=LD_PRELOAD" in args
     # The operator accepts what the chart passes.
     parsed = build_parser().parse_args(args)
     assert parsed.allow_host_path == (["/data/models"] if "policy" in str(values) else [])
+    assert policy_from_args(parsed).allowed_env == (("LD_PRELOAD",) if "policy" in str(values) else ())
     monitored = "monitoring.prometheusOperator=true" in values
     assert monitors_from_args(parsed) == Monitors(monitored, (("release", "prom"),) if monitored else ())
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -201,6 +211,7 @@ def test_chart_renders_valid_manifests(values, tmp_path):
         ("metrics.port=70000", "port"),
         ("surprise=1", "surprise"),
         ("policy.hostPathPrefixes={relative}", "hostPathPrefixes"),
+        ("policy.allowedEnv={LD_*}", "allowedEnv"),
     ],
 )
 def test_chart_values_are_validated(flag, complaint, tmp_path):

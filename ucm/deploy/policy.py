@@ -12,28 +12,105 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.deploy import autoscaling, monitors
+from ucm.deploy import autoscaling, engine_args, monitors
 from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.monitors import Monitors
 from ucm.deploy.roles import fail
-from ucm.deploy.spec import PoolSpec, UCMDeploymentSpec
+from ucm.deploy.spec import EnvFromSource, EnvVar, PoolSpec, UCMDeploymentSpec
+from ucm.deploy.vllm_options import OPTIONS
 
-# vLLM flags a spec may not pass: they load code into the engine (remote code, middleware, parser
-# plugins) or undo what the deployment decides (its key, address, connector).
+# vLLM options a spec may not pass, however spelled (ucm.deploy.engine_args reads them as vLLM
+# does): they load code into the engine (remote code, a class or module by name, parser plugins, a
+# logging config, which builds objects of any class it names), read options or files the spec
+# does not show, or undo what the deployment decides (its key, address, connector).
 REFUSED_FLAGS = {
     "--trust-remote-code": "runs code downloaded with the model",
     "--middleware": "loads code into the API server",
     "--tool-parser-plugin": "loads code into the API server",
     "--reasoning-parser-plugin": "loads code into the API server",
+    "--worker-cls": "loads a class by name into the engine",
+    "--worker-extension-cls": "loads a class by name into the engine",
+    "--scheduler-cls": "loads a class by name into the engine",
+    "--distributed-executor-backend": "may name an executor class to load into the engine",
+    "--logits-processors": "loads classes by name into the engine",
+    "--model-class-overrides": "loads model classes by name into the engine",
+    "--ec-transfer-config": "loads an encoder-cache connector module into the engine",
+    "--log-config-file": "a logging config builds objects of any class it names",
+    "--logging-config": "a logging config file builds objects of any class it names (use --log-level)",
+    "--config": "reads more options from a file in the pod, which no policy sees",
     "--allowed-local-media-path": "lets requests read files of the pod",
     "--api-key": "the deployment sets the engines' key",
     "--kv-transfer-config": "the deployment sets the connector",
     "--host": "the deployment sets the address",
     "--port": "the deployment sets the port",
 }
+# The same by argparse dest, which every spelling of an option comes down to (a KeyError here: a
+# refused flag vLLM no longer has; revise the list).
+_REFUSED_DESTS = {OPTIONS[flag]: flag for flag in REFUSED_FLAGS}
+
+# Environment variables a spec may not set (env, or envFrom through its prefix) unless the operator
+# allows them by name (--allow-env; the chart's policy.allowedEnv): they make the engine's
+# processes load code, or move where they find it. That is code execution even with no writable
+# volume: a model from the hub puts files its author chose at a known path in the pod.
+REFUSED_ENV_PREFIXES = {
+    # The dynamic loader reads LD_*: LD_PRELOAD and LD_AUDIT load libraries into every process,
+    # LD_LIBRARY_PATH moves where they are found.
+    "LD_": "the dynamic loader loads libraries it names",
+    # Python reads PYTHON*: PYTHONPATH, PYTHONHOME, PYTHONUSERBASE and PYTHONPYCACHEPREFIX move where
+    # code is imported from; PYTHONSTARTUP, PYTHONWARNINGS (a category's module) and
+    # PYTHONBREAKPOINT import code. The rest tune the interpreter, which the image already does.
+    "PYTHON": "Python imports code from where it says",
+    # Functions every bash the engine starts defines.
+    "BASH_FUNC_": "defines shell functions in every shell the engine starts",
+    # Triton builds and loads GPU kernels from its cache and override directories and runs the
+    # binaries (ptxas) it is pointed at; torch.compile's inductor loads compiled code from its caches.
+    "TRITON_": "Triton loads kernels and runs binaries from where it says",
+    "TORCHINDUCTOR_": "torch.compile loads compiled code from its caches",
+}
+REFUSED_ENV = {
+    "GCONV_PATH": "glibc loads character-set modules from it",
+    "PATH": "moves where every program the engine runs is found",
+    "BASH_ENV": "a script every non-interactive bash runs first",
+    "ENV": "a script every interactive sh runs first",
+    "NODE_OPTIONS": "loads code into every Node.js process",
+    "PERL5LIB": "moves where Perl loads code from",
+    "PERL5OPT": "loads code into every Perl process",
+    "PERLLIB": "moves where Perl loads code from",
+    "OPENSSL_CONF": "an OpenSSL config loads engines and providers (libraries)",
+    "OPENSSL_ENGINES": "where OpenSSL loads engines (libraries) from",
+    "OPENSSL_MODULES": "where OpenSSL loads providers (libraries) from",
+    "CUDA_INJECTION32_PATH": "CUDA loads this library into every process that uses it",
+    "CUDA_INJECTION64_PATH": "CUDA loads this library into every process that uses it",
+    "NVTX_INJECTION32_PATH": "NVTX loads this library into every process that uses it",
+    "NVTX_INJECTION64_PATH": "NVTX loads this library into every process that uses it",
+    "CUDA_CACHE_PATH": "CUDA loads compiled kernels from it",
+    "OMP_TOOL_LIBRARIES": "OpenMP loads these libraries",
+    "NCCL_NET_PLUGIN": "NCCL loads this library",
+    "NCCL_TUNER_PLUGIN": "NCCL loads this library",
+    "NCCL_PROFILER_PLUGIN": "NCCL loads this library",
+    "NCCL_CONF_FILE": "NCCL reads its settings, its plugins among them, from this file",
+    "CC": "the C compiler Triton runs to build its kernels' launchers",
+    "CXX": "the C++ compiler torch.compile runs",
+    "TORCH_EXTENSIONS_DIR": "torch loads compiled extensions from it",
+    "TORCH_HOME": "torch.hub imports code from it",
+    "HOME": "moves the caches compiled code is loaded from (~/.triton, ~/.cache)",
+    "XDG_CACHE_HOME": "moves the caches compiled code is loaded from (vLLM's, Triton's)",
+    "VLLM_CACHE_ROOT": "vLLM loads compiled code (torch.compile) from it",
+    "VLLM_PLUGINS": "chooses which plugins vLLM loads",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "vLLM unpickles messages (code) with it",
+    "VLLM_SERVER_DEV_MODE": "opens vLLM's development endpoints (calls into the engine's workers)",
+    "VLLM_LOGGING_CONFIG_PATH": "a logging config builds objects of any class it names",
+    "VLLM_NCCL_SO_PATH": "vLLM loads this library",
+    "VLLM_CUDART_SO_PATH": "vLLM loads this library",
+    "VLLM_CUDA_COMPATIBILITY_PATH": "vLLM loads libraries from it",
+    "VLLM_RUST_FRONTEND_PATH": "vLLM runs this binary",
+}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
 CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 
 
@@ -49,6 +126,8 @@ class Policy:
     autoscaler: Autoscaler = dataclasses.field(default_factory=Autoscaler)
     # Another cluster fact: whether Prometheus Operator monitors are rendered, labelled how.
     monitors: Monitors = dataclasses.field(default_factory=Monitors)
+    # Refused environment variables (REFUSED_ENV, REFUSED_ENV_PREFIXES) specs may set all the same.
+    allowed_env: tuple[str, ...] = ()
 
     def check(self, spec: UCMDeploymentSpec) -> None:
         """Raises :class:`PlanError` naming the first field outside the bounds."""
@@ -64,9 +143,10 @@ class Policy:
         for field, path in paths:
             if path is not None:
                 self._host_path(field, path)
-        _refused_flags("model.extraArgs", spec.model.extra_args)
+        _refused_args("model.extraArgs", spec.model.extra_args)
         for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
-            _refused_flags(f"{name}.extraArgs", pool.extra_args)
+            _refused_args(f"{name}.extraArgs", pool.extra_args)
+            self._env(name, pool.env, pool.env_from)
             if not self.any_scheduling:
                 _scheduling(name, pool)
         self.autoscaler.check(spec)
@@ -80,12 +160,56 @@ class Policy:
             listed = ", ".join(self.host_path_prefixes) or "none: the operator allows no node directories"
             raise fail(field, f"{path} is not under an allowed host path ({listed})")
 
+    def _env(self, pool_name: str, env: list[EnvVar], env_from: list[EnvFromSource]) -> None:
+        for i, e in enumerate(env):
+            why = _refused_env(e.name)
+            if why is not None and e.name not in self.allowed_env:
+                raise fail(
+                    f"{pool_name}.env[{i}].name",
+                    f"{e.name} is not allowed: {why} (unless the operator's policy allows it by name)",
+                )
+        for i, source in enumerate(env_from):
+            reached = self._reachable(source.prefix)
+            if reached is not None:
+                name, why = reached
+                how = f"{source.prefix!r} and a key" if source.prefix else "without a prefix, a key"
+                raise fail(
+                    f"{pool_name}.envFrom[{i}].prefix",
+                    f"{how} of the Secret or ConfigMap could make {name}, which is not allowed: {why}; give a "
+                    "prefix no refused name starts with, or name each variable in env",
+                )
 
-def _refused_flags(field: str, args: list[str]) -> None:
+    def _reachable(self, prefix: str) -> tuple[str, str] | None:
+        """A refused name that ``prefix`` and some key make (envFrom), and why it is refused."""
+        for start, why in REFUSED_ENV_PREFIXES.items():
+            if start.startswith(prefix) or prefix.startswith(start):
+                return f"{start}*", why
+        for name, why in REFUSED_ENV.items():
+            if name.startswith(prefix) and name != prefix and name not in self.allowed_env:
+                return name, why
+        return None
+
+
+def _refused_args(field: str, args: list[str]) -> None:
     for i, arg in enumerate(args):
-        flag = arg.split("=", 1)[0]
-        if flag in REFUSED_FLAGS:
-            raise fail(f"{field}[{i}]", f"{flag} is not allowed: {REFUSED_FLAGS[flag]}")
+        try:
+            read = engine_args.dests(arg)
+        except engine_args.EngineArgError as exc:
+            raise fail(f"{field}[{i}]", str(exc)) from None
+        for dest in read:
+            if dest in _REFUSED_DESTS:
+                flag = _REFUSED_DESTS[dest]
+                written = arg.partition("=")[0]
+                how = "" if written == flag else f" (vLLM reads {written} as {flag})"
+                raise fail(f"{field}[{i}]", f"{flag} is not allowed: {REFUSED_FLAGS[flag]}{how}")
+
+
+def _refused_env(name: str) -> str | None:
+    """Why a spec may not set the environment variable ``name``; None where it may."""
+    for start, why in REFUSED_ENV_PREFIXES.items():
+        if name.startswith(start):
+            return why
+    return REFUSED_ENV.get(name)
 
 
 def _scheduling(pool_name: str, pool: PoolSpec) -> None:
@@ -126,6 +250,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bounds.add_argument(
         "--allow-any-scheduling", action="store_true", help="pass control-plane placement and keyless tolerations"
     )
+    bounds.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an environment variable specs may set though it loads code (LD_PRELOAD, PYTHONPATH, ...: "
+        "ucm.deploy.policy.REFUSED_ENV; repeatable)",
+    )
     autoscaling.add_arguments(p)
     monitors.add_arguments(p)
 
@@ -137,4 +269,14 @@ def from_args(args: argparse.Namespace) -> Policy:
         any_scheduling=args.allow_any_scheduling,
         autoscaler=autoscaling.from_args(args),
         monitors=monitors.from_args(args),
+        allowed_env=_allowed_env(args.allow_env),
     )
+
+
+def _allowed_env(names: list[str]) -> tuple[str, ...]:
+    for name in names:
+        if not _ENV_NAME.fullmatch(name):
+            raise SystemExit(f"--allow-env: {name!r} is not an environment variable name")
+        if _refused_env(name) is None:
+            raise SystemExit(f"--allow-env: {name} is not refused (specs may set it already)")
+    return tuple(names)

@@ -1,0 +1,152 @@
+"""Which vLLM options a spec's extra arguments set, read as the engine's own parser reads them.
+
+A policy that compares strings is bypassed by the spellings vLLM accepts: ``--trust_remote_code``,
+an abbreviation (``--trust-remote``), a dotted sub-key (``--kv-transfer-config.kv_connector=x``),
+``-O3``, a short option with its value attached. The operator's image carries no vLLM (nor torch),
+so this module does what vLLM's server parser does, from a table of that parser's options
+(``ucm.deploy.vllm_options``, generated from vLLM: ``python -m ucm.deploy.engine_args``): first
+what ``FlexibleArgumentParser.parse_args`` rewrites, then how argparse reads each resulting string.
+``tests/deploy/test_engine_args.py`` holds it to vLLM's real parser on generated spellings.
+
+An argument is reduced to the options it sets, by argparse ``dest`` (``trust_remote_code`` for
+``--trust-remote-code`` and ``--no-trust-remote-code`` alike). An argument vLLM would read as an
+option it does not have, or as an abbreviation of several, is an error here: the engine would not
+start with it, and a vLLM other than the table's must not be a way around the policy.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ucm.deploy.vllm_options import OPTIONS, SWITCHES, VLLM_VERSION
+
+
+class EngineArgError(ValueError):
+    """An argument vLLM would not read as known options."""
+
+
+def dests(arg: str) -> list[str]:
+    """The options (argparse ``dest``) vLLM's server parser sets from ``arg``, one extra argument;
+    none for a value. Raises :class:`EngineArgError` for one it would not read."""
+    if arg == "--":
+        raise EngineArgError("-- ends vLLM's options: the deployment's own arguments after it would not be read")
+    try:
+        return [dest for token in _rewritten(arg) for dest in _read(token)]
+    except EngineArgError as exc:
+        raise EngineArgError(f"{arg.partition('=')[0]} {exc}") from None
+
+
+def _rewritten(arg: str) -> list[str]:
+    """The strings ``FlexibleArgumentParser.parse_args`` hands argparse for ``arg``."""
+    if arg.startswith("--"):
+        # Underscores become dashes in the name: up to the "=" and the first ".".
+        key, sep, value = arg.partition("=")
+        name, dot, sub = key[2:].partition(".")
+        tokens = ["--" + name.replace("_", "-") + dot + sub + sep + value]
+    elif arg.startswith("-O"):
+        # -O3, -O=3, -O 3: the optimization level, and what follows -O as a string of its own.
+        tokens = ["--optimization-level"] if arg == "-O" else ["--optimization-level", arg[3 if arg[2] == "=" else 2 :]]
+    else:
+        tokens = [arg]
+    # A dotted option (--x.key=value, --x.key value) is folded into one "--x <JSON>" at the end.
+    # (Without "=" it takes the next argument as its value, whatever it looks like: that argument is
+    # read on its own here too, so this reads more than vLLM there, never less.)
+    return [_dotted_key(t) for t in tokens]
+
+
+def _dotted_key(token: str) -> str:
+    key = token.partition("=")[0]
+    if not token.startswith("-") or "." not in key:
+        return token
+    return key.partition(".")[0]
+
+
+def _read(token: str) -> list[str]:
+    """The options argparse reads ``token`` as (its ``_parse_optional``)."""
+    if not token.startswith("-") or token == "-":
+        return []
+    if token in OPTIONS:
+        return [OPTIONS[token]]
+    name, sep, attached = token.partition("=")
+    if sep and name in OPTIONS:
+        option = name
+    else:
+        found = _abbreviated(token)
+        if len(found) > 1:
+            raise EngineArgError(f"is ambiguous to vLLM ({', '.join(o for o, _ in found)}): write the option out")
+        if not found:
+            # A negative number, or a string with a space, is a value to argparse. (No vLLM option
+            # starts with "-" and a digit; Python versions differ on which such strings are numbers.)
+            if token[1].isdigit() or token[1] == "." or " " in token:
+                return []
+            raise EngineArgError(f"is not an option of vLLM {VLLM_VERSION}'s server")
+        ((option, attached),) = found
+    read = [OPTIONS[option]]
+    # A single-dash switch with text after it: argparse reads the text as more one-letter options
+    # (-xyz as -x -y -z), each taking the rest as its value unless it is a switch too.
+    while option[1] != "-" and option in SWITCHES and attached:
+        option, attached = "-" + attached[0], attached[1:].removeprefix("=")
+        if option not in OPTIONS:
+            raise EngineArgError(f"is not an option of vLLM {VLLM_VERSION}'s server")
+        read.append(OPTIONS[option])
+    return read
+
+
+def _abbreviated(token: str) -> list[tuple[str, str]]:
+    """The options ``token`` may stand for without naming one, each with the text it carries: those
+    whose name starts with it (the part before "=") and, after one dash, a one-letter option with
+    its value attached (-qfp8)."""
+    prefix, _, attached = token.partition("=")
+    found = []
+    if not token.startswith("--") and token[:2] in OPTIONS:
+        found.append((token[:2], token[2:]))
+    # Python 3.11 matches a single-dash abbreviation on the whole string and 3.12 on the part before
+    # "=": the latter finds more, so both are covered.
+    return found + [(o, attached) for o in OPTIONS if o.startswith(prefix) and o != token[:2]]
+
+
+_TEMPLATE = '''"""``vllm serve``'s options in vLLM {version}: every option string, the argparse ``dest`` it sets, and
+which take no value. Generated from vLLM's server parser by ``python -m ucm.deploy.engine_args``
+(``make generate``); a test fails when it drifts from the installed vLLM. Do not edit."""
+
+VLLM_VERSION = "{version}"
+OPTIONS: dict[str, str] = {{
+{options}}}
+SWITCHES: frozenset[str] = frozenset(
+    {{
+{switches}    }}
+)
+'''
+
+
+def generate() -> str:
+    """The text of ``ucm/deploy/vllm_options.py``, from the installed vLLM (``make dev`` has it)."""
+    import vllm
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # As `python -m vllm.entrypoints.openai.api_server` (what `ucm serve` runs) builds it.
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+    # What this module's reading assumes of the parser.
+    if not parser.allow_abbrev or parser.prefix_chars != "-" or parser._has_negative_number_optionals:
+        raise SystemExit("vLLM's parser changed how argparse reads options: revise ucm/deploy/engine_args.py")
+    actions = sorted(parser._option_string_actions.items())  # argparse's table: option string -> action
+    return _TEMPLATE.format(
+        version=vllm.__version__,
+        options="".join(f'    "{option}": "{action.dest}",\n' for option, action in actions),
+        switches="".join(f'        "{option}",\n' for option, action in actions if action.nargs == 0),
+    )
+
+
+def main() -> int:
+    text = generate()
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
