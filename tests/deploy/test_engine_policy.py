@@ -55,6 +55,7 @@ BYPASSES = [
     ("decode", ["--model-class-overrides.LlamaForCausalLM=evil:Model"], 0, "--model-class-overrides"),
     ("decode", ["--distributed-executor-backend=evil.Executor"], 0, "--distributed-executor-backend"),
     ("decode", ["--ec-transfer-config.ec_connector_module_path=evil"], 0, "--ec-transfer-config"),
+    ("decode", ["--ec_manager_config.encoder_cache_manager_cls=evil.M"], 0, "--ec-manager-config"),
     ("decode", ["--log-config-file", "/models/logging.json"], 0, "--log-config-file"),
     ("decode", ["--logging-config.pylogging_config_file=/models/logging.json"], 0, "--logging-config"),
 ]

@@ -39,6 +39,7 @@ REFUSED_FLAGS = {
     "--logits-processors": "loads classes by name into the engine",
     "--model-class-overrides": "loads model classes by name into the engine",
     "--ec-transfer-config": "loads an encoder-cache connector module into the engine",
+    "--ec-manager-config": "loads an encoder-cache manager class by name into the engine",
     "--log-config-file": "a logging config builds objects of any class it names",
     "--logging-config": "a logging config file builds objects of any class it names (use --log-level)",
     "--config": "reads more options from a file in the pod, which no policy sees",
