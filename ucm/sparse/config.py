@@ -40,7 +40,10 @@ class SparseConfig(StrictModel):
 
     algorithm: Algorithm
     min_tokens: int = Field(
-        512, ge=1, description="Shorter requests decode densely (selection cannot pay for itself there)"
+        4096,
+        ge=1,
+        description="Shorter requests decode densely: below this length selection does not pay for itself "
+        "(measured on 2 CPU cores: 0.93x dense at 2,000 tokens, 1.12x at 7,000)",
     )
     dense_layers: int = Field(2, ge=0, description="The first layers always attend every block")
     esa: ESAConfig | None = None
