@@ -5,6 +5,7 @@ import time
 import pytest
 
 from ucm_proxy.decider import CHUNK_TOKENS, Decider
+from ucm_proxy.requests import affinity_key
 from ucm_testing.fake_vllm import MODEL, Behaviour
 
 WORDS = " ".join(f"word{i:04d}" for i in range(2000))  # ~9 chars a word: ~2.2 tokens at 4 chars/token
@@ -38,6 +39,22 @@ def test_a_prompt_whose_prefix_was_stored_goes_straight_to_decode():
     # Another long prompt with a different start shares nothing.
     other, _ = decider.decide(completion("x" + first), "/v1/completions")
     assert (other.disaggregate, other.stored) == (True, 0)
+
+
+def test_a_prefix_stored_under_one_cache_salt_is_not_found_under_another():
+    """Tenant isolation (the proxy's cache_salt: per_key gives each API key its salt): what one tenant
+    served neither changes another's decision nor its routing key, so neither can be probed."""
+    decider = Decider(256, 4.0, 1000, 2.0)
+    prompt = WORDS[:4000]
+    _, chunks = decider.decide(completion(prompt, cache_salt="tenant-a"), "/v1/completions")
+    decider.remember(chunks)
+    mine, _ = decider.decide(completion(prompt + " more", cache_salt="tenant-a"), "/v1/completions")
+    assert (mine.disaggregate, mine.reason) == (False, "stored")
+    theirs, _ = decider.decide(completion(prompt + " more", cache_salt="tenant-b"), "/v1/completions")
+    unsalted, _ = decider.decide(completion(prompt + " more"), "/v1/completions")
+    assert (theirs.reason, theirs.stored) == ("cold", 0) and (unsalted.reason, unsalted.stored) == ("cold", 0)
+    keys = {affinity_key(completion(prompt, cache_salt=s), "/v1/completions", 256) for s in ("a", "b", "")}
+    assert len(keys) == 3
 
 
 def test_chat_messages_are_one_prompt_with_their_boundaries():
