@@ -40,7 +40,7 @@ from ucm_proxy.config import ProxyConfig, read_backends_file
 from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.exchange import Exchange
-from ucm_proxy.http1 import Client, UpstreamError
+from ucm_proxy.http1 import Client, TooLarge, UpstreamError
 from ucm_proxy.keys import ApiKeys
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
 from ucm_proxy.relay import Upstream, relay_chunks
@@ -311,7 +311,10 @@ class Proxy:
             ):
                 if resp.status >= 500:
                     raise Retry(f"prefill {backend.url} answered {resp.status}")
-                data = await resp.read()
+                try:
+                    data = await resp.read(self.config.max_response_bytes)
+                except TooLarge:  # a one-token answer this large: that backend is broken
+                    raise Retry(f"prefill {backend.url} answered more than max_response_bytes") from None
                 if resp.status >= 400:  # the client's request is wrong: say so, don't retry
                     raise Passthrough(resp.status, data)
                 try:
@@ -348,7 +351,15 @@ class Proxy:
             try:
                 if resp.status >= 500:
                     raise Retry(f"decode {backend.url} answered {resp.status}")
-                data = await resp.read()
+                try:
+                    data = await resp.read(self.config.max_response_bytes)
+                except TooLarge:  # another backend would answer as much: the client must stream it
+                    raise ProxyError(
+                        502,
+                        f"The answer is larger than the proxy's max_response_bytes ({self.config.max_response_bytes} "
+                        "bytes); ask for it with stream: true.",
+                        kind="upstream_error",
+                    ) from None
                 if resp.status == 200 and ABORTED.search(data):
                     raise Retry(f"decode {backend.url} aborted the request")
             finally:

@@ -145,6 +145,12 @@ class ProxyConfig(StrictModel):
         "cannot probe each other's cached prefixes; needs api_keys); none: removed",
     )
     max_body_bytes: int = Field(4 << 20, gt=0, description="Larger request bodies get 413")
+    max_response_bytes: int = Field(
+        64 << 20,
+        ge=1 << 20,
+        description="A non-streamed answer is held whole before it is sent: one larger than this gets 502 "
+        "(ask with stream: true, which is relayed as it comes)",
+    )
     max_in_flight: int = Field(
         1024, ge=1, description="Client requests handled at once (streams until they end); more get 429"
     )

@@ -33,6 +33,10 @@ class UpstreamError(Exception):
     """The backend could not be reached, or broke the HTTP exchange."""
 
 
+class TooLarge(Exception):
+    """A whole body read with a limit went past it."""
+
+
 class Response:
     """A response's status and headers; its body is read with ``read`` or ``chunk``."""
 
@@ -63,10 +67,14 @@ class Response:
             self._conn.drained()
         return data
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        parts = []
+    async def read(self, limit: int) -> bytes:
+        """The whole body; :class:`TooLarge` once more than ``limit`` bytes arrived (the proxy holds
+        what it reads whole, so a backend cannot make it hold more)."""
+        parts, size = [], 0
         while data := await self.chunk():
+            size += len(data)
+            if size > limit:
+                raise TooLarge(limit)
             parts.append(data)
         return b"".join(parts)
 

@@ -9,8 +9,9 @@ import pytest
 
 from ucm.deploy.ports import free_port
 from ucm_proxy import http1
-from ucm_proxy.http1 import Client, UpstreamError
+from ucm_proxy.http1 import Client, TooLarge, UpstreamError
 
+LIMIT = 1 << 20  # what a whole body read may hold
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -73,7 +74,7 @@ async def test_requests_reuse_one_kept_alive_connection_and_carry_headers() -> N
             assert resp.status == 200
             assert resp.headers["content-type"] == "application/json"
             assert resp.headers["x-path"] == "/v1/completions"
-            assert await resp.read() == b'{"n": %d}' % i
+            assert await resp.read(LIMIT) == b'{"n": %d}' % i
             resp.release()
         assert server.connections == 1
         client.close()
@@ -130,7 +131,7 @@ async def test_a_kept_alive_connection_closed_by_the_backend_is_replaced_without
         client = Client()
         for body in (b"first", b"second"):
             resp = await client.post(server.url, "/x", body, {}, 1.0)
-            assert await resp.read() == body
+            assert await resp.read(LIMIT) == body
             resp.release()
         assert server.connections == 2
         client.close()
@@ -147,7 +148,7 @@ async def test_a_backend_closing_mid_body_is_an_upstream_error_and_the_connectio
         client = Client()
         resp = await client.post(server.url, "/x", b"{}", {}, 1.0)
         with pytest.raises(UpstreamError, match="closed the connection"):
-            await resp.read()
+            await resp.read(LIMIT)
         resp.release()
         client.close()
 
@@ -178,6 +179,29 @@ async def test_silence_past_idle_s_is_a_timeout_before_and_after_the_headers() -
 
 
 @pytest.mark.asyncio
+async def test_a_whole_body_past_the_limit_is_refused_and_its_connection_not_reused() -> None:
+    """A backend cannot make the proxy hold more than it asked to read whole."""
+    big = b"x" * (3 * http1.HIGH_WATER)
+
+    async def huge_then_small(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok(big))
+        await writer.drain()
+
+    async with Server(huge_then_small) as server:
+        client = Client()
+        resp = await client.post(server.url, "/x", b"{}", {}, 1.0)
+        with pytest.raises(TooLarge):
+            await resp.read(len(big) - 1)
+        resp.release()
+        again = await client.post(server.url, "/x", b"{}", {}, 1.0)
+        assert await again.read(len(big)) == big  # exactly the limit is fine
+        again.release()
+        assert server.connections == 2  # the cut-off answer's connection was closed, not reused
+        client.close()
+
+
+@pytest.mark.asyncio
 async def test_a_body_without_length_ends_with_the_connection() -> None:
     async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -187,7 +211,7 @@ async def test_a_body_without_length_ends_with_the_connection() -> None:
     async with Server(close_delimited) as server:
         client = Client()
         resp = await client.post(server.url, "/x", b"{}", {}, 1.0)
-        assert await resp.read() == b"all of it"
+        assert await resp.read(LIMIT) == b"all of it"
         resp.release()
         client.close()
 
@@ -268,7 +292,7 @@ async def test_a_connection_idle_too_long_is_not_reused(monkeypatch) -> None:
         for pause in (0.0, 0.01, 0.2):
             await asyncio.sleep(pause)
             resp = await client.post(server.url, "/x", b"{}", {}, 1.0)
-            assert await resp.read() == b"{}"
+            assert await resp.read(LIMIT) == b"{}"
             resp.release()
         assert server.connections == 2  # the second request reused the first's; the third did not
         client.close()
@@ -301,7 +325,7 @@ async def test_a_connection_paused_by_a_large_unread_answer_reads_again_when_reu
         assert conn.paused  # the last bytes came in past the mark
         resp.release()
         resp = await asyncio.wait_for(client.post(server.url, "/x", b"again", {}, 1.0), 2)
-        assert await resp.read() == b"again"
+        assert await resp.read(LIMIT) == b"again"
         resp.release()
         assert server.connections == 1
         client.close()

@@ -141,6 +141,23 @@ def test_mixed_mode_forwards_the_request_unchanged(fakes, make_proxy):
     assert all(r["body"] == COMPLETION for r in a.requests + b.requests)
 
 
+def test_a_whole_answer_larger_than_max_response_bytes_is_a_502_and_a_stream_still_flows(fakes, make_proxy):
+    """A non-streamed answer is held whole: the proxy refuses to hold more than max_response_bytes
+    (instead of growing without bound) and says how to get it; streamed, the same answer passes."""
+    d = fakes.add("d", Behaviour(chunks=200_000))  # " t0 t1 ...": ~1.3 MB of text
+    proxy = make_proxy(mode="mixed", decode=[d.url], max_response_bytes=1 << 20)
+    big = {**COMPLETION, "max_tokens": 200_000}
+    with proxy.client() as c:
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 502, r.text
+        assert "max_response_bytes" in r.json()["error"]["message"] and "stream" in r.json()["error"]["message"]
+        assert len(d.requests) == 1  # not retried elsewhere: any backend would answer as much
+        small = c.post("/v1/completions", json=COMPLETION)
+        assert small.status_code == 200
+        with c.stream("POST", "/v1/completions", json={**big, "stream": True}) as s:
+            assert s.status_code == 200 and sum(len(x) for x in s.iter_bytes()) > 1 << 20
+
+
 FORGED = {"do_remote_prefill": True, "ucm_blocks": 1_000_000}
 
 
