@@ -14,6 +14,7 @@ import torch
 
 from tests.sparse import reference
 from tests.sparse.test_kernel import HKV, SCALE, B, D, H, written
+from tests.sparse.test_kernel import select as run
 from ucm.sparse.summaries import Scoring
 
 
@@ -72,27 +73,6 @@ def test_summaries_from_the_cache_equal_the_native_ones_kept_at_write(name):
     if name != "bound":  # the mean: a float32 sum in another order, then rounded to bfloat16
         mean, want = sel.rep[idx][:, :, 0].float(), native.rep[idx][:, :, 0].float()
         torch.testing.assert_close(mean, want, rtol=1e-2, atol=1e-3)
-
-
-def run(selector, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0):
-    rows, width = len(seq_lens), int(tables.shape[1])
-    out = torch.full((rows * HKV, max(budget)), -1, dtype=torch.int32)
-    kept = torch.zeros(rows * HKV, dtype=torch.int32)
-    scores = torch.zeros(rows * HKV, width)
-    selector.select(
-        q,
-        torch.arange(rows, dtype=torch.int32),
-        tables,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        torch.tensor(budget, dtype=torch.int32),
-        windows,
-        SCALE,
-        out,
-        mass=mass,
-        kept=kept,
-        scores=scores,
-    )
-    return out, kept, scores
 
 
 @pytest.mark.parametrize("name", SCORINGS)
