@@ -75,7 +75,8 @@ def test_every_pod_meets_the_restricted_profile(example: Path):
     spec = yaml.safe_load(example.read_text())["spec"]
     asked = {"hostPath"} if "hostPath" in spec["model"]["source"] or spec["store"]["type"] == "ds3fs" else set()
     asked |= {"nfs"} if spec["store"]["type"] == "nfs" else set()
-    bounds = Policy(host_path_prefixes=("/models", "/3fs"))  # what the examples mount
+    # What the examples mount.
+    bounds = Policy(host_path_prefixes=("/models", "/3fs"), nfs_exports=(("10.0.0.20", "/exports/kv"),))
     rendered = objects(str(example), "ns", None, None, bounds)
     pods = [o["spec"]["template"]["spec"] for o in rendered if o["kind"] == "Deployment"]
     assert pods

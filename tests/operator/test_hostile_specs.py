@@ -46,6 +46,10 @@ HOSTILE = [
         {"store": {"type": "ds3fs", "ds3fs": {"mountPath": "/"}}},
         "spec.store.ds3fs.mountPath: / is not under an allowed",
     ),
+    (
+        {"store": {"type": "nfs", "nfs": {"server": "nfs.other-team.example", "path": "/exports/kv"}}},
+        "spec.store.nfs.server: nfs.other-team.example:/exports/kv is not allowed by the operator's policy",
+    ),
     ({"decode.tolerations": [{"operator": "Exists"}]}, "spec.decode.tolerations[0]: a toleration needs a key"),
     (
         {"prefill.tolerations": [{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}]},

@@ -165,6 +165,8 @@ def test_chart_lints(tmp_path):
             "policy.anyScheduling=true",
             "--set",
             "policy.allowedEnv={LD_PRELOAD}",
+            "--set",
+            "policy.allowedNfs={nfs.example.com:/exports/a}",
         ],
         [
             "--set",
@@ -192,11 +194,13 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     assert "--allow-image-prefix=ucm/" in args
     if "policy.anyScheduling=true" in values:
         assert "--allow-host-path=/data/models" in args and "--allow-any-scheduling" in args
-        assert "--allow-env=LD_PRELOAD" in args
+        assert "--allow-env=LD_PRELOAD" in args and "--allow-nfs=nfs.example.com:/exports/a" in args
     # The operator accepts what the chart passes.
     parsed = build_parser().parse_args(args)
     assert parsed.allow_host_path == (["/data/models"] if "policy" in str(values) else [])
     assert policy_from_args(parsed).allowed_env == (("LD_PRELOAD",) if "policy" in str(values) else ())
+    nfs = (("nfs.example.com", "/exports/a"),) if "policy" in str(values) else ()
+    assert policy_from_args(parsed).nfs_exports == nfs
     monitored = "monitoring.prometheusOperator=true" in values
     assert monitors_from_args(parsed) == Monitors(monitored, (("release", "prom"),) if monitored else ())
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -212,6 +216,9 @@ def test_chart_renders_valid_manifests(values, tmp_path):
         ("surprise=1", "surprise"),
         ("policy.hostPathPrefixes={relative}", "hostPathPrefixes"),
         ("policy.allowedEnv={LD_*}", "allowedEnv"),
+        ("policy.allowedNfs={nfs.example.com}", "allowedNfs"),
+        ("policy.allowedNfs={nfs.example.com:exports/a}", "allowedNfs"),
+        ("policy.allowedNfs={:/exports/a}", "allowedNfs"),
     ],
 )
 def test_chart_values_are_validated(flag, complaint, tmp_path):
@@ -228,8 +235,8 @@ def test_chart_values_are_validated(flag, complaint, tmp_path):
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_ucm_render_prints_valid_objects_for_every_example(example, tmp_path):
     exe = Path(sys.executable).parent / "ucm"
-    # The node directories the examples mount, as the ds3fs example's comment tells its users.
-    bounds = ["--allow-host-path", "/models", "--allow-host-path", "/3fs"]
+    # The node directories and NFS export the examples mount, as their comments tell their users.
+    bounds = ["--allow-host-path", "/models", "--allow-host-path", "/3fs", "--allow-nfs", "10.0.0.20:/exports/kv"]
     r = subprocess.run(
         [str(exe), "render", "-f", str(example), "-n", "serving", *bounds], capture_output=True, text=True
     )

@@ -1,10 +1,10 @@
 """What a ``UCMDeployment`` may ask the operator for.
 
 The operator's service account creates whatever a resource renders into, so whoever may create a
-``UCMDeployment`` would otherwise choose any image, mount any node directory and schedule onto any
-node. The platform team that installs the operator bounds that (chart values ``policy.*``, the
-operator's ``--allow-*`` flags); a spec outside the bounds is ``Degraded/InvalidSpec`` naming the
-field, and nothing is touched.
+``UCMDeployment`` would otherwise choose any image, mount any node directory or NFS export and
+schedule onto any node. The platform team that installs the operator bounds that (chart values
+``policy.*``, the operator's ``--allow-*`` flags); a spec outside the bounds is
+``Degraded/InvalidSpec`` naming the field, and nothing is touched.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import posixpath
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,9 @@ class Policy:
     monitors: Monitors = dataclasses.field(default_factory=Monitors)
     # Refused environment variables (REFUSED_ENV, REFUSED_ENV_PREFIXES) specs may set all the same.
     allowed_env: tuple[str, ...] = ()
+    # NFS exports a spec may mount inline (store.nfs), as (server, path prefix): none. Engine pods
+    # mount it read-write, so naming another team's export would read its blocks and plant others.
+    nfs_exports: tuple[tuple[str, str], ...] = ()
 
     def check(self, spec: UCMDeploymentSpec) -> None:
         """Raises :class:`PlanError` naming the first field outside the bounds."""
@@ -144,6 +148,8 @@ class Policy:
         for field, path in paths:
             if path is not None:
                 self._host_path(field, path)
+        if spec.store.type == "nfs":
+            self._nfs(spec.store.nfs.server, spec.store.nfs.path)  # type: ignore[attr-defined]
         _refused_args("model.extraArgs", spec.model.extra_args)
         for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
             _refused_args(f"{name}.extraArgs", pool.extra_args)
@@ -153,13 +159,21 @@ class Policy:
         self.autoscaler.check(spec)
 
     def _host_path(self, field: str, path: str) -> None:
-        normal = posixpath.normpath(path)
-        allowed = any(
-            normal == p.rstrip("/") or normal.startswith(p.rstrip("/") + "/") for p in self.host_path_prefixes
-        )
-        if not path.startswith("/") or not allowed:
+        if not _under(path, self.host_path_prefixes):
             listed = ", ".join(self.host_path_prefixes) or "none: the operator allows no node directories"
             raise fail(field, f"{path} is not under an allowed host path ({listed})")
+
+    def _nfs(self, server: str, path: str) -> None:
+        # Servers match exactly: another spelling may be another machine (and refusing it is safe).
+        prefixes = [prefix for allowed, prefix in self.nfs_exports if allowed == server]
+        if _under(path, prefixes):
+            return
+        listed = ", ".join(f"{s}:{p}" for s, p in self.nfs_exports) or "none"
+        raise fail(
+            "store.nfs.path" if prefixes else "store.nfs.server",
+            f"{server}:{path} is not allowed by the operator's policy (allowed: {listed}; "
+            "see policy.allowedNfs, --allow-nfs)",
+        )
 
     def _env(self, pool_name: str, env: list[EnvVar], env_from: list[EnvFromSource]) -> None:
         for i, e in enumerate(env):
@@ -189,6 +203,15 @@ class Policy:
             if name.startswith(prefix) and name != prefix and name not in self.allowed_env:
                 return name, why
         return None
+
+
+def _under(path: str, prefixes: Iterable[str]) -> bool:
+    """Whether the absolute ``path`` is one of ``prefixes`` or below one. Compared normalized, as
+    the node or server resolves it: /a/b/../../etc is /etc, and /exports/ab is not below /exports/a."""
+    normal = posixpath.normpath(path)
+    return path.startswith("/") and any(
+        normal == p.rstrip("/") or normal.startswith(p.rstrip("/") + "/") for p in prefixes
+    )
 
 
 def _refused_args(field: str, args: list[str]) -> None:
@@ -259,6 +282,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an environment variable specs may set though it loads code (LD_PRELOAD, PYTHONPATH, ...: "
         "ucm.deploy.policy.REFUSED_ENV; repeatable)",
     )
+    bounds.add_argument(
+        "--allow-nfs",
+        action="append",
+        default=[],
+        metavar="SERVER:/PREFIX",
+        help="an NFS export specs may mount inline (store.nfs): the server exactly, the path at or under "
+        "PREFIX (repeatable; none by default)",
+    )
     autoscaling.add_arguments(p)
     monitors.add_arguments(p)
 
@@ -271,6 +302,7 @@ def from_args(args: argparse.Namespace) -> Policy:
         autoscaler=autoscaling.from_args(args),
         monitors=monitors.from_args(args),
         allowed_env=_allowed_env(args.allow_env),
+        nfs_exports=tuple(_nfs_export(value) for value in args.allow_nfs),
     )
 
 
@@ -281,3 +313,11 @@ def _allowed_env(names: list[str]) -> tuple[str, ...]:
         if _refused_env(name) is None:
             raise SystemExit(f"--allow-env: {name} is not refused (specs may set it already)")
     return tuple(names)
+
+
+def _nfs_export(value: str) -> tuple[str, str]:
+    # Split at the first ":/": a server has no "/", and an IPv6 address has colons of its own.
+    server, sep, rest = value.partition(":/")
+    if not server or not sep or "/" in server:
+        raise SystemExit(f"--allow-nfs: {value!r} is not SERVER:/PATH")
+    return server, "/" + rest
