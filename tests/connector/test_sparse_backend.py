@@ -19,7 +19,7 @@ from tests.sparse.reference import attention_over
 from ucm.config import ConfigError
 from ucm.integration.vllm.attention import KernelShape, UCMAttentionImpl, learn_layout, sparse_metadata
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.serving import SparseRuntime, invalidate_summaries
+from ucm.sparse.serving import RUNTIMES, SparseRuntime, invalidate_summaries
 
 H, HKV, D, B = 6, 2, 64, 32
 G = H // HKV
@@ -119,14 +119,20 @@ class Batch:
         return attention_over(q, self.keys[slots, h], self.values[slots, h]).float()
 
 
+@pytest.fixture(autouse=True)
+def _runtimes():
+    """The process-wide registry the backend and the connector reach runtimes by, as in an engine
+    process; emptied after each test so that no other test's connector sees these runtimes."""
+    yield
+    RUNTIMES.clear()
+
+
 def runtime_for(config: dict) -> SparseRuntime:
     runtime = SparseRuntime(
         SparseConfig.model_validate(config), B, HKV, D, [DENSE_LAYER, "model.layers.1.self_attn.attn", SPARSE_LAYER]
     )
-    import ucm.sparse.serving as serving
-
     for name in runtime.layer_names:
-        serving.RUNTIMES[name] = runtime
+        RUNTIMES[name] = runtime
     return runtime
 
 
