@@ -19,7 +19,13 @@ from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.slow
-SPARSE = {"algorithm": "esa", "min_tokens": 64, "esa": {"sparse_ratio": 0.3, "min_blocks": 1, "local_window_sz": 1}}
+# dense_layers 0: the tiny model has two layers, which the default would keep dense.
+SPARSE = {
+    "algorithm": "esa",
+    "min_tokens": 64,
+    "dense_layers": 0,
+    "esa": {"sparse_ratio": 0.3, "min_blocks": 1, "local_window_sz": 1},
+}
 
 
 @pytest.fixture(scope="module")
