@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ucm.sparse.summaries import MODES, Scoring
+from ucm.sparse.summaries import MODES, REP_ROWS, Scoring
 
-WIDTH = {"mean": 1, "bound": 2, "both": 3}  # rows of a block's representation: [mean] [c | r]
 ESTIMATES = {"mean": 1, "bound": 1, "both": 2}  # softmaxes averaged per query head
 
 
@@ -130,7 +129,7 @@ class TritonSelector:
         head_dim: int,
         device: torch.device | str,
     ) -> None:
-        if scoring.mode not in WIDTH:
+        if scoring.mode not in REP_ROWS:
             raise ValueError(f"triton selection: scoring {scoring.mode!r} is not ported (mean, bound, both are)")
         if scoring.keep_channels < 1:
             raise ValueError("triton selection: channel pruning (KVStar's blk_repre_dim_prune_ratio < 1) is not ported")
@@ -139,8 +138,7 @@ class TritonSelector:
         self.scoring = scoring
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
         self.dtype = scoring.dtype or torch.bfloat16
-        width = WIDTH[scoring.mode]
-        self.rep = torch.zeros(num_blocks, kv_heads, width, head_dim, dtype=self.dtype, device=device)
+        self.rep = torch.zeros(num_blocks, kv_heads, REP_ROWS[scoring.mode], head_dim, dtype=self.dtype, device=device)
         self.count = torch.zeros(num_blocks, dtype=torch.int32, device=device)
 
     def summarize(self, key_cache: torch.Tensor, blocks: torch.Tensor, fills: torch.Tensor) -> None:
