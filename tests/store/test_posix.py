@@ -479,6 +479,55 @@ def test_what_sits_at_a_blocks_path_and_is_no_file_is_a_prompt_miss(tmp_path, ki
     store.close()
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_load_buffer_of_the_wrong_size_is_a_miss_that_keeps_the_block(tmp_path, direct_io):
+    store = posix(tmp_path)
+    ids, data = blocks(1, 5000)
+    store.wait(store.dump(ids, data))
+    store.close()
+    try:
+        store = posix(tmp_path, direct_io=direct_io)
+    except ConfigError as exc:
+        pytest.skip(f"this filesystem has no O_DIRECT: {exc}")
+    assert store.wait(store.load(ids, [bytearray(4000)])) == [False]
+    assert Path(store._paths(ids[0])[0]).exists()  # the caller's mistake, not a corrupt block
+    buf = bytearray(5000)
+    assert store.wait(store.load(ids, [buf])) == [True] and bytes(buf) == data[0]
+    store.close()
+
+
+def test_a_block_swapped_for_a_fifo_while_it_is_read_does_not_block_the_load(tmp_path, monkeypatch):
+    """The size check used to open the path a second time: a FIFO put there in between blocked
+    the load, and the engine step with it, forever."""
+    store = posix(tmp_path)
+    ids, data = blocks(1, 1024)
+    store.wait(store.dump(ids, data))
+    path = store._paths(ids[0])[0]
+    os.truncate(path, 900)
+    real_fstat = os.fstat
+
+    def fstat_then_swap(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if os.path.isfile(path):
+            os.unlink(path)
+            os.mkfifo(path)
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_swap)
+    result: list[list[bool]] = []
+    loader = threading.Thread(target=lambda: result.append(store.wait(store.load(ids, [bytearray(1024)]))))
+    loader.start()
+    loader.join(10)
+    hung = loader.is_alive()
+    if hung:  # let the blocked open go, so that the test process can end
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        loader.join(10)
+    assert not hung, "the load hung on the FIFO"
+    assert result == [[False]]
+    monkeypatch.undo()
+    store.close()
+
+
 def test_with_a_mac_key_only_blocks_written_with_the_key_are_loaded(tmp_path):
     """A checksum detects corruption, not forgery: whoever can write a shared store could plant
     KV for a prompt it can guess. With a key, such a block is a miss."""

@@ -245,7 +245,7 @@ class PosixStore(PerBlockStore):
                 self._quarantine(path, "not a regular file")
                 return False
             if st.st_size != expected:
-                return self._reject_size(path, block_id, st.st_size, expected)
+                return self._reject_size(fd, path, block_id, st.st_size, expected)
             if self.config.direct_io:
                 bounce = self._bounce(_round_up(expected))
                 n = os.preadv(fd, [bounce], 0)
@@ -263,12 +263,13 @@ class PosixStore(PerBlockStore):
         self._maybe_touch(path, st.st_mtime)
         return True
 
-    def _reject_size(self, path: str, block_id: bytes, size: int, expected: int) -> bool:
-        """A size mismatch is either a corrupt file or a caller whose buffer has the wrong size."""
-        if size >= TRAILER.size:
-            with open(path, "rb") as f:
-                f.seek(size - TRAILER.size)
-                magic, version, _flags, length, _sum, tag = TRAILER.unpack(f.read(TRAILER.size))
+    def _reject_size(self, fd: int, path: str, block_id: bytes, size: int, expected: int) -> bool:
+        """A size mismatch is either a corrupt file or a caller whose buffer has the wrong size. The
+        trailer is read from the descriptor already open: opening the path again could find
+        something else there (a FIFO would block the engine step)."""
+        raw = self._tail(fd, size) if size >= TRAILER.size else b""
+        if len(raw) == TRAILER.size:
+            magic, version, _flags, length, _sum, tag = TRAILER.unpack(raw)
             if magic == MAGIC and version == FORMAT_VERSION and length == size - TRAILER.size and tag == block_id[:8]:
                 logger.warning(
                     "%s: block %s holds %d bytes but the load buffer has %d; not loaded",
@@ -280,6 +281,15 @@ class PosixStore(PerBlockStore):
                 return False
         self._quarantine(path, f"size {size} does not match its trailer")
         return False
+
+    def _tail(self, fd: int, size: int) -> bytes:
+        """The last TRAILER.size bytes of a file of ``size`` bytes (aligned reads under O_DIRECT)."""
+        if not self.config.direct_io:
+            return os.pread(fd, TRAILER.size, size - TRAILER.size)
+        start = (size - TRAILER.size) // _ALIGN * _ALIGN
+        bounce = self._bounce(_round_up(size - start))
+        n = os.preadv(fd, [bounce], start)
+        return bytes(bounce[size - TRAILER.size - start : size - start]) if n >= size - start else b""
 
     def _quarantine(self, path: str, why: str) -> None:
         # Removing it lets the next dump of this block write a good copy (dumps skip existing ids).
