@@ -99,8 +99,12 @@ class Text:
         start = offset % max(1, len(self.ids) - tokens)
         return self.ids[start : start + tokens]
 
-    def rows(self, tokens: int, rows: int) -> list[list[int]]:
-        """``rows`` prompts of ``tokens``: one shared document, a distinct 64-token ending each."""
+    def rows(self, tokens: int, rows: int, distinct: bool = False) -> list[list[int]]:
+        """``rows`` prompts of ``tokens``: one shared document, a distinct 64-token ending each; or,
+        ``distinct``, a document of their own each (nothing shared in the KV cache: each row's
+        attention reads memory no other row reads)."""
+        if distinct:
+            return [self.window(tokens, 1_000_003 * (i + 1)) for i in range(rows)]
         doc = self.window(tokens - 64, 0)
         return [doc + self.window(64, 100_003 + 7919 * i) for i in range(rows)]
 
@@ -136,6 +140,8 @@ class Arm:
 def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, knobs: dict[str, Any]):
     length = NATIVE * arm.factor
     args = ["--dtype", "bfloat16", "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
+    if knobs.get("block_size") is not None:
+        args += ["--block-size", str(knobs["block_size"])]
     if arm.factor > 1:
         rope = {"rope_type": "linear", "factor": float(arm.factor)}
         args += ["--hf-overrides", json.dumps({"rope_scaling": rope, "max_position_embeddings": length})]
@@ -282,13 +288,20 @@ def main() -> int:
     p.add_argument("--min-tokens", type=int, help="sparse from this length (default: the engine's default)")
     p.add_argument("--sparse-ratio", type=float, help=f"share of blocks the top-k algorithms keep (default {RATIO})")
     p.add_argument("--dense-layers", type=int, help="first layers kept dense (default: the engine's default)")
+    p.add_argument("--block-size", type=int, help="vLLM's KV block size, the unit of selection (default 128 on CPU)")
+    p.add_argument(
+        "--distinct-documents",
+        action="store_true",
+        help="speed rows read documents of their own (default: one shared document, distinct endings)",
+    )
     p.add_argument("--kv-cache-gib", type=int, default=6)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     algorithms = (args.algorithms or (f"{DEFAULT},static" if args.quick else ",".join(SETTINGS))).split(",")
     if "static" not in algorithms:
         algorithms.append("static")
-    contexts = [int(c) for c in (args.contexts or "2000,7000,16000,32000").split(",") if c]
+    speeds = args.contexts if args.contexts is not None else "2000,7000,16000,32000"
+    contexts = [int(c) for c in speeds.split(",") if c]
     needles = args.needle_contexts if args.needle_contexts is not None else ("7000" if args.quick else "2000,7000")
     needle_contexts = [int(c) for c in needles.split(",") if c]
     haystacks = args.haystacks or (2 if args.quick else 4)
@@ -297,10 +310,15 @@ def main() -> int:
 
     model = smollm2()
     text = Text(AutoTokenizer.from_pretrained(model), essays())
-    knobs = {"min_tokens": args.min_tokens, "sparse_ratio": args.sparse_ratio, "dense_layers": args.dense_layers}
+    knobs = {
+        "min_tokens": args.min_tokens,
+        "sparse_ratio": args.sparse_ratio,
+        "dense_layers": args.dense_layers,
+        "block_size": args.block_size,
+    }
     work = Path(tempfile.mkdtemp(prefix="sparse-serving-"))
     print(f"logs and stores under {work}", flush=True)
-    groups = {"native": 1, "scaled": max(1, math.ceil((max(contexts) + 256) / NATIVE))}
+    groups = {"native": 1, "scaled": max(1, math.ceil((max(contexts, default=0) + 256) / NATIVE))}
     speed_rows: list[dict[str, Any]] = []
     accuracy_rows: list[dict[str, Any]] = []
     dense_speed: dict[int, Speed] = {}
@@ -324,7 +342,8 @@ def main() -> int:
                     short = measure_speed(server, text.rows(args.short_context, args.rows), args.decode_tokens)
                     dense_short[group] = short
                 for context in group_contexts:
-                    s = measure_speed(server, text.rows(context, args.rows), args.decode_tokens)
+                    prompts = text.rows(context, args.rows, args.distinct_documents)
+                    s = measure_speed(server, prompts, args.decode_tokens)
                     row = speed_row(name, group, context, args.rows, s, dense_speed.get(context))
                     if name == "dense":
                         dense_speed[context] = s
@@ -347,6 +366,8 @@ def main() -> int:
         "rows": args.rows,
         "decode_tokens": args.decode_tokens,
         "scaled_rope_factor": groups["scaled"],
+        "block_size": args.block_size or "vLLM's default",
+        "documents": "one per row" if args.distinct_documents else "one shared by the rows",
         "haystacks": haystacks,
         "depths": depths,
         "settings": {a: Arm(a, "native", 1).sparse(knobs) for a in algorithms},
@@ -412,7 +433,7 @@ def summarize(
     for r in speed:
         r.pop("_texts", None)
     default = DEFAULT if DEFAULT in algorithms else algorithms[0]
-    longest = max(contexts)
+    longest = max(contexts, default=None)
     native = max([c for c in contexts if c + 256 <= NATIVE], default=None)
     mine = by.get((default, longest), {})
     report: dict[str, Any] = {"speed": speed, "accuracy": accuracy, "default": default}
