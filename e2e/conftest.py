@@ -98,8 +98,8 @@ def running(stack: Stack) -> Iterator[Stack]:
 def stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
     spec = default_spec(tiny)
-    # Where decode's scheduler records a stuck store (ucm serve picks a fresh file otherwise).
-    spec["decode"]["env"] = [{"name": "UCM_STORE_HEALTH_FILE", "value": str(run_dir / "decode-store.json")}]
+    # Where prefill's scheduler records a stuck store (ucm serve picks a fresh file otherwise).
+    spec["prefill"]["env"] = [{"name": "UCM_STORE_HEALTH_FILE", "value": str(run_dir / "prefill-store.json")}]
     with running(Stack(run_dir, spec)) as s:
         yield s
 

@@ -164,27 +164,40 @@ def test_engines_answer_only_the_proxy(stack: Stack):
     assert status == 200
 
 
-def test_a_decode_whose_store_stays_stuck_leaves_service_until_it_answers(stack: Stack):
-    """The file is what decode's scheduler writes when a lookup has been stuck since ``since``
+def test_an_engine_whose_store_stays_stuck_serves_on_and_says_so(stack: Stack):
+    """The file is what prefill's scheduler writes when a lookup has been stuck since ``since``
     (written here: a real stuck store is shown by the unit test with a held store and by
     benchmarks/fault_serving.py with a stalled FUSE mount); this checks the real engine's /health
-    and the proxy act on it."""
+    and the proxy act on it: prefill stays in service, saying its store is degraded, and the proxy
+    sends requests straight to decode (prefill's KV could not reach it)."""
     roles = stack.state()["roles"]
-    decode, proxy = roles["decode-0"]["url"], roles["proxy"]["url"]
-    marker = stack.run_dir / "decode-store.json"
+    prefill, proxy = roles["prefill-0"]["url"], roles["proxy"]["url"]
+    marker = stack.run_dir / "prefill-store.json"
     marker.write_text(json.dumps({"since": time.time() - 60, "unhealthy_after_s": 30}))
     try:
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(decode + "/health", timeout=10)
-        assert err.value.code == 503
-        assert "the KV store has not answered for 60 s (limit 30 s)" in err.value.read().decode()
+        with urllib.request.urlopen(prefill + "/health", timeout=10) as r:
+            assert r.status == 200
+            assert "the KV store has not answered for 60 s (limit 30 s)" in r.headers["X-UCM-Store"]
         deadline = time.monotonic() + 30
-        while metric(proxy, "ucm_proxy_backend_healthy") >= 2 and time.monotonic() < deadline:
+        while metric(proxy, "ucm_proxy_backend_store_degraded") < 1:  # the proxy's next health check
+            assert time.monotonic() < deadline, "the proxy did not read prefill's X-UCM-Store"
             time.sleep(0.5)
-        assert metric(proxy, "ucm_proxy_backend_healthy") < 2  # the proxy took decode out
+        before = fallbacks(proxy)
+        status, _ = post(stack.base_url + "/completions", {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 4})
+        assert status == 200
+        assert fallbacks(proxy) == before + 1  # decode computed it: no PD through a store that does not answer
+        assert metric(proxy, "ucm_proxy_backend_healthy") == 2  # nobody was taken out of service
     finally:
         marker.unlink()
     wait_served(stack)
+
+
+def fallbacks(proxy: str) -> float:
+    """Requests decode served alone (``path="fallback"``), by the proxy's request counter."""
+    with urllib.request.urlopen(proxy + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    series = [x for x in lines if x.startswith("ucm_proxy_requests_total{") and 'path="fallback"' in x]
+    return sum(float(x.rpartition(" ")[2]) for x in series)
 
 
 def wait_served(stack: Stack, timeout: float = 240.0) -> float:

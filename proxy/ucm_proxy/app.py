@@ -35,7 +35,16 @@ from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import http1, metrics
 from ucm_proxy.answers import Answer, Stream
-from ucm_proxy.backends import IDENTITY_HEADER, Backend, Pool, engine_figures, other_identities, unpaired
+from ucm_proxy.backends import (
+    IDENTITY_HEADER,
+    STORE_HEADER,
+    Backend,
+    Pool,
+    engine_figures,
+    other_identities,
+    store_degraded,
+    unpaired,
+)
 from ucm_proxy.config import ProxyConfig, read_backends_file
 from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
@@ -140,6 +149,8 @@ class Proxy:
                     ok = r.status == 200
                     if ok:
                         backend.identity = r.headers.get(IDENTITY_HEADER)
+                        backend.store_degraded = r.headers.get(STORE_HEADER, "").startswith("degraded")
+                        metrics.BACKEND_STORE_DEGRADED.labels(backend.url, pool.role).set(int(backend.store_degraded))
                 if ok:
                     async with self.session.get(backend.url + "/v1/models", timeout=timeout) as r:
                         if r.status == 200:
@@ -299,9 +310,10 @@ class Proxy:
         """kv_transfer_params from a prefill backend and that backend's pairing identity; None when
         decode must do it all (fallback)."""
         payload = prefill_body(body, route)
-        avoid = unpaired(self.prefill, self.decode)
+        avoid = unpaired(self.prefill, self.decode) | store_degraded(self.prefill)
         if avoid and not self.prefill.available(avoid):
-            # Mid-rollout, no prefill matches a decode: KV from one could not be used, decode serves alone.
+            # No prefill can pass KV to a decode (mid-rollout none matches one, or their store does
+            # not answer): decode serves alone.
             return None
 
         async def attempt(backend: Backend) -> tuple[Any, str | None]:

@@ -11,6 +11,9 @@ Engines started by ``ucm serve`` name their *pairing identity* in ``/health`` (`
 model, dtypes, block size, layout, store and hashing; ``ucm.integration.vllm.identity``): a prefill
 is paired only with a decode of the same identity, so during a rollout that changes any of them an
 old prefill's KV never goes to a new decode that cannot see it (it would wait, then recompute).
+They say ``X-UCM-Store: degraded`` there while their store does not answer: they keep serving, but a
+prefill's KV cannot reach a decode through that store, so PD requests avoid such prefills and go
+straight to decode when no other is left.
 
 Load is what the engine reports (vLLM's running and waiting requests, read from its ``/metrics``
 every ``routing.engine_metrics_interval_s``: every proxy replica's requests) plus what this proxy
@@ -52,6 +55,7 @@ class Backend:
         "in_flight_gauge",
         "key",
         "role",
+        "store_degraded",
         "url",
     )
 
@@ -65,6 +69,7 @@ class Backend:
         self.ejected_until = 0.0
         self.ejections = 0
         self.identity: str | None = None  # its pairing identity, from its last health check (None: unknown)
+        self.store_degraded = False  # its last health check said its KV store is not answering
         self.key = hashlib.blake2b(url.encode(), digest_size=8).digest()
         self.engine_load: float | None = None  # running + waiting at the last reading of its /metrics
         self.engine_kv_usage = 0.0
@@ -182,6 +187,13 @@ class Pool:
 
 
 IDENTITY_HEADER = "X-UCM-KV-Identity"
+STORE_HEADER = "X-UCM-Store"  # "degraded; ..." while the engine's KV store does not answer
+
+
+def store_degraded(pool: Pool) -> frozenset[str]:
+    """URLs of the pool's backends whose KV store is degraded: a prefill among them cannot pass its
+    KV to a decode (it serves on, computing what it cannot load)."""
+    return frozenset(b.url for b in pool.backends if b.store_degraded)
 
 
 def unpaired(prefill: Pool, decode: Pool) -> frozenset[str]:

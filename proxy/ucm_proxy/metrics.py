@@ -31,6 +31,12 @@ ENGINE_LOAD = Gauge(
     ["backend", "role"],
 )
 BACKEND_HEALTHY = Gauge("ucm_proxy_backend_healthy", "1 when the backend passes its health check", ["backend", "role"])
+BACKEND_STORE_DEGRADED = Gauge(
+    "ucm_proxy_backend_store_degraded",
+    "1 when the backend's last health check said its KV store does not answer (X-UCM-Store: degraded): it "
+    "serves on, but is not used as a PD prefill",
+    ["backend", "role"],
+)
 EJECTIONS = Counter(
     "ucm_proxy_backend_ejections_total", "Backends ejected after consecutive failures", ["backend", "role"]
 )
@@ -71,7 +77,7 @@ def child(metric: M, *labels: str) -> M:
 
 def forget_backend(url: str, role: str) -> None:
     """Drop a departed backend's series (a pod that is gone must not stay healthy=1 forever)."""
-    for metric in (IN_FLIGHT, ENGINE_LOAD, BACKEND_HEALTHY, EJECTIONS):
+    for metric in (IN_FLIGHT, ENGINE_LOAD, BACKEND_HEALTHY, BACKEND_STORE_DEGRADED, EJECTIONS):
         try:
             metric.remove(url, role)
         except KeyError:

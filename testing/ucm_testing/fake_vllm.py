@@ -40,6 +40,7 @@ class Behaviour:
     saves: bool = True  # as prefill: promises blocks (false: its saves are failing)
     loads: bool = True  # as decode: reuses promised blocks (false: computes the whole prompt)
     identity: str | None = None  # its pairing identity, sent with /health as ucm serve's engines do
+    store_degraded: bool = False  # its /health says X-UCM-Store: degraded, as ucm serve's engines do
     # What its /metrics reports as vLLM's gauges (as if another proxy had requests on it).
     running: int = 0
     waiting: int = 0
@@ -83,8 +84,11 @@ class FakeVLLM:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.probes += 1
-        identity = self.behaviour.identity
-        headers = {"X-UCM-KV-Identity": identity} if identity else None
+        headers = {}
+        if self.behaviour.identity:
+            headers["X-UCM-KV-Identity"] = self.behaviour.identity
+        if self.behaviour.store_degraded:
+            headers["X-UCM-Store"] = "degraded; the KV store has not answered for 40 s (limit 30 s)"
         return web.Response(status=200 if self.behaviour.healthy else 503, headers=headers)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -1,9 +1,11 @@
 """A FUSE passthrough filesystem that can be told to stop answering (a stuck NFS hard mount or 3FS
 FUSE mount) or to be full (ENOSPC), for fault benchmarks. Every call blocks while the mount is
-stalled (a flag file exists) and carries on when it is resumed (the file is gone); writes fail
-with ENOSPC while a second flag file exists; kernel attribute caching is off so
-``stat`` blocks too. A flag file rather than a signal: libfuse's loop holds the main thread, where
-Python would run a signal handler.
+stalled (a flag file exists) and carries on when it is resumed (the file is gone); only the calls
+that change the filesystem (create, write, rename, unlink, setattr, ...) block while it is
+write-stalled, only opens and reads of files while it is read-stalled (a server whose disks or
+write path hang while its metadata still answers); writes fail with ENOSPC while another flag file
+exists; kernel attribute caching is off so ``stat`` blocks too. A flag file rather than a signal:
+libfuse's loop holds the main thread, where Python would run a signal handler.
 
     python -m ucm_testing.stallfs BACKING MOUNTPOINT FLAG_DIR
 
@@ -14,6 +16,7 @@ Needs libfuse 3 (Debian: ``fuse3``), the ``mfusepy`` package and the right to mo
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -41,10 +44,15 @@ def available() -> str | None:
 def _passthrough(backing: Path, flags: Path) -> Any:
     import mfusepy
 
-    stalled, full = flags / STALLED, flags / FULL
+    full = flags / FULL
+    stalls: dict[str | None, list[Path]] = {
+        None: [flags / STALLED],
+        READS: [flags / STALLED, flags / READS_STALLED],
+        WRITES: [flags / STALLED, flags / WRITES_STALLED],
+    }
 
-    def wait() -> None:
-        while stalled.exists():
+    def wait(kind: str | None = None) -> None:
+        while any(f.exists() for f in stalls[kind]):
             time.sleep(0.05)
 
     def room() -> None:
@@ -54,8 +62,8 @@ def _passthrough(backing: Path, flags: Path) -> Any:
     class Passthrough(mfusepy.Operations):
         use_ns = True
 
-        def _p(self, path: str) -> str:
-            wait()
+        def _p(self, path: str, kind: str | None = None) -> str:
+            wait(kind)
             return str(backing) + path
 
         def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
@@ -82,60 +90,61 @@ def _passthrough(backing: Path, flags: Path) -> Any:
 
         def mkdir(self, path: str, mode: int) -> int:
             room()
-            os.mkdir(self._p(path), mode)
+            os.mkdir(self._p(path, WRITES), mode)
             return 0
 
         def rmdir(self, path: str) -> int:
-            os.rmdir(self._p(path))
+            os.rmdir(self._p(path, WRITES))
             return 0
 
         def unlink(self, path: str) -> int:
-            os.unlink(self._p(path))
+            os.unlink(self._p(path, WRITES))
             return 0
 
         def rename(self, old: str, new: str) -> int:
-            os.rename(self._p(old), self._p(new))
+            os.rename(self._p(old, WRITES), self._p(new))
             return 0
 
         def chmod(self, path: str, mode: int) -> int:
-            os.chmod(self._p(path), mode)
+            os.chmod(self._p(path, WRITES), mode)
             return 0
 
         def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
-            os.utime(self._p(path), ns=times)
+            os.utime(self._p(path, WRITES), ns=times)
             return 0
 
         def truncate(self, path: str, length: int, fh: int | None = None) -> int:
-            os.truncate(self._p(path), length)
+            os.truncate(self._p(path, WRITES), length)
             return 0
 
         def open(self, path: str, flags: int) -> int:
-            return os.open(self._p(path), flags)
+            writing = flags & os.O_ACCMODE != os.O_RDONLY
+            return os.open(self._p(path, WRITES if writing else READS), flags)
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
             room()
-            return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            return os.open(self._p(path, WRITES), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            wait()
+            wait(READS)
             return os.pread(fh, size, offset)
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-            wait()
+            wait(WRITES)
             room()
             return os.pwrite(fh, data, offset)
 
         def flush(self, path: str, fh: int) -> int:
-            wait()
+            wait(WRITES if fcntl.fcntl(fh, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY else READS)
             return 0
 
         def fsync(self, path: str, datasync: int, fh: int) -> int:
-            wait()
+            wait(WRITES)
             os.fsync(fh)
             return 0
 
         def fsyncdir(self, path: str, datasync: int, fh: int) -> int:
-            wait()
+            wait(WRITES)
             return 0
 
         def release(self, path: str, fh: int) -> int:
@@ -145,7 +154,8 @@ def _passthrough(backing: Path, flags: Path) -> Any:
     return Passthrough()
 
 
-STALLED, FULL = "stalled", "full"
+STALLED, READS_STALLED, WRITES_STALLED, FULL = "stalled", "reads-stalled", "writes-stalled", "full"
+READS, WRITES = "reads", "writes"
 
 
 class StallMount:
@@ -171,11 +181,14 @@ class StallMount:
             time.sleep(0.1)
         return self
 
-    def stall(self) -> None:
-        (self.flags / STALLED).touch()
+    def stall(self, only: str | None = None) -> None:
+        """Every call blocks; with ``only`` ("reads" or "writes"), those calls only."""
+        flag = {None: STALLED, READS: READS_STALLED, WRITES: WRITES_STALLED}[only]
+        (self.flags / flag).touch()
 
     def resume(self) -> None:
-        (self.flags / STALLED).unlink(missing_ok=True)
+        for flag in (STALLED, READS_STALLED, WRITES_STALLED):
+            (self.flags / flag).unlink(missing_ok=True)
 
     def fill(self) -> None:
         (self.flags / FULL).touch()

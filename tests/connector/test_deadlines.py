@@ -154,14 +154,27 @@ def test_one_steps_lookups_share_one_deadline_and_the_rest_are_misses_at_once(tm
     real.close()
 
 
-def asgi_get(app, path: str) -> tuple[int, bytes]:  # type: ignore[no-untyped-def]
+def asgi_messages(app, path: str) -> list[dict]:  # type: ignore[no-untyped-def]
     sent: list[dict] = []
 
     async def send(message: dict) -> None:
         sent.append(message)
 
     asyncio.run(app({"type": "http", "path": path, "method": "GET"}, None, send))
+    return sent
+
+
+def asgi_get(app, path: str) -> tuple[int, bytes]:  # type: ignore[no-untyped-def]
+    sent = asgi_messages(app, path)
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def store_state(app) -> tuple[int, str | None]:  # type: ignore[no-untyped-def]
+    """/health's status and its X-UCM-Store header (None: absent)."""
+    sent = asgi_messages(app, "/health")
+    headers = dict(sent[0].get("headers", []))
+    state = headers.get(b"x-ucm-store")
+    return sent[0]["status"], None if state is None else state.decode()
 
 
 async def vllm_app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
@@ -169,7 +182,7 @@ async def vllm_app(scope, receive, send) -> None:  # type: ignore[no-untyped-def
     await send({"type": "http.response.body", "body": b""})
 
 
-def test_a_store_stuck_past_its_limit_turns_health_503_until_it_answers(tmp_path, monkeypatch):
+def test_a_store_stuck_past_its_limit_is_reported_by_health_until_it_answers(tmp_path, monkeypatch):
     real = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
     tokens = list(range(16))
     stalled = Stalled(real)
@@ -187,10 +200,10 @@ def test_a_store_stuck_past_its_limit_turns_health_503_until_it_answers(tmp_path
 
     monkeypatch.setenv(HEALTH_FILE_ENV, str(path))
     app = HealthMiddleware(vllm_app)
-    assert asgi_get(app, "/health")[0] == 200  # stuck for less than 30 s
+    assert store_state(app) == (200, None)  # stuck for less than 30 s
     path.write_text(json.dumps({"since": since - 40, "unhealthy_after_s": 30}))
-    status, body = asgi_get(app, "/health")
-    assert status == 503 and b"the KV store has not answered for 40 s (limit 30 s)" in body
+    # Still 200: the engine serves without its store; a 503 would take every engine sharing it out.
+    assert store_state(app) == (200, "degraded; the KV store has not answered for 40 s (limit 30 s)")
     assert asgi_get(app, "/v1/models")[0] == 200  # only /health changes
 
     stalled.release()
@@ -198,15 +211,13 @@ def test_a_store_stuck_past_its_limit_turns_health_503_until_it_answers(tmp_path
     while path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not path.exists()
-    assert asgi_get(app, "/health")[0] == 200
+    assert store_state(app) == (200, None)
     real.close()
 
 
-def test_pd_steps_stop_waiting_on_a_store_whose_writes_hang_and_health_goes_down_until_it_answers(
-    tmp_path, monkeypatch
-):
+def test_pd_steps_stop_waiting_on_a_store_whose_writes_hang_and_health_says_so_until_it_answers(tmp_path, monkeypatch):
     """Before the breaker every PD step waited the full pd_save_wait_s on a store whose writes hang, and
-    /health stayed 200. ``Recording`` with a closed gate stands in for a hung NFS or 3FS server."""
+    /health said nothing. ``Recording`` with a closed gate stands in for a hung NFS or 3FS server."""
     gate = threading.Event()
     path = tmp_path / "stuck.json"
     health = StoreHealth(0.3, environ={HEALTH_FILE_ENV: str(path)}, worker=0)
@@ -229,11 +240,11 @@ def test_pd_steps_stop_waiting_on_a_store_whose_writes_hang_and_health_goes_down
         assert took[0] >= 0.5  # the first step's saves hang: it waits pd_save_wait_s ...
         assert sum(took[1:]) < 0.3  # ... and the store is skipped from then on
         assert w._stats.take().data["save_failed_blocks"] == 10  # not saved: PD decodes are promised nothing
-        assert asgi_get(app, "/health")[0] == 503  # degraded for longer than the 0.3 s limit
+        assert store_state(app)[1].startswith("degraded")  # for longer than the 0.3 s limit
 
         gate.set()  # the server answers again: the next probe brings the store back
         deadline = time.monotonic() + 5
-        while asgi_get(app, "/health")[0] != 200:
+        while store_state(app)[1] is not None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("again", [b"a" * 32], [15], wait=True)]))
@@ -251,10 +262,9 @@ def test_the_scheduler_and_each_worker_keep_their_own_health_file(tmp_path, monk
     scheduler.stuck(time.time())
     scheduler.answered()  # the scheduler's lookups answer again; the worker's store is still degraded
     monkeypatch.setenv(HEALTH_FILE_ENV, str(path))
-    status, body = asgi_get(HealthMiddleware(vllm_app), "/health")
-    assert status == 503 and b"has not answered for 40 s" in body
+    assert "has not answered for 40 s" in store_state(HealthMiddleware(vllm_app))[1]
     worker.answered()
-    assert asgi_get(HealthMiddleware(vllm_app), "/health")[0] == 200
+    assert store_state(HealthMiddleware(vllm_app)) == (200, None)
 
 
 def test_without_ucm_serve_nothing_is_written(tmp_path):

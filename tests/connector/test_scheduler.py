@@ -233,6 +233,11 @@ def test_while_saves_fail_a_producer_promises_nothing(store):
     assert promised("c") == 0
     s.worker_stats({"saved_blocks": 4, "save_failed_blocks": 0})
     assert promised("d") == 4
+    # A store whose writes hang: the saves neither fail nor land, but the PD wait for them timed out.
+    s.worker_stats({"pd_save_wait_timeouts": 1})
+    assert promised("e") == 0
+    s.worker_stats({"saved_blocks": 4})
+    assert promised("f") == 4
 
 
 def test_resumed_request_replaces_its_block_list(store):

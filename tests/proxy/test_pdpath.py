@@ -233,3 +233,41 @@ def test_with_no_pair_decode_serves_alone(fakes, make_proxy):
     assert len(p.requests) == before  # no prefill whose KV decode could not use
     assert paths["fallback"] == 1
     assert "no available decode shares a configuration" in check["message"]
+
+
+def test_prefills_whose_store_is_degraded_are_skipped_and_with_none_left_decode_serves_alone(fakes, make_proxy):
+    """An engine whose KV store does not answer keeps serving (its /health stays 200 and says
+    X-UCM-Store: degraded), but a prefill's KV cannot reach decode through that store: PD requests
+    go to another prefill, or straight to decode when none is left (they waited out pd_save_wait_s,
+    then decode's pd wait, before)."""
+    sick, well, d = fakes.add("sick", Behaviour(store_degraded=True)), fakes.add("well"), fakes.add("d")
+    proxy = make_proxy(prefill=[sick.url, well.url], decode=[d.url], routing={"prefill": "round_robin"})
+    backends = {b.url: b for b in proxy.proxy.prefill.backends}
+    wait_for(lambda: backends[sick.url].store_degraded)
+
+    def client_requests(engine) -> int:
+        return sum(not r["headers"]["X-Request-Id"].startswith("ucm-pd-check-") for r in engine.requests)
+
+    with proxy.client() as c:
+        for i in range(4):
+            assert c.post("/v1/completions", json={**COMPLETION, "prompt": f"p{i}"}).status_code == 200
+        assert client_requests(sick) == 0 and client_requests(well) == 4
+        assert {r["body"]["kv_transfer_params"]["prefilled_by"] for r in d.requests[-4:]} == {"well"}
+
+        well.behaviour.store_degraded = True
+        wait_for(lambda: backends[well.url].store_degraded)
+        assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+        assert client_requests(well) == 4 and "kv_transfer_params" not in d.requests[-1]["body"]
+        assert c.get("/pd-path").json()["paths"]["fallback"] == 1
+
+        well.behaviour.store_degraded = False  # its store answers again: PD through it again
+        wait_for(lambda: not backends[well.url].store_degraded)
+        assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+    assert client_requests(well) == 5 and d.requests[-1]["body"]["kv_transfer_params"]["prefilled_by"] == "well"
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the proxy's health checks did not see it"
+        time.sleep(0.05)

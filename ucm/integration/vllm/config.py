@@ -75,13 +75,14 @@ class ConnectorConfig(StrictModel):
     store_unhealthy_after_s: float | None = Field(
         30.0,
         gt=0,
-        description="The engine's /health answers 503 once a store call has been stuck this long (with ucm "
-        "serve, which adds the middleware); null: never",
+        description="The engine's /health says X-UCM-Store: degraded once a store call has been stuck this long "
+        "(with ucm serve, which adds the middleware; the engine keeps serving without the store, and the proxy "
+        "sends requests straight to decode); null: never",
     )
     store_breaker: BreakerConfig | None = Field(
         default_factory=BreakerConfig,
         description="Workers skip a store whose loads and saves time out several in a row (loads are recomputed, "
-        "saves dropped) until a probe is answered in time; /health turns 503 after store_unhealthy_after_s of "
+        "saves dropped) until a probe is answered in time; /health says so after store_unhealthy_after_s of "
         "it. null: never skip the store",
     )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")

@@ -1,4 +1,4 @@
-"""``/health`` of an engine started by ``ucm serve``: not ready until it is warm, unhealthy while its
+"""``/health`` of an engine started by ``ucm serve``: not ready until it is warm, and saying when its
 store stays stuck, so the proxy and Kubernetes act on both.
 
 **Warm-up.** vLLM's first request after a start that asks for logprobs is slow (on the CPU build,
@@ -12,12 +12,17 @@ The connector's scheduler half runs in vLLM's engine process; ``/health`` is ans
 server process. They share one small file (``UCM_STORE_HEALTH_FILE``, which ``ucm serve`` sets to a
 fresh path per start): the scheduler writes it when a store call misses its deadline and removes
 it when that call finally returns; ``HealthMiddleware`` (added with vLLM's ``--middleware``)
-answers ``/health`` with 503 once the call has been stuck for ``store_unhealthy_after_s``. Each
-worker has a file of its own beside it (``<file>.worker<rank>``), there while its store is degraded
-(``ucm.store.breaker``): one process's store answering again must not clear another's.
+adds ``X-UCM-Store: degraded ...`` to ``/health``'s answer once the call has been stuck for
+``store_unhealthy_after_s``. Each worker has a file of its own beside it (``<file>.worker<rank>``),
+there while its store is degraded (``ucm.store.breaker``): one process's store answering again must
+not clear another's.
 
-Until then the engine keeps serving: lookups count as misses and blocks are recomputed. A short
-stall should not take every engine sharing the store out of service at once.
+The answer stays 200: the engine serves without the store (lookups are misses, loads are
+recomputed, saves skipped), and a 503 would take every engine sharing the store out of service at
+once — an outage, and liveness restarts that cure nothing. (It was 503 until
+``benchmarks/fault_serving.py``'s store hangs showed exactly that: every request 503 for the rest of
+the hang.) The proxy reads the header: a prefill whose store is degraded cannot pass its KV to a
+decode, so requests go straight to decode, which computes the prompt.
 
 **Pairing.** ``ucm serve`` puts the engine's pairing identity (``identity.pairing_identity``) in
 ``UCM_KV_IDENTITY``; a healthy ``/health`` answer carries it as ``X-UCM-KV-Identity``, which the
@@ -49,6 +54,7 @@ HEALTH_FILE_ENV = "UCM_STORE_HEALTH_FILE"
 WARMUP_ENV = "UCM_ENGINE_WARMUP"
 IDENTITY_ENV = "UCM_KV_IDENTITY"
 IDENTITY_HEADER = b"x-ucm-kv-identity"
+STORE_HEADER = b"x-ucm-store"  # "degraded; ..." while the store has been stuck past its limit
 WORKER_SUFFIX = ".worker"
 TMP_SUFFIX = ".tmp"
 MIDDLEWARE = f"{__name__}.HealthMiddleware"
@@ -103,8 +109,9 @@ def stuck_for(path: Path, now: float | None = None) -> tuple[float, float] | Non
 
 
 class HealthMiddleware:
-    """Pure ASGI middleware for vLLM's API server: ``GET /health`` is 503 while warming up and while
-    the store is stuck past its threshold; everything else passes through."""
+    """Pure ASGI middleware for vLLM's API server: ``GET /health`` is 503 while warming up and
+    draining, and carries the engine's pairing identity and, while the store is stuck past its
+    threshold, ``X-UCM-Store: degraded``; everything else passes through."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -128,12 +135,13 @@ class HealthMiddleware:
                     self._warming = asyncio.create_task(self._warm_up(f"http://{host}:{port}"))
                 await _unavailable(send, "warming up: the first request is on its way")
                 return
+            headers = [(IDENTITY_HEADER, self.identity)] if self.identity else []
             stuck = self._stuck()
             if stuck is not None:
-                await _unavailable(send, f"the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)")
-                return
-            if self.identity:
-                await self.app(scope, receive, self._with_identity(send))
+                state = f"degraded; the KV store has not answered for {stuck[0]:.0f} s (limit {stuck[1]:g} s)"
+                headers.append((STORE_HEADER, state.encode()))
+            if headers:
+                await self.app(scope, receive, _with_headers(send, headers))
                 return
         await self.app(scope, receive, send)
 
@@ -142,14 +150,6 @@ class HealthMiddleware:
         if self.path is None:
             return None
         return max((s for p in health_files(self.path) if (s := stuck_for(p)) is not None), default=None)
-
-    def _with_identity(self, send: Any) -> Any:
-        async def send_with_identity(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (IDENTITY_HEADER, self.identity)]}
-            await send(message)
-
-        return send_with_identity
 
     def _watch_for_sigterm(self) -> None:
         """Mark the drain when SIGTERM arrives. The server's own handling goes on: asyncio learns of
@@ -188,6 +188,15 @@ class HealthMiddleware:
             logger.warning("warm-up request failed (serving without it): %s", exc or type(exc).__name__)
         finally:
             self.warm = True
+
+
+def _with_headers(send: Any, headers: list[tuple[bytes, bytes]]) -> Any:
+    async def send_with_headers(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *headers]}
+        await send(message)
+
+    return send_with_headers
 
 
 async def _unavailable(send: Any, message: str) -> None:

@@ -262,10 +262,12 @@ class SchedulerSide:
 
     # -- vLLM: update_connector_output -----------------------------------------------------------
     def worker_stats(self, data: Mapping[str, Any]) -> None:
-        """What the workers' saves came to. While they fail (a full or read-only store), a PD
-        consumer is promised no blocks: it computes at once instead of waiting pd_wait_timeout_s
-        for blocks that will not land. The first save to succeed again ends that."""
-        if data.get("save_failed_blocks"):
+        """What the workers' saves came to. While they fail (a full or read-only store) or do not
+        land within pd_save_wait_s (a store whose writes hang), a PD consumer is promised no blocks:
+        it computes at once instead of waiting pd_wait_timeout_s for blocks that will not land. The
+        first save to succeed again ends that. (The step whose wait timed out has already promised
+        its blocks: vLLM finishes requests before it reads the step's connector output.)"""
+        if data.get("save_failed_blocks") or data.get("pd_save_wait_timeouts"):
             if not self._saves_failing:
                 logger.warning("saves to the store are failing; PD consumers will compute prompts themselves")
             self._saves_failing = True
