@@ -79,6 +79,32 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(
     assert not any(t.any() for t in kv.values())  # nothing of it reached the cache
 
 
+def test_while_an_abandoned_read_is_stuck_new_loads_are_recomputed_at_once(tmp_path):
+    """A store whose reads hang held every step that loaded for the whole deadline (fault_serving:
+    requests queued behind them waited 2x the deadline); one abandoned read is enough to know."""
+    stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
+    w = WorkerSide(
+        stalled, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=0.3
+    )
+    kv = kv_caches(False)
+    w.register(kv, NB)
+    run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]))
+    assert w.take_load_errors() == {5, 6}
+    started = time.monotonic()
+    run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("s", IDS[2:4], [7, 8])]))
+    assert time.monotonic() - started < 0.1  # not another deadline's wait
+    assert w.take_load_errors() == {7, 8}
+    assert w._stats.take().data["store_skipped_blocks"] == 2
+    stalled.release()  # the store answers again: the stuck read finishes, loads go to the store again
+    deadline = time.monotonic() + 5
+    while not all(t.done() for t in w._abandoned):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("t", IDS[2:4], [7, 8])]))
+    assert w.take_load_errors() == {7, 8}  # IDS were never stored: a miss, but read from the store
+    assert "store_skipped_blocks" not in w._stats.take().data
+
+
 def test_without_a_deadline_cpu_loads_go_straight_into_the_cache(tmp_path):
     assert worker(tmp_path)._in_place_option is None
     w = worker(tmp_path)

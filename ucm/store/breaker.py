@@ -35,8 +35,11 @@ PROBE_PAYLOAD = bytes(range(256))
 
 
 class BreakerConfig(StrictModel):
+    # One: every timeout is an engine step held for timeout_s (a load, or a PD save wait), and the
+    # requests queued behind it wait as long; with 3, fault_serving's store hangs held requests for
+    # 2-3x the deadline. A slow store that trips it costs a probe interval of recompute.
     timeouts: int = Field(
-        3,
+        1,
         ge=1,
         description="Store operations in a row not done within timeout_s that make the store degraded: skipped "
         "until a probe is answered within timeout_s",

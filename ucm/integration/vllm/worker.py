@@ -4,7 +4,10 @@ Loads start when the step starts (``start_load``). Blocks are staged in host mem
 each layer just before that layer's attention runs (``load_mode: layer``) or all at once
 (``step``). A load has a deadline (``load_timeout_s``): past it, its blocks are recomputed and the
 read is abandoned — into staging, which the pending read keeps alive, never into cache memory vLLM
-may reuse. Without a deadline, on the CPU the store reads each block straight into the paged cache,
+may reuse. While an abandoned read has not finished, the store is not answering reads: new loads
+are not started, their blocks are recomputed at once (another read would hold the next step as
+long; the store breaker, which would skip the store too, learns of a timeout only after the step
+that met it has ended). Without a deadline, on the CPU the store reads each block straight into the paged cache,
 one segment per layer (no staging, no copy). Saves copy each layer's
 new blocks into host staging as the layer finishes (``save_mode: layer``) or at the step's end,
 then the store writes them in the background: the step waits for the copies, not for the I/O.
@@ -96,6 +99,7 @@ class WorkerSide:
         self._stats = stats
         self.layout: KVLayout | None = None
         self._loads: list[_Load] = []
+        self._abandoned: list[Task] = []  # reads past their deadline, not finished yet
         self._scattered: set[int] = set()
         self._load_errors: set[int] = set()
         self._saves: list[tuple[BlockTransfer, torch.Tensor]] = []
@@ -143,6 +147,13 @@ class WorkerSide:
         assert self.layout is not None, "register_kv_caches must run before the first step"
         self._loads = []
         invalidate_summaries([b for transfer in meta.loads for b in transfer.block_ids])
+        self._abandoned = [t for t in self._abandoned if not t.done()]
+        if self._abandoned and meta.loads:
+            skipped = [b for transfer in meta.loads for b in transfer.block_ids]
+            self._load_errors.update(skipped)  # vLLM recomputes them
+            self._stats.add("load_failed_blocks", len(skipped))
+            self._stats.add("store_skipped_blocks", len(skipped))
+            return
         for transfer in meta.loads:
             started = time.perf_counter()
             if self._in_place:
@@ -193,6 +204,7 @@ class WorkerSide:
             self._stats.add("load_timeouts", 1)
             load.ok = [False] * len(load.transfer.block_ids)
             load.abandoned = True
+            self._abandoned.append(load.task)
         n_ok = sum(load.ok)
         failed = [b for b, ok in zip(load.transfer.block_ids, load.ok, strict=True) if not ok]
         if failed:
