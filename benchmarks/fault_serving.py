@@ -4,10 +4,19 @@ under a steady stream of greedy requests while faults are injected one after the
   store_stalled            the POSIX store's mount stops answering (a FUSE passthrough, like an
                            NFS hard mount in an outage) for longer than the load deadline
   store_full               the same mount answers ENOSPC to every write
+  store_write_hang         its writes (create, write, rename, setattr) stop answering, reads do not
+  store_read_hang          its file reads stop answering, metadata and writes do not
   prefill_killed_mid_dump  SIGKILL of the prefill engine while requests are in flight
   decode_restarted         the decode engine stopped as a kubelet stops a pod (SIGTERM, SIGKILL
                            after the grace period); ``ucm up``'s supervisor starts it again
   mooncake_master_stopped  SIGSTOP of the Mooncake master (a second stack with Mooncake as the store)
+  cache_write_back_hang    one engine (no PD) whose DRAM tier writes back to the mount, whose writes
+                           stop answering: the tier must never freeze the engine
+
+The hangs last ``--hang-s`` (default 75 s): long enough for the store breaker to mark the store
+degraded and for ``/health`` to say so (``X-UCM-Store: degraded``). For them the table also says
+when an engine first said so after the injection (``degraded s``) and when none did any more after
+the mount recovered (``recovered s``).
 
 Every answer is compared with a plain vLLM's greedy output for the same prompt (token by token);
 prompts are kept only if every step's top-2 logprob margin is >= 0.1 on the plain engine, so a
@@ -39,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +59,8 @@ import aiohttp
 from ucm.deploy.demo_model import CORPUS, TINY, ensure_model
 from ucm.deploy.local import LocalStack, Process, default_spec
 from ucm.deploy.spec import UCMDeploymentSpec
-from ucm.integration.vllm.config import ConnectorConfig
+from ucm.integration.vllm.config import ConnectorConfig, kv_transfer_config
+from ucm.store.cache import CacheConfig
 from ucm_testing.stallfs import StallMount, available
 from ucm_testing.vllm_server import VLLMServer
 
@@ -163,6 +174,29 @@ class Fault:
     clear: Callable[[], float | None]  # returns the outage (a restart) when that is the deadline
     hold_s: float
     deadline_s: float
+    store_ok: Callable[[], bool] | None = None  # no engine's /health says its store is degraded
+
+
+@dataclass
+class Health:
+    """When the engines said their store was degraded around a fault, in seconds."""
+
+    degraded_after_s: float | None = None  # since the injection
+    recovered_after_s: float | None = None  # since the fault was cleared
+
+    async def watch(self, store_ok: Callable[[], bool], injected: float, cleared: asyncio.Event) -> None:
+        cleared_at = None
+        while True:
+            ok = await asyncio.to_thread(store_ok)
+            now = time.monotonic()
+            if cleared.is_set() and cleared_at is None:
+                cleared_at = now
+            if not ok and self.degraded_after_s is None:
+                self.degraded_after_s = round(now - injected, 1)
+            if ok and cleared_at is not None:
+                self.recovered_after_s = round(now - cleared_at, 1)
+                return
+            await asyncio.sleep(1.0)
 
 
 @dataclass
@@ -171,6 +205,7 @@ class Window:
     start: float
     end: float
     deadline_s: float
+    health: Health | None = None
 
 
 def supervised(stack: LocalStack) -> threading.Event:
@@ -206,11 +241,45 @@ def back_after(stack: LocalStack, component: str, since: float, timeout: float =
     raise RuntimeError(f"{component} did not come back within {timeout} s; see {p.log}")
 
 
-POSIX_FAULTS = ["store_stalled", "store_full", "prefill_killed_mid_dump", "decode_restarted"]
+POSIX_FAULTS = [
+    "store_stalled",
+    "store_full",
+    "store_write_hang",
+    "store_read_hang",
+    "prefill_killed_mid_dump",
+    "decode_restarted",
+]
 MOONCAKE_FAULTS = ["mooncake_master_stopped"]
+WRITE_BACK_FAULTS = ["cache_write_back_hang"]
+ALL_FAULTS = POSIX_FAULTS + MOONCAKE_FAULTS + WRITE_BACK_FAULTS
 
 
-def posix_faults(stack: LocalStack, mount: StallMount, load_s: float, pd_wait_s: float) -> list[Fault]:
+def stores_ok(stack: LocalStack) -> Callable[[], bool]:
+    """True while no engine's /health says its store is degraded (X-UCM-Store)."""
+    ports = [p.port for p in stack.processes if p.role.component in ("prefill", "decode")]
+
+    def ok() -> bool:
+        for port in ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.headers.get("X-UCM-Store", "").startswith("degraded"):
+                        return False
+            except OSError:
+                pass  # down or warming up: not what is watched here
+        return True
+
+    return ok
+
+
+def posix_faults(
+    stack: LocalStack,
+    mount: StallMount,
+    load_s: float,
+    pd_wait_s: float,
+    save_wait_s: float,
+    lookup_s: float,
+    hang_s: float,
+) -> list[Fault]:
     killed: dict[str, float] = {}
 
     def kill(component: str, sig: signal.Signals) -> Callable[[], None]:
@@ -230,12 +299,21 @@ def posix_faults(stack: LocalStack, mount: StallMount, load_s: float, pd_wait_s:
 
         return inject
 
+    def hang(name: str, only: str, deadline_s: float) -> Fault:
+        stall = lambda: mount.stall(only)  # noqa: E731
+        return Fault(name, stall, mount.resume, hold_s=hang_s, deadline_s=deadline_s, store_ok=stores_ok(stack))
+
     def prefill_back() -> None:
         back_after(stack, "prefill", killed["prefill"])  # bounded by the PD wait, not by the outage
 
     return [
         Fault("store_stalled", mount.stall, mount.resume, hold_s=load_s + 4, deadline_s=load_s),
         Fault("store_full", mount.fill, mount.make_room, hold_s=12, deadline_s=pd_wait_s),
+        # A prefill waits up to the save wait for its blocks to land, then answers; its decode's
+        # lookup of them (a stat in a directory where a create hangs) waits up to the lookup
+        # deadline. Then the breaker skips the store and, once /health says so, decode serves alone.
+        hang("store_write_hang", "writes", save_wait_s + lookup_s),
+        hang("store_read_hang", "reads", load_s),
         Fault("prefill_killed_mid_dump", kill("prefill", signal.SIGKILL), prefill_back, hold_s=0, deadline_s=pd_wait_s),
         Fault(
             "decode_restarted",
@@ -259,10 +337,10 @@ def mooncake_faults(stack: LocalStack, load_s: float) -> list[Fault]:
     ]
 
 
-async def drive(stack: LocalStack, prompts: list[str], faults: list[Fault], concurrency: int, gap_s: float):
-    """Run the load; inject each fault after ``gap_s`` of steady traffic; stop the load once the
-    last fault is over and let the requests in flight finish."""
-    load = Load(stack.base_url, prompts, concurrency)
+async def drive(url: str, prompts: list[str], faults: list[Fault], concurrency: int, gap_s: float):
+    """Run the load against ``url`` (OpenAI's /v1); inject each fault after ``gap_s`` of steady
+    traffic; stop the load once the last fault is over and let the requests in flight finish."""
+    load = Load(url, prompts, concurrency)
     runner = asyncio.create_task(load.run())
     windows: list[Window] = []
     for fault in faults:
@@ -270,10 +348,16 @@ async def drive(stack: LocalStack, prompts: list[str], faults: list[Fault], conc
         print(f"  injecting {fault.name}", file=sys.stderr)
         start = time.monotonic()
         await asyncio.to_thread(fault.inject)
+        health, cleared = Health(), asyncio.Event()
+        watcher = asyncio.create_task(health.watch(fault.store_ok, start, cleared)) if fault.store_ok else None
         await asyncio.sleep(fault.hold_s)
         outage = await asyncio.to_thread(fault.clear)
+        cleared.set()
         await asyncio.sleep(gap_s)
-        windows.append(Window(fault, start, time.monotonic(), outage or fault.deadline_s))
+        if watcher is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(watcher, timeout=60)
+        windows.append(Window(fault, start, time.monotonic(), outage or fault.deadline_s, health if watcher else None))
     await asyncio.sleep(gap_s)
     load.stop()
     await runner
@@ -291,7 +375,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def summarize(name: str, outcomes: list[Outcome], refs: dict[str, list[str]], deadline_s: float) -> dict[str, Any]:
+def summarize(
+    name: str, outcomes: list[Outcome], refs: dict[str, list[str]], deadline_s: float, health: Health | None = None
+) -> dict[str, Any]:
     done = [o for o in outcomes if o.ok]
     errors = sorted({o.error for o in outcomes if not o.ok})
     return {
@@ -303,6 +389,7 @@ def summarize(name: str, outcomes: list[Outcome], refs: dict[str, list[str]], de
         "p50_latency_s": round(percentile([o.ended - o.started for o in done], 0.5), 3),
         "p99_latency_s": round(percentile([o.ended - o.started for o in done], 0.99), 3),
         "deadline_s": round(deadline_s, 2),
+        **({} if health is None else vars(health)),
         "errors": errors[:5],
     }
 
@@ -330,20 +417,64 @@ def run_stack(
         stack.start(lambda message, waiting: print(f"  {message}", file=sys.stderr) if message else None)
         stop_supervising = supervised(stack)
         try:
-            outcomes, windows = asyncio.run(drive(stack, prompts, make_faults(stack), concurrency, gap_s))
+            outcomes, windows = asyncio.run(drive(stack.base_url, prompts, make_faults(stack), concurrency, gap_s))
         finally:
             stop_supervising.set()
     finally:
         stack.stop()
         if mount is not None:
             mount.stop()
+    return fault_rows(run_dir, outcomes, windows, refs)
+
+
+def run_write_back(
+    model: Path,
+    run_dir: Path,
+    prompts: list[str],
+    refs: dict[str, list[str]],
+    concurrency: int,
+    gap_s: float,
+    hang_s: float,
+) -> list[dict[str, Any]]:
+    """One engine (no PD) whose DRAM tier writes back to the stall mount: a dump is done once in
+    memory, and the tier bounds how long one waits for room among the writes still pending."""
+    mount = StallMount(run_dir / "backing", run_dir / "kv", run_dir / "flags", run_dir / "stallfs.log").start()
+    cache = {"capacity": "256MiB", "write_mode": "back", "write_back_max_pending": "4MiB"}
+    store = {"spec": "cache|posix", "cache": cache, "posix": {"roots": [str(mount.mountpoint)]}}
+    timeout_s = CacheConfig.model_validate(cache).write_back_timeout_s
+    server = VLLMServer(
+        model,
+        run_dir / "engine.log",
+        kv_transfer_config=kv_transfer_config(store, "kv_both"),
+        extra_args=["--served-model-name", MODEL],
+    )
+    fault = Fault("cache_write_back_hang", lambda: mount.stall("writes"), mount.resume, hang_s, timeout_s)
+    try:
+        server.start().wait_ready()
+        outcomes, windows = asyncio.run(drive(server.url + "/v1", prompts, [fault], concurrency, gap_s))
+    finally:
+        server.stop()
+        mount.stop()
+    rows, _ = fault_rows(run_dir, outcomes, windows, refs)
+    return rows
+
+
+def fault_rows(
+    run_dir: Path, outcomes: list[Outcome], windows: list[Window], refs: dict[str, list[str]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A row per fault (the requests it caught) and one of the requests no fault touched."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     write_timeline(run_dir / "timeline.json", outcomes, windows)
     rows, counted = [], set()
     for w in windows:
         caught = [o for o in in_window(outcomes, w) if id(o) not in counted]  # the first fault it met
         counted |= {id(o) for o in caught}
-        rows.append(summarize(w.fault.name, caught, refs, w.deadline_s))
+        rows.append(summarize(w.fault.name, caught, refs, w.deadline_s, w.health))
     return rows, summarize("none", [o for o in outcomes if id(o) not in counted], refs, 0.0)
+
+
+def shown(seconds: float | None) -> str:
+    return "-" if seconds is None else str(seconds)
 
 
 def write_timeline(path: Path, outcomes: list[Outcome], windows: list[Window]) -> None:
@@ -372,13 +503,14 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--gap-s", type=float, default=8.0, help="steady traffic before and after each fault")
     p.add_argument("--skip-mooncake", action="store_true", help="without the Mooncake stack")
-    p.add_argument("--only", help=f"comma-separated faults to inject (of {', '.join(POSIX_FAULTS + MOONCAKE_FAULTS)})")
+    p.add_argument("--only", help=f"comma-separated faults to inject (of {', '.join(ALL_FAULTS)})")
+    p.add_argument("--hang-s", type=float, default=75.0, help="how long the store hangs stay")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--run-dir", help="keep the stacks' logs here (default: a temporary directory)")
     args = p.parse_args()
     concurrency, gap_s = (2, 4.0) if args.quick else (args.concurrency, args.gap_s)
-    only = set(args.only.split(",")) if args.only else set(POSIX_FAULTS + MOONCAKE_FAULTS)
-    if unknown := only - set(POSIX_FAULTS + MOONCAKE_FAULTS):
+    only = set(args.only.split(",")) if args.only else set(ALL_FAULTS)
+    if unknown := only - set(ALL_FAULTS):
         p.error(f"--only: unknown faults {sorted(unknown)}")
     why = available()
     if why is not None:
@@ -386,6 +518,7 @@ def main() -> int:
         return 2
     model = ensure_model(TINY)
     load_s, pd_wait_s = float(DEFAULTS.load_timeout_s or 0), DEFAULTS.pd_wait_timeout_s
+    save_wait_s, lookup_s = DEFAULTS.pd_save_wait_s, DEFAULTS.lookup_timeout_s
 
     with contextlib.ExitStack() as cleanup:
         run = Path(args.run_dir) if args.run_dir else Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
@@ -407,7 +540,11 @@ def main() -> int:
             refs,
             concurrency,
             gap_s,
-            lambda stack: [f for f in posix_faults(stack, mount, load_s, pd_wait_s) if f.name in only],
+            lambda stack: [
+                f
+                for f in posix_faults(stack, mount, load_s, pd_wait_s, save_wait_s, lookup_s, args.hang_s)
+                if f.name in only
+            ],
             mount,
         )
         if not args.skip_mooncake and only & set(MOONCAKE_FAULTS):
@@ -417,6 +554,8 @@ def main() -> int:
                 spec, run / "mooncake", prompts, refs, concurrency, gap_s, lambda s: mooncake_faults(s, load_s)
             )
             faults += more
+        if only & set(WRITE_BACK_FAULTS):
+            faults += run_write_back(model, run / "write-back", prompts, refs, concurrency, gap_s, args.hang_s)
 
     total = sum(f["requests"] for f in faults)
     result = {
@@ -428,11 +567,15 @@ def main() -> int:
         "wrong_tokens": sum(f["wrong_tokens"] for f in faults),
         "max_p99_over_deadline_s": round(max(f["p99_latency_s"] - f["deadline_s"] for f in faults), 3),
     }
-    print(f"{'fault':26}{'requests':>9}{'done':>6}{'retried':>8}{'wrong':>6}{'p50 s':>8}{'p99 s':>8}{'deadline':>9}")
+    print(
+        f"{'fault':26}{'requests':>9}{'done':>6}{'retried':>8}{'wrong':>6}{'p50 s':>8}{'p99 s':>8}{'deadline':>9}"
+        f"{'degraded s':>11}{'recovered s':>12}"
+    )
     for f in [baseline, *faults]:
         print(
             f"{f['name']:26}{f['requests']:>9}{f['completed']:>6}{f['retried']:>8}{f['wrong_tokens']:>6}"
             f"{f['p50_latency_s']:>8}{f['p99_latency_s']:>8}{f['deadline_s']:>9}"
+            f"{shown(f.get('degraded_after_s')):>11}{shown(f.get('recovered_after_s')):>12}"
         )
         for e in f["errors"]:
             print(f"{'':28}{e}")

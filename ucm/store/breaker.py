@@ -5,10 +5,10 @@ Every load and dump that goes to the store is watched. One not done within ``tim
 a timeout; one done in time ends the count. After ``timeouts`` in a row the store is *degraded*:
 loads and dumps fail at once without reaching it (vLLM recomputes; a PD prefill promises its
 decode nothing, so neither waits on the store), ``ucm_store_degraded`` is 1 and ``on_degraded``
-hears since when (the engine's ``/health`` turns 503 after ``store_unhealthy_after_s``). Every
+hears since when (the engine's ``/health`` says so after ``store_unhealthy_after_s``). Every
 ``probe_interval_s`` a small write and read back is tried; the first that is done within
-``timeout_s`` ends it. The probe runs on the breaker's own thread, so an idle engine (which the
-proxy sends nothing while it is unhealthy) recovers too.
+``timeout_s`` ends it. The probe runs on the breaker's own thread, so an idle engine (a prefill
+the proxy skips while its store is degraded) recovers too.
 
 A watched operation that was counted as a timeout and finishes later proves nothing: a store that
 answers every call late stays degraded until a probe is done in time.

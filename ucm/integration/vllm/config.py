@@ -73,7 +73,7 @@ class ConnectorConfig(StrictModel):
         "answered by then counts as a miss, and the step's later lookups are misses at once",
     )
     store_unhealthy_after_s: float | None = Field(
-        30.0,
+        10.0,
         gt=0,
         description="The engine's /health says X-UCM-Store: degraded once a store call has been stuck this long "
         "(with ucm serve, which adds the middleware; the engine keeps serving without the store, and the proxy "
