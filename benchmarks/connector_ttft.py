@@ -2,14 +2,14 @@
 
 Real vLLM (CPU build) servers on the generated bench model (hidden 1024, 8 layers, float32,
 32 KiB of KV per token), ~2,000-token prompts, TTFT = a completion with max_tokens=1. Every case
-runs in the same run, trials interleaved, at most three engines alive at once:
+runs in the same run, one engine at a time (the only one on the cores while it is timed):
 
-  phase 1  plain (prefix cache on) | Example writer | UCM posix writer
-           recompute (fresh prompt), prefix-cache warm (same prompt again), Example cold, UCM cold;
-           then 8 prompts of 1,500 shared + 128 unique tokens into both stores (bytes stored)
-  phase 2  plain | Example reader (new engine) | UCM posix reader (new engine)
-           Example warm, UCM warm, UCM partial prefix (75% shared with a stored prompt)
-  phase 3  UCM cache|posix writer, then a new reader: cold and warm
+  plain (prefix cache on)   recompute (fresh prompt), prefix-cache warm (the same prompt again)
+  Example writer            Example cold; 8 prompts of 1,500 shared + 128 unique tokens (bytes stored)
+  UCM posix writer          UCM cold; the same 8 prompts (bytes stored)
+  Example reader (new)      Example warm
+  UCM posix reader (new)    UCM warm, UCM partial prefix (75% shared with a stored prompt)
+  UCM cache|posix           a writer (cold), then a new reader (warm)
 
     python benchmarks/connector_ttft.py --json OUT.json
 """
@@ -17,6 +17,7 @@ runs in the same run, trials interleaved, at most three engines alive at once:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +75,20 @@ class Bench:
             self.model, self.logs / f"{name}.log", kv_transfer_config=kv, kv_cache_gib=self.args.kv_cache_gib
         ).start()
 
+    @contextlib.contextmanager
+    def alone(self, name: str, kv: dict[str, Any] | None = None) -> Iterator[VLLMServer]:
+        """An engine that is the only one running while it is timed (engines sharing two cores
+        measure contention, not the connector); its page cache writes are flushed after it."""
+        server = self.server(name, kv)
+        try:
+            yield server.wait_ready()
+        finally:
+            server.stop()
+            os.sync()
+
     def time_first_token(self, case: str, server: VLLMServer, prompt: list[int]) -> float:
-        # vLLM workers busy-poll for 1 s after each request: let every engine go idle first, or
-        # the engine that served the previous case steals CPU from this one ("nothing else running").
+        # vLLM workers busy-poll for 1 s after each request: let the engine go idle first, or its
+        # poll of the previous case steals CPU from this one.
         time.sleep(IDLE_S)
         start = time.perf_counter()
         server.complete(prompt, max_tokens=1)
@@ -102,72 +115,51 @@ class Bench:
         partial = [p[: n * 3 // 4] + self.prompt(n - n * 3 // 4) for p in stored]
         tier_prompts = [self.prompt(n) for _ in range(trials)]
 
-        plain = self.server("plain")
-        writers = [self.server("example-1", example_kv), self.server("ucm-1", kv_transfer_config(posix))]
-        try:
-            for s in (plain, *writers):
-                s.wait_ready()
-            ex1, u1 = writers
+        with self.alone("plain") as plain:
             for t in range(trials):
                 self.time_first_token("recompute", plain, fresh[t])
                 self.time_first_token("prefix_cache_warm", plain, fresh[t])
+        with self.alone("example-1", example_kv) as ex1:
+            for t in range(trials):
                 self.time_first_token("example_cold", ex1, ex_prompts[t])
+            example_bytes, tokens = self.stored_bytes(ex1, ex_dir)
+        with self.alone("ucm-1", kv_transfer_config(posix)) as u1:
+            for t in range(trials):
                 self.time_first_token("ucm_posix_cold", u1, ucm_prompts[t])
                 u1.complete(stored[t], max_tokens=1)
-            self.extra["storage"] = self.storage(ex1, u1, ex_dir, ucm_dir)
-            for s in writers:
-                s.stop()
-            os.sync()
-
-            readers = [self.server("example-2", example_kv), self.server("ucm-2", kv_transfer_config(posix))]
-            try:
-                for s in readers:
-                    s.wait_ready()
-                ex2, u2 = readers
-                before = u2.metrics()
-                for t in range(trials):
-                    self.time_first_token("example_warm", ex2, ex_prompts[t])
-                    self.time_first_token("ucm_posix_warm", u2, ucm_prompts[t])
-                    self.time_first_token("ucm_partial_prefix", u2, partial[t])
-                after = u2.metrics()
-                self.extra["ucm_load_gbps"] = _gbps(before, after)
-            finally:
-                for s in readers:
-                    s.stop()
-            os.sync()
-
-            for phase in ("cold", "warm"):
-                tier = self.server(f"tiered-{phase}", kv_transfer_config(tiered)).wait_ready()
-                try:
-                    for t in range(trials):
-                        self.time_first_token(f"ucm_cache_posix_{phase}", tier, tier_prompts[t])
-                finally:
-                    tier.stop()
-                os.sync()
-        finally:
-            plain.stop()
-            for s in writers:
-                s.stop()
-        return self.report()
-
-    def storage(self, ex1: VLLMServer, u1: VLLMServer, ex_dir: Path, ucm_dir: Path) -> dict[str, Any]:
-        """Bytes each store grows by for 8 prompts sharing a 1,500-token prefix."""
-        shared = self.prompt(1500)
-        prompts = [shared + self.prompt(128) for _ in range(8)]
-        ex_before, ucm_before = settled_bytes(ex_dir), settled_bytes(ucm_dir)
-        for p in prompts:
-            ex1.complete(p, max_tokens=1)
-            u1.complete(p, max_tokens=1)
-        ex_bytes = settled_bytes(ex_dir) - ex_before
-        ucm_bytes = settled_bytes(ucm_dir) - ucm_before
-        tokens = sum(len(p) for p in prompts)
-        return {
-            "example_bytes": ex_bytes,
+            ucm_bytes, _ = self.stored_bytes(u1, ucm_dir)
+        self.extra["storage"] = {
+            "example_bytes": example_bytes,
             "ucm_bytes": ucm_bytes,
             "prompt_tokens": tokens,
-            "example_bytes_per_token": ex_bytes / tokens,
+            "example_bytes_per_token": example_bytes / tokens,
             "ucm_bytes_per_token": ucm_bytes / tokens,
         }
+        with self.alone("example-2", example_kv) as ex2:
+            for t in range(trials):
+                self.time_first_token("example_warm", ex2, ex_prompts[t])
+        with self.alone("ucm-2", kv_transfer_config(posix)) as u2:
+            before = u2.metrics()
+            for t in range(trials):
+                self.time_first_token("ucm_posix_warm", u2, ucm_prompts[t])
+                self.time_first_token("ucm_partial_prefix", u2, partial[t])
+            self.extra["ucm_load_gbps"] = _gbps(before, u2.metrics())
+        for phase in ("cold", "warm"):
+            with self.alone(f"tiered-{phase}", kv_transfer_config(tiered)) as tier:
+                for t in range(trials):
+                    self.time_first_token(f"ucm_cache_posix_{phase}", tier, tier_prompts[t])
+        return self.report()
+
+    def stored_bytes(self, server: VLLMServer, store: Path) -> tuple[int, int]:
+        """Bytes a store grows by for 8 prompts sharing a 1,500-token prefix, and their tokens (the
+        same prompts for every store: the generator is reseeded)."""
+        rng = random.Random(1500)
+        shared = [rng.choice(self.vocab) for _ in range(1500)]
+        prompts = [shared + [rng.choice(self.vocab) for _ in range(128)] for _ in range(8)]
+        before = settled_bytes(store)
+        for p in prompts:
+            server.complete(p, max_tokens=1)
+        return settled_bytes(store) - before, sum(len(p) for p in prompts)
 
     def report(self) -> dict[str, Any]:
         med = {case: statistics.median(v) for case, v in self.ttft.items()}

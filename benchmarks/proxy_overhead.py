@@ -32,21 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from ucm.deploy.ports import free_port, wait_for_port
+from ucm_testing.processes import spawn_pinned as spawn
 from ucm_testing.processes import stop_process
 
 HERE = Path(__file__).resolve().parent
 BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
 CONCURRENCY = (1, 16, 64)
 PAIRED = ("ucm", "vllm-router")  # CPU per request compared in alternating runs
-
-
-def spawn(args: list[str], cores: str, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        ["taskset", "-c", cores, *args],
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def pin(proc: subprocess.Popen[bytes], cores: str) -> None:

@@ -511,12 +511,14 @@ class ProxyApp:
     ``serve`` (``server`` hands it each such request as an ``Exchange``, no ASGI), everything else
     by the FastAPI app ``api``.
 
-    A request's body is reserved before it is read (its Content-Length, or max_body_bytes when
-    chunked) until its answer ends: all of them within ``max_in_flight_bytes``, one client's (the
-    peer address, ``server.client_key``) within its share, so that uploads which send nothing until
-    ``timeouts.body_s`` cuts them off cannot hold the whole budget. A connection is served one
-    request at a time (a pipelined one waits, reading paused), so it holds one reservation at most:
-    ``max_body_bytes``."""
+    A request holds the body bytes that have arrived, from when they arrive until its answer ends:
+    all requests' within ``max_in_flight_bytes``, one client's (the peer address,
+    ``server.client_key``) within its share; a body that would pass either is refused (429) as it
+    arrives. An upload that sends nothing holds nothing. (Reserving a body's Content-Length, or
+    ``max_body_bytes`` for a chunked one, before reading it let 16 idle uploads from 16 addresses
+    hold the whole default budget and refuse everyone else until ``timeouts.body_s`` cut them off:
+    ``benchmarks/proxy_attack.py``.) A connection is served one request at a time (a pipelined one
+    waits, reading paused), so it holds one body at most: ``max_body_bytes``."""
 
     HOT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -527,37 +529,42 @@ class ProxyApp:
         self.in_flight_bytes = 0  # their bodies, as reserved
         self.client_bytes: dict[str, int] = {}  # the same per client; a client holding none has no entry
 
-    def _body_size(self, exchange: Exchange) -> int:
-        """What a request's body will hold: its Content-Length, else (chunked) the most allowed."""
-        limit, declared = self.proxy.config.max_body_bytes, exchange.declared_length()
-        return limit if declared is None else min(declared, limit)  # larger ones get 413 without a read
-
-    def _refusal(self, client: str, size: int) -> str | None:
-        """Why a request of ``size`` body bytes from ``client`` cannot be admitted now (None: it can)."""
+    def _refusal(self, client: str, more: int) -> str | None:
+        """Why ``client`` cannot hold ``more`` body bytes now (None: it can)."""
         config = self.proxy.config
-        if self.client_bytes.get(client, 0) + size > config.client_bytes:
+        if self.client_bytes.get(client, 0) + more > config.client_bytes:
             return "client_bytes"
-        if self.in_flight >= config.max_in_flight:
-            return "in_flight"
-        if self.in_flight_bytes + size > config.max_in_flight_bytes:
+        if self.in_flight_bytes + more > config.max_in_flight_bytes:
             return "in_flight_bytes"
         return None
 
+    def _hold(self, client: str, n: int) -> None:
+        self.in_flight_bytes += n
+        left = self.client_bytes.pop(client, 0) + n
+        if left:
+            self.client_bytes[client] = left  # the map holds only clients that hold bytes
+
     async def serve(self, exchange: Exchange) -> None:
-        size, client = self._body_size(exchange), exchange.client
-        refusal = self._refusal(client, size)
+        client = exchange.client
+        held = len(exchange.body)
+        refusal = "in_flight" if self.in_flight >= self.proxy.config.max_in_flight else self._refusal(client, held)
         if refusal is not None:
             metrics.child(metrics.REQUESTS, exchange.route, "429", "none").inc()
-            metrics.child(metrics.REJECTED, refusal).inc()
-            message = "The proxy is at its request limit; retry shortly."
-            if refusal == "client_bytes":
-                message = "This client's requests hold their share of the proxy's request budget; retry shortly."
-                exchange.keep_alive = False  # it has connections enough: one fewer held open
-            await exchange.send(ProxyError(429, message, headers={"Retry-After": "1"}).answer())
+            await exchange.send(_budget_refusal(refusal, exchange).answer())
             return
+
+        def arrived(total: int) -> None:
+            nonlocal held
+            if total > held:
+                why = self._refusal(client, total - held)
+                if why is not None:
+                    raise _budget_refusal(why, exchange)
+                self._hold(client, total - held)
+                held = total
+
         self.in_flight += 1
-        self.in_flight_bytes += size
-        self.client_bytes[client] = self.client_bytes.get(client, 0) + size
+        self._hold(client, held)
+        exchange.on_body = arrived
         try:
             try:
                 response = await self.proxy.handle(exchange)
@@ -566,11 +573,19 @@ class ProxyApp:
                 response = ProxyError(500, "Internal proxy error.", None, "internal_error").answer()
             await exchange.send(response)
         finally:
+            exchange.on_body = None
             self.in_flight -= 1
-            self.in_flight_bytes -= size
-            left = self.client_bytes.pop(client, 0) - size  # (bodies of 0 bytes leave an entry of 0)
-            if left:
-                self.client_bytes[client] = left  # the map holds only clients that hold bytes
+            self._hold(client, -held)
+
+
+def _budget_refusal(why: str, exchange: Exchange) -> ProxyError:
+    """The 429 for a request the budget cannot take (counted under ``why``)."""
+    metrics.child(metrics.REJECTED, why).inc()
+    message = "The proxy is at its request limit; retry shortly."
+    if why == "client_bytes":
+        message = "This client's requests hold their share of the proxy's request budget; retry shortly."
+        exchange.keep_alive = False  # it has connections enough: one fewer held open
+    return ProxyError(429, message, headers={"Retry-After": "1"})
 
 
 def create_app(config: ProxyConfig) -> ProxyApp:

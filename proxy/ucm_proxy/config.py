@@ -157,8 +157,8 @@ class ProxyConfig(StrictModel):
     max_in_flight_bytes: int = Field(
         64 << 20,
         gt=0,
-        description="Request bodies held at once (by Content-Length; a chunked upload counts as max_body_bytes); "
-        "more get 429. A body costs up to ~8x its size while handled (token ids parsed into Python ints)",
+        description="Request body bytes held at once (what has arrived); a body that would pass it gets 429 as it "
+        "arrives. A body costs up to ~8x its size while handled (token ids parsed into Python ints)",
     )
     max_client_bytes: int | None = Field(
         None,

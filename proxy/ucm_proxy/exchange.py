@@ -46,6 +46,7 @@ class Exchange:
         "keep_alive",
         "message_event",
         "more_body",
+        "on_body",
         "on_response",
         "response_complete",
         "route",
@@ -80,6 +81,9 @@ class Exchange:
         self.message_event = asyncio.Event()
         self.body = bytearray()
         self.more_body = True
+        # Told the body's size so far as it arrives (ProxyApp holds that much of the budget); may
+        # raise to refuse the rest.
+        self.on_body: Callable[[int], None] | None = None
         self.response_complete = False
         self._disconnected = False
         self.guarding = False  # while True, the client leaving cancels the request's task
@@ -135,11 +139,15 @@ class Exchange:
         while self.more_body and not self._disconnected:
             if len(self.body) > limit:
                 break
+            if self.on_body is not None:
+                self.on_body(len(self.body))
             self.flow.resume_reading()  # uvicorn pauses reading past 64 KiB of unread body
             await self.message_event.wait()
             self.message_event.clear()
         if len(self.body) > limit:
             raise _too_large(limit)
+        if self.on_body is not None:
+            self.on_body(len(self.body))
         if self._disconnected:
             raise _client_left()
         body, self.body = bytes(self.body), bytearray()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 
 def stop_process(proc: subprocess.Popen[bytes], *, group: bool = False, grace_s: float = 10.0) -> None:
@@ -24,3 +25,13 @@ def stop_process(proc: subprocess.Popen[bytes], *, group: bool = False, grace_s:
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         proc.wait()
+
+
+def spawn_pinned(args: list[str], cores: str, log: Path) -> subprocess.Popen[bytes]:
+    """``args`` started on ``cores`` only (taskset), in a session of its own, output to ``log``."""
+    return subprocess.Popen(
+        ["taskset", "-c", cores, *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
