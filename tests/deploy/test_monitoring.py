@@ -49,6 +49,11 @@ UNIT_TESTS = {
                 {"series": f"ucm_store_capacity_bytes{{{SERIES['prefill']}}}", "values": "1000x30"},
                 {"series": f"ucm_proxy_pd_path_healthy{{{SERIES['proxy']}}}", "values": "1 1 1 0x27"},
                 {
+                    "series": f'ucm_proxy_backend_store_degraded{{{SERIES["proxy"]}, backend="http://p:8000", '
+                    'role="prefill"}',
+                    "values": "0x9 1x20",
+                },
+                {
                     "series": f'ucm_proxy_requests_total{{{SERIES["proxy"]}, route="/v1/completions", status="200", '
                     'path="pd"}',
                     "values": "0+60x30",
@@ -125,6 +130,22 @@ UNIT_TESTS = {
                     ],
                 },
                 {"eval_time": "20m", "alertname": "UCMProxyErrors", "exp_alerts": []},
+                {"eval_time": "10m", "alertname": "UCMStoreDegraded", "exp_alerts": []},  # not for 2m yet
+                {
+                    "eval_time": "13m",
+                    "alertname": "UCMStoreDegraded",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "ucm_deployment": "d", "backend": "http://p:8000"},
+                            "exp_annotations": {
+                                "summary": "Engine http://p:8000 of d says its KV store does not answer",
+                                "description": next(
+                                    a for a in rules.ALERTS if a.name == "UCMStoreDegraded"
+                                ).description,
+                            },
+                        }
+                    ],
+                },
             ],
         }
     ],

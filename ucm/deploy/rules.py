@@ -124,6 +124,16 @@ ALERTS = [
         "Prefill was unavailable or unpaired for these requests; see ucm_proxy_requests_total{path} and /pd-path.",
     ),
     Alert(
+        "UCMStoreDegraded",
+        f"max by ({BY}, backend) (ucm_proxy_backend_store_degraded) == 1",
+        "2m",
+        "warning",
+        "Engine {{ $labels.backend }} of {{ $labels.ucm_deployment }} says its KV store does not answer",
+        "Its /health carries X-UCM-Store: degraded: it serves on without the store (prompts are recomputed, "
+        "nothing is saved) and the proxy sends PD requests around it, or to decode alone. Look at the store's "
+        "server or mount (NFS, 3FS, Mooncake) from that engine's pod.",
+    ),
+    Alert(
         "UCMStoreErrors",
         _rate('ucm_store_blocks_total{result!="ok"}', f"{_STORE_BY}, op") + " > 0",
         "10m",
