@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -300,7 +301,7 @@ def posix_faults(
         return inject
 
     def hang(name: str, only: str, deadline_s: float) -> Fault:
-        stall = lambda: mount.stall(only)  # noqa: E731
+        stall = functools.partial(mount.stall, only)
         return Fault(name, stall, mount.resume, hold_s=hang_s, deadline_s=deadline_s, store_ok=stores_ok(stack))
 
     def prefill_back() -> None:

@@ -35,6 +35,19 @@ SERIES = {
     "prefill": 'ucm_deployment="d", ucm_role="prefill", instance="p:1", backend="posix"',
     "proxy": 'ucm_deployment="d", ucm_role="proxy", instance="x:1"',
 }
+
+
+def firing(name: str, eval_time: str, labels: dict[str, str], summary: str) -> dict:
+    """A promtool expectation: alert ``name`` fires at ``eval_time`` with these labels and summary,
+    and the description the rules give it."""
+    description = next(a for a in rules.ALERTS if a.name == name).description
+    return {
+        "eval_time": eval_time,
+        "alertname": name,
+        "exp_alerts": [{"exp_labels": labels, "exp_annotations": {"summary": summary, "description": description}}],
+    }
+
+
 # promtool's unit tests: one-minute samples, then what the rules must record and which alerts fire.
 UNIT_TESTS = {
     "rule_files": [str(FILES / "ucm-rules.yaml")],
@@ -85,67 +98,33 @@ UNIT_TESTS = {
             ],
             "alert_rule_test": [
                 {"eval_time": "4m", "alertname": "UCMPDPathBroken", "exp_alerts": []},  # not for 2m yet
-                {
-                    "eval_time": "6m",
-                    "alertname": "UCMPDPathBroken",
-                    "exp_alerts": [
-                        {
-                            "exp_labels": {"severity": "critical", "ucm_deployment": "d"},
-                            "exp_annotations": {
-                                "summary": "Prefill -> store -> decode is broken for d",
-                                "description": rules.ALERTS[0].description,
-                            },
-                        }
-                    ],
-                },
+                firing(
+                    "UCMPDPathBroken",
+                    "6m",
+                    {"severity": "critical", "ucm_deployment": "d"},
+                    "Prefill -> store -> decode is broken for d",
+                ),
                 {"eval_time": "12m", "alertname": "UCMStoreNearCapacity", "exp_alerts": []},
-                {
-                    "eval_time": "20m",
-                    "alertname": "UCMStoreNearCapacity",
-                    "exp_alerts": [
-                        {
-                            "exp_labels": {"severity": "warning", "ucm_deployment": "d", "backend": "posix"},
-                            "exp_annotations": {
-                                "summary": "The posix store of d stays near its capacity",
-                                "description": next(
-                                    a for a in rules.ALERTS if a.name == "UCMStoreNearCapacity"
-                                ).description,
-                            },
-                        }
-                    ],
-                },
-                {
-                    "eval_time": "20m",
-                    "alertname": "UCMPDFallbackHigh",
-                    "exp_alerts": [
-                        {
-                            "exp_labels": {"severity": "warning", "ucm_deployment": "d"},
-                            "exp_annotations": {
-                                "summary": "25% of PD requests of d ran on decode alone",
-                                "description": next(
-                                    a for a in rules.ALERTS if a.name == "UCMPDFallbackHigh"
-                                ).description,
-                            },
-                        }
-                    ],
-                },
+                firing(
+                    "UCMStoreNearCapacity",
+                    "20m",
+                    {"severity": "warning", "ucm_deployment": "d", "backend": "posix"},
+                    "The posix store of d stays near its capacity",
+                ),
+                firing(
+                    "UCMPDFallbackHigh",
+                    "20m",
+                    {"severity": "warning", "ucm_deployment": "d"},
+                    "25% of PD requests of d ran on decode alone",
+                ),
                 {"eval_time": "20m", "alertname": "UCMProxyErrors", "exp_alerts": []},
                 {"eval_time": "10m", "alertname": "UCMStoreDegraded", "exp_alerts": []},  # not for 2m yet
-                {
-                    "eval_time": "13m",
-                    "alertname": "UCMStoreDegraded",
-                    "exp_alerts": [
-                        {
-                            "exp_labels": {"severity": "warning", "ucm_deployment": "d", "backend": "http://p:8000"},
-                            "exp_annotations": {
-                                "summary": "Engine http://p:8000 of d says its KV store does not answer",
-                                "description": next(
-                                    a for a in rules.ALERTS if a.name == "UCMStoreDegraded"
-                                ).description,
-                            },
-                        }
-                    ],
-                },
+                firing(
+                    "UCMStoreDegraded",
+                    "13m",
+                    {"severity": "warning", "ucm_deployment": "d", "backend": "http://p:8000"},
+                    "Engine http://p:8000 of d says its KV store does not answer",
+                ),
             ],
         }
     ],

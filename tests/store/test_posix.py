@@ -381,15 +381,21 @@ def test_nfs_defaults_fsync_and_retries():
     assert (plain.fsync, plain.stale_handle_retries) == (False, 0)
 
 
+def direct_io_posix(root: Path) -> PosixStore:
+    """A posix store reading and writing with O_DIRECT; skipped where pytest's temporary directory
+    lies on a filesystem without it (tmpfs), which no test here can change."""
+    try:
+        return posix(root, direct_io=True)
+    except ConfigError as exc:
+        pytest.skip(f"this filesystem has no O_DIRECT: {exc}")
+
+
 def test_fsync_and_direct_io_round_trip(tmp_path):
     store = posix(tmp_path, fsync=True)
     ids, data = blocks(3, 5000)
     assert store.wait(store.dump(ids, data)) == [True] * 3
     store.close()
-    try:
-        direct = posix(tmp_path, direct_io=True)
-    except ConfigError as exc:
-        pytest.skip(f"this filesystem has no O_DIRECT: {exc}")
+    direct = direct_io_posix(tmp_path)
     bufs = [bytearray(5000) for _ in ids]
     assert direct.wait(direct.load(ids, bufs)) == [True] * 3
     assert [bytes(b) for b in bufs] == data
@@ -485,10 +491,7 @@ def test_a_load_buffer_of_the_wrong_size_is_a_miss_that_keeps_the_block(tmp_path
     ids, data = blocks(1, 5000)
     store.wait(store.dump(ids, data))
     store.close()
-    try:
-        store = posix(tmp_path, direct_io=direct_io)
-    except ConfigError as exc:
-        pytest.skip(f"this filesystem has no O_DIRECT: {exc}")
+    store = direct_io_posix(tmp_path) if direct_io else posix(tmp_path)
     assert store.wait(store.load(ids, [bytearray(4000)])) == [False]
     assert Path(store._paths(ids[0])[0]).exists()  # the caller's mistake, not a corrupt block
     buf = bytearray(5000)

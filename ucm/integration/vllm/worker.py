@@ -146,13 +146,13 @@ class WorkerSide:
     def start_load(self, meta: UCMConnectorMetadata) -> None:
         assert self.layout is not None, "register_kv_caches must run before the first step"
         self._loads = []
-        invalidate_summaries([b for transfer in meta.loads for b in transfer.block_ids])
+        blocks = [b for transfer in meta.loads for b in transfer.block_ids]
+        invalidate_summaries(blocks)
         self._abandoned = [t for t in self._abandoned if not t.done()]
-        if self._abandoned and meta.loads:
-            skipped = [b for transfer in meta.loads for b in transfer.block_ids]
-            self._load_errors.update(skipped)  # vLLM recomputes them
-            self._stats.add("load_failed_blocks", len(skipped))
-            self._stats.add("store_skipped_blocks", len(skipped))
+        if self._abandoned and blocks:
+            self._load_errors.update(blocks)  # vLLM recomputes them
+            self._stats.add("load_failed_blocks", len(blocks))
+            self._stats.add("store_skipped_blocks", len(blocks))
             return
         for transfer in meta.loads:
             started = time.perf_counter()
