@@ -16,11 +16,11 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ucm import metrics
+from ucm.store.workers import IOThreads
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class PerBlockStore(Store):
     """
 
     def __init__(self, io_threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"ucm-{self.backend}")
+        self._pool = IOThreads(io_threads, f"ucm-{self.backend}")
         self._io_threads = io_threads
 
     @abstractmethod
@@ -319,4 +319,4 @@ class PerBlockStore(Store):
         task._set(indices, ok)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.close()

@@ -6,7 +6,7 @@ Calls run on one worker thread. A call that misses its deadline gives the caller
 answer (a miss) and keeps running in the background; while it is still stuck, later calls get the
 fallback at once instead of queueing behind it, and ``stuck`` says so. When it returns, calls go to
 the store again. ``on_stuck`` hears when a stuck call started (wall time) and ``on_answer`` when it
-returned: the engine's ``/health`` turns 503 when the store stays stuck (``health.py``).
+returned: the engine's ``/health`` reports the store degraded while it stays stuck (``health.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
+
+from ucm.store.workers import IOThreads
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,7 +37,7 @@ class Deadlined:
         self.name = name
         self._on_stuck = on_stuck
         self._on_answer = on_answer
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-deadlined")
+        self._pool = IOThreads(1, f"{name}-deadlined")
         self._stuck: Future[object] | None = None
         self._lock = threading.Lock()
         self.timeouts = 0  # calls answered with the fallback because the store was too slow
@@ -71,4 +73,4 @@ class Deadlined:
             self._on_answer()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close(timeout_s=0)

@@ -13,7 +13,6 @@ import mmap
 import socket
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
@@ -21,6 +20,7 @@ from pydantic import ByteSize, Field, field_validator
 
 from ucm.config import ConfigError, StrictModel
 from ucm.store.base import Blob, Buffer, Store, StoreError, Task, blob_size, copy_from_blob, copy_to_blob
+from ucm.store.workers import IOThreads
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class MooncakeStore(Store):
         self._staging_addr = buffer_address(self._staging)
         self.register_buffer(self._staging)
         # One batch at a time: the staging area is shared, and one batch call already fans out.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucm-mooncake")
+        self._pool = IOThreads(1, "ucm-mooncake")
 
     def _key(self, block_id: bytes) -> str:
         return self.config.key_prefix + block_id.hex()
@@ -195,5 +195,7 @@ class MooncakeStore(Store):
         return [r == 0 for r in self._client.batch_remove([self._key(i) for i in ids], True)]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._client.close()
+        if self._pool.close():
+            self._client.close()
+        # else a transfer is still inside the client: closing it under that call could crash the
+        # process; the client is left to the process's exit.

@@ -48,6 +48,7 @@ from pydantic import ByteSize, Field, model_validator
 
 from ucm import metrics
 from ucm.config import ConfigError, StrictModel
+from ucm.store import workers
 from ucm.store.base import Blob, BlockInfo, PerBlockStore, blob_segments, blob_size, copy_from_blob, copy_to_blob
 
 logger = logging.getLogger(__name__)
@@ -530,7 +531,7 @@ class PosixStore(PerBlockStore):
         self._closed.set()
         self._gc_wakeup.set()
         if self._evictor is not None:
-            self._evictor.join()
+            self._evictor.join(workers.CLOSE_WAIT_S)  # a daemon: one stuck in a hung mount stays behind
         super().close()
 
 

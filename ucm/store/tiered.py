@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 
 from ucm import metrics
 from ucm.config import ConfigError
+from ucm.store import workers
 from ucm.store.base import Blob, BlockInfo, Store, Task, lookup_behind
 from ucm.store.posix import PosixConfig, PosixStore
 
@@ -96,10 +97,10 @@ class TieredStore(Store):
 
         self.fast.dump(ids, copies).add_done_callback(settle)
 
-    def flush(self) -> None:
-        """Wait until every promotion has reached the fast store."""
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every promotion has reached the fast store (at most ``timeout_s``); True if so."""
         with self._lock:
-            self._lock.wait_for(lambda: self._pending == 0)
+            return self._lock.wait_for(lambda: self._pending == 0, timeout_s)
 
     # The slow store holds every block; the fast one copies of some.
     def scan(self) -> Iterator[BlockInfo]:
@@ -122,7 +123,8 @@ class TieredStore(Store):
         self.slow.register_buffer(buffer)
 
     def close(self) -> None:
-        self.flush()
+        if not self.flush(workers.CLOSE_WAIT_S):
+            logger.warning("tiered: closing with promotions unfinished; %s misses those copies", self.fast.backend)
         try:
             self.fast.close()
         finally:

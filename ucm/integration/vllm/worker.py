@@ -29,7 +29,7 @@ from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.sparse.serving import invalidate_summaries
-from ucm.store import Store, Task
+from ucm.store import Store, Task, workers
 
 logger = logging.getLogger(__name__)
 
@@ -297,10 +297,20 @@ class WorkerSide:
         return task
 
     def close(self) -> None:
-        """Dumps still being written finish first. vLLM calls this only on some exits (its process
+        """Dumps still being written finish first, for at most ``workers.CLOSE_WAIT_S`` in all (a hung
+        store must not hold the engine's exit). vLLM calls this only on some exits (its process
         manager kills workers on SIGTERM): a PD prefill's own saves are waited for in the step."""
         with self._inflight_lock:
             pending = list(self._inflight)
-        for task in pending:
-            task.wait()
+        deadline = time.monotonic() + workers.CLOSE_WAIT_S
+        try:
+            for task in pending:
+                task.wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            unsaved = sum(len(t) for t in pending if not t.done())
+            logger.warning(
+                "closing with %d blocks not saved after %.1f s: the store does not answer",
+                unsaved,
+                workers.CLOSE_WAIT_S,
+            )
         self._store.close()

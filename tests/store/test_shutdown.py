@@ -1,0 +1,75 @@
+"""A store whose I/O never returns (an NFS hard mount in an outage, a stuck FUSE mount) must not
+hold the engine's exit: closing waits a bounded time, then the process leaves the stuck threads
+behind. Run in a child process, since the point is whether a real interpreter exits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from ucm.store.workers import IOThreads
+
+# Every read and write hangs for good; the engine-side worker has saves in flight; then it closes.
+HUNG_ENGINE = textwrap.dedent(
+    """
+    import sys, threading
+    import torch
+    import ucm.store.workers as workers
+    workers.CLOSE_WAIT_S = 1.0
+    from tests.connector.test_worker import IDS, NB, kv_caches, run_step, worker
+    from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+
+    w = worker(sys.argv[1])
+    posix = w._store
+    while hasattr(posix, "inner"):  # under the breaker and deadlines, the posix store itself
+        posix = posix.inner
+    never = threading.Event()
+    posix._read_block = lambda *args: never.wait()
+    posix._write_block = lambda *args: never.wait()
+    kv = kv_caches(False)
+    w.register(kv, NB)
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [1, 2])]))
+    w.close()
+    print("closed", flush=True)
+    """
+)
+
+
+def test_an_engine_whose_store_hangs_still_exits(tmp_path):
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_ENGINE, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "closed" in done.stdout
+    assert "left behind at close" in done.stderr  # and it says so
+    assert time.monotonic() - started < 30
+
+
+def test_io_threads_run_calls_in_order_and_close_waits_for_queued_ones():
+    threads = IOThreads(1, "t")
+    seen: list[int] = []
+    futures = [threads.submit(seen.append, i) for i in range(5)]
+    assert threads.close(timeout_s=5)
+    assert seen == [0, 1, 2, 3, 4]
+    assert all(f.done() for f in futures)
+
+
+def test_io_threads_hand_errors_to_the_future():
+    threads = IOThreads(2, "t")
+    future = threads.submit(int, "not a number")
+    assert isinstance(future.exception(timeout=5), ValueError)
+    threads.close()
+
+
+def test_closing_io_threads_is_bounded_when_a_call_hangs():
+    never = threading.Event()
+    threads = IOThreads(2, "t")
+    threads.submit(never.wait)
+    started = time.monotonic()
+    assert not threads.close(timeout_s=0.3)
+    assert time.monotonic() - started < 2
+    never.set()
