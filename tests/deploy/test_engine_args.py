@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.deploy.test_render_cmd import RESOURCE
 from ucm.deploy import engine_args, vllm_options
-from ucm.deploy.policy import REFUSED_FLAGS, Policy
+from ucm.deploy.policy import REFUSED_FLAGS, REFUSED_KEYS, Policy
 from ucm.deploy.roles import PlanError
 from ucm.deploy.spec import UCMDeploymentSpec
 
@@ -87,13 +87,18 @@ def shortest_unique(option: str, options: list[str]) -> int:
     return next(unique, len(option))
 
 
+def spell_name(data: st.DataObject, option: str, options: list[str]) -> str:
+    """``option`` abbreviated and with underscores for dashes, as vLLM's parser may read it."""
+    if not option.startswith("--"):
+        return option
+    name = option[: data.draw(st.integers(shortest_unique(option, options), len(option)), label="length")]
+    underscores = data.draw(st.lists(st.booleans(), min_size=len(name), max_size=len(name)), label="underscores")
+    return "--" + "".join("_" if c == "-" and u else c for c, u in zip(name[2:], underscores[2:], strict=True))
+
+
 def spell(data: st.DataObject, option: str, value: str | None, options: list[str]) -> list[str]:
     """One way to write ``option`` (and its value) that vLLM's parser may read as it."""
-    name = option
-    if option.startswith("--"):
-        name = option[: data.draw(st.integers(shortest_unique(option, options), len(option)), label="length")]
-        underscores = data.draw(st.lists(st.booleans(), min_size=len(name), max_size=len(name)), label="underscores")
-        name = "--" + "".join("_" if c == "-" and u else c for c, u in zip(name[2:], underscores[2:], strict=True))
+    name = spell_name(data, option, options)
     form = data.draw(st.sampled_from(["plain", "dotted", "dotted-separate"]), label="form")
     if form != "plain":
         key = data.draw(st.sampled_from(["x", "kv_connector", "mode", "pass_config.x"]), label="key")
@@ -125,6 +130,45 @@ def test_every_spelling_of_a_refused_option_that_vllm_reads_is_refused(vllm_pars
         return  # vLLM refuses this spelling itself (an ambiguous abbreviation, a value its type refuses)
     spec = UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"extraArgs": args}})
     with pytest.raises(PlanError, match=rf"^decode\.extraArgs\[{len(before)}\]: --[a-z-]+ is not allowed: "):
+        Policy().check(spec)
+
+
+# Keys of the JSON options the policy reads, refused (REFUSED_KEYS) and not, with JSON values vLLM takes.
+KEY_VALUES = {
+    "compilation_config": {
+        **{"backend": '"eager"', "inductor_passes": "{}", "inductor_compile_config": "{}", "cache_dir": '"/tmp/c"'},
+        **{"mode": "3", "cudagraph_capture_sizes": "[1, 2]", "custom_ops": '["none"]'},
+    },
+    "hf_overrides": {"auto_map": "{}", "max_position_embeddings": "9000", "rope_theta": "20000.0"},
+}
+
+
+@SETTINGS
+@given(data=st.data())
+def test_every_way_to_set_a_refused_key_that_vllm_reads_is_refused(vllm_parser, data):
+    options = vllm_parser.option_strings()
+    option = data.draw(st.sampled_from(sorted(o for o, dest in options.items() if dest in KEY_VALUES)), label="option")
+    dest = options[option]
+    key, value = data.draw(st.sampled_from(sorted(KEY_VALUES[dest].items())), label="key")
+    name = spell_name(data, option, list(options))
+    form = data.draw(st.sampled_from(["separate", "equals", "dotted", "dotted-separate"]), label="form")
+    written = {
+        "separate": [name, f'{{"{key}": {value}}}'],
+        "equals": [f'{name}={{"{key}": {value}}}'],
+        "dotted": [f"{name}.{key}={value}"],
+        "dotted-separate": [f"{name}.{key}", value],
+    }[form]
+    before = ["--max-num-seqs", "8"]
+    args = before + written
+    if vllm_parser.dests(args) is None:
+        event("vLLM refuses the arguments")
+        return  # the engine would not start
+    event(f"vLLM reads them: {'refused' if key in REFUSED_KEYS[dest] else 'allowed'} key")
+    spec = UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"extraArgs": args}})
+    if key in REFUSED_KEYS[dest]:
+        with pytest.raises(PlanError, match=rf"^decode\.extraArgs\[{len(before)}\]: .* the key {key} is not allowed: "):
+            Policy().check(spec)
+    else:
         Policy().check(spec)
 
 

@@ -16,6 +16,7 @@ start with it, and a vLLM other than the table's must not be a way around the po
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,27 +33,45 @@ def dests(arg: str) -> list[str]:
     if arg == "--":
         raise EngineArgError("-- ends vLLM's options: the deployment's own arguments after it would not be read")
     try:
-        return [dest for token in _rewritten(arg) for dest in _read(token)]
+        # A dotted option (--x.key=value, --x.key value) is folded into one "--x <JSON>" at the end.
+        # (Without "=" it takes the next argument as its value, whatever it looks like: that argument
+        # is read on its own here too, so this reads more than vLLM there, never less.)
+        return [dest for token in _rewritten(arg) for dest in _read(_dotted_key(token))]
     except EngineArgError as exc:
         raise EngineArgError(f"{arg.partition('=')[0]} {exc}") from None
 
 
 def _rewritten(arg: str) -> list[str]:
-    """The strings ``FlexibleArgumentParser.parse_args`` hands argparse for ``arg``."""
+    """The strings ``FlexibleArgumentParser.parse_args`` makes of ``arg`` before it folds dotted
+    options into JSON values."""
     if arg.startswith("--"):
         # Underscores become dashes in the name: up to the "=" and the first ".".
         key, sep, value = arg.partition("=")
         name, dot, sub = key[2:].partition(".")
-        tokens = ["--" + name.replace("_", "-") + dot + sub + sep + value]
-    elif arg.startswith("-O"):
+        return ["--" + name.replace("_", "-") + dot + sub + sep + value]
+    if arg.startswith("-O"):
         # -O3, -O=3, -O 3: the optimization level, and what follows -O as a string of its own.
-        tokens = ["--optimization-level"] if arg == "-O" else ["--optimization-level", arg[3 if arg[2] == "=" else 2 :]]
-    else:
-        tokens = [arg]
-    # A dotted option (--x.key=value, --x.key value) is folded into one "--x <JSON>" at the end.
-    # (Without "=" it takes the next argument as its value, whatever it looks like: that argument is
-    # read on its own here too, so this reads more than vLLM there, never less.)
-    return [_dotted_key(t) for t in tokens]
+        return ["--optimization-level"] if arg == "-O" else ["--optimization-level", arg[3 if arg[2] == "=" else 2 :]]
+    return [arg]
+
+
+def json_keys(arg: str, following: str | None) -> set[str]:
+    """The top-level keys ``arg`` sets in the JSON value of the option it names (as
+    ``--compilation-config``): a dotted sub-key (``-cc.backend=x``, ``-cc.backend x``), or the keys
+    of the JSON object given after "=" or, with no "=", as the next argument ``following``. Raises
+    :class:`EngineArgError` where that value is not a JSON object this module can read (vLLM reads
+    a little more than JSON there, e.g. ``1k`` for 1000: such values are refused, not guessed at)."""
+    key, sep, value = _rewritten(arg)[-1].partition("=")
+    if "." in key:
+        return {key.split(".")[1].removesuffix("+")}
+    text = value if sep else following
+    try:
+        parsed = json.loads(text) if text is not None else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise EngineArgError(f"{key}: the value must be a JSON object (numbers written out) for the policy to read it")
+    return set(parsed)
 
 
 def _dotted_key(token: str) -> str:

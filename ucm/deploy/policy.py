@@ -54,6 +54,18 @@ REFUSED_FLAGS = {
 # refused flag vLLM no longer has; revise the list).
 _REFUSED_DESTS = {OPTIONS[flag]: flag for flag in REFUSED_FLAGS}
 
+# Keys of JSON-valued options a spec may not set, however written (the JSON value, a dotted
+# sub-key): they name code the engine imports or runs. The options' other keys stay open.
+REFUSED_KEYS = {
+    "compilation_config": {
+        "backend": "names a compiler backend the engine imports by qualified name",
+        "inductor_passes": "names functions the engine imports (while reading its arguments)",
+        "inductor_compile_config": "sets torch inductor's options, which name the compiler it runs",
+        "cache_dir": "the engine loads compiled code from it",
+    },
+    "hf_overrides": {"auto_map": "names model classes to load as remote code"},
+}
+
 # Environment variables a spec may not set (env, or envFrom through its prefix) unless the operator
 # allows them by name (--allow-env; the chart's policy.allowedEnv): they make the engine's
 # processes load code, or move where they find it. That is code execution even with no writable
@@ -216,16 +228,23 @@ def _under(path: str, prefixes: Iterable[str]) -> bool:
 
 def _refused_args(field: str, args: list[str]) -> None:
     for i, arg in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
         try:
             read = engine_args.dests(arg)
+            keys = [(dest, engine_args.json_keys(arg, following)) for dest in read if dest in REFUSED_KEYS]
         except engine_args.EngineArgError as exc:
             raise fail(f"{field}[{i}]", str(exc)) from None
+        written = arg.partition("=")[0]
         for dest in read:
             if dest in _REFUSED_DESTS:
                 flag = _REFUSED_DESTS[dest]
-                written = arg.partition("=")[0]
                 how = "" if written == flag else f" (vLLM reads {written} as {flag})"
                 raise fail(f"{field}[{i}]", f"{flag} is not allowed: {REFUSED_FLAGS[flag]}{how}")
+        for dest, set_keys in keys:
+            refused = sorted(set_keys & REFUSED_KEYS[dest].keys())
+            if refused:
+                why = REFUSED_KEYS[dest][refused[0]]
+                raise fail(f"{field}[{i}]", f"{written}: the key {refused[0]} is not allowed: {why}")
 
 
 def _refused_env(name: str) -> str | None:
