@@ -130,6 +130,8 @@ class Arm:
         settings = dict(SETTINGS[self.name])
         if "sparse_ratio" in settings and knobs.get("sparse_ratio") is not None:
             settings["sparse_ratio"] = knobs["sparse_ratio"]
+        if "sparse_ratio" in settings and self.name != "static" and knobs.get("observation_window") is not None:
+            settings["observation_window"] = knobs["observation_window"]
         config: dict[str, Any] = {"algorithm": self.name, self.name: settings}
         for key in ("min_tokens", "dense_layers"):
             if knobs.get(key) is not None:
@@ -294,6 +296,11 @@ def main() -> int:
         action="store_true",
         help="speed rows read documents of their own (default: one shared document, distinct endings)",
     )
+    p.add_argument(
+        "--observation-window",
+        type=int,
+        help="the top-k algorithms' observation_window: last prompt tokens whose attention is kept as a prior",
+    )
     p.add_argument("--kv-cache-gib", type=int, default=6)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -315,6 +322,7 @@ def main() -> int:
         "sparse_ratio": args.sparse_ratio,
         "dense_layers": args.dense_layers,
         "block_size": args.block_size,
+        "observation_window": args.observation_window,
     }
     work = Path(tempfile.mkdtemp(prefix="sparse-serving-"))
     print(f"logs and stores under {work}", flush=True)

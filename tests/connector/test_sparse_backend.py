@@ -128,9 +128,9 @@ def _runtimes():
 
 
 def runtime_for(config: dict) -> SparseRuntime:
-    runtime = SparseRuntime(
-        SparseConfig.model_validate(config), B, HKV, D, [DENSE_LAYER, "model.layers.1.self_attn.attn", SPARSE_LAYER]
-    )
+    layers = [DENSE_LAYER, "model.layers.1.self_attn.attn", SPARSE_LAYER]
+    positions = learn_layout(torch.float32, ISA, B, D)[0]
+    runtime = SparseRuntime(SparseConfig.model_validate(config), B, HKV, D, layers, key_positions=positions)
     for name in runtime.layer_names:
         RUNTIMES[name] = runtime
     return runtime
@@ -195,6 +195,24 @@ def test_sparse_rows_attend_exactly_their_heads_selections_and_other_rows_are_un
         assert not torch.allclose(out[token], dense[token], atol=1e-3)  # it really skipped blocks
     others = [batch.starts[1] + i for i in range(5)] + [batch.starts[3]]
     torch.testing.assert_close(out[others], dense[others], rtol=0, atol=0)  # vLLM's result
+
+
+def test_a_prompt_chunk_is_observed_from_the_kernels_cache():
+    """observation_window: the attention a prompt chunk's last tokens give each block, read from
+    the cache as vLLM's kernel lays it out, equals plain attention over the request's keys."""
+    config = {"algorithm": "gsa", "min_tokens": 64, "gsa": {"sparse_ratio": 0.4, "observation_window": 3}}
+    seq_lens, query_lens = [300, 69], [1, 5]
+    batch, *_ = run(config, seq_lens, query_lens)
+    prior = RUNTIMES[SPARSE_LAYER].priors[SPARSE_LAYER]
+    s, n, end = seq_lens[1], -(-seq_lens[1] // B), batch.starts[2]
+    slots = batch.table[1, torch.arange(s) // B].long() * B + torch.arange(s) % B
+    keys = batch.keys[slots].repeat_interleave(G, dim=1)  # (s, H, D)
+    logits = torch.einsum("whd,thd->hwt", batch.query[end - 3 : end], keys) / math.sqrt(D)
+    logits.masked_fill_(torch.arange(s)[None, :] > torch.arange(s - 3, s)[:, None], float("-inf"))
+    per_token = logits.softmax(-1).mean(1).view(HKV, G, s).sum(1)
+    want = torch.stack([per_token[:, b * B : (b + 1) * B].sum(-1) for b in range(n)])  # (n, HKV)
+    torch.testing.assert_close(prior[batch.table[1, :n].long()], want, rtol=1e-4, atol=1e-6)
+    assert float(prior[batch.table[0, : -(-seq_lens[0] // B)].long()].abs().sum()) == 0  # a decode: not observed
 
 
 def test_dense_layers_attend_every_block():

@@ -110,7 +110,7 @@ def test_invalidated_blocks_are_reported_stale_until_refreshed():
     assert torch.equal(s.rep, before)
 
 
-def select(s: BlockSummaries, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0):
+def select(s: BlockSummaries, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0, prior=None):
     r = len(seq_lens)
     width = int(tables.shape[1])
     out = torch.full((r * HKV, width), -1, dtype=torch.int32)
@@ -128,8 +128,25 @@ def select(s: BlockSummaries, q, tables, seq_lens, budget, windows=(1, 2), mass=
         mass=mass,
         kept=kept,
         scores=scores,
+        prior=prior,
     )
     return out, kept, scores
+
+
+def test_a_prior_is_added_to_each_block_score_by_physical_block_and_head():
+    tokens = 23 * B + 9
+    s, _, table = written(SCORINGS["both"], tokens, blocks=60, seed=7)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(8))
+    n = table.numel()
+    _, _, plain = select(s, q, table[None].contiguous(), [tokens], [6])
+    prior = torch.zeros(60, HKV)
+    favoured = {0: int(table[4]), 1: int(table[9]), 2: int(table[13])}  # a physical block per head
+    for h, p in favoured.items():
+        prior[p, h] = 5.0  # more than any block's share of the group's attention (at most G)
+    out, _, scores = select(s, q, table[None].contiguous(), [tokens], [6], prior=prior)
+    for h in range(HKV):
+        torch.testing.assert_close(scores[h, :n], plain[h, :n] + prior[table.long(), h])
+        assert favoured[h] in (out[h, :6] // HKV).tolist()
 
 
 @pytest.mark.parametrize("name", SCORINGS)

@@ -114,3 +114,44 @@ def test_counts_cover_dense_layers_and_sparse_layers():
     n, k = 11, int(plan.kept[0])
     assert (rt.stats.available, rt.stats.attended) == (4 * n, n + 3 * k)
     assert rt.stats.retrievals == 3
+
+
+def test_what_a_prompt_attended_at_its_end_stays_selected_while_it_decodes():
+    """observation_window: the last prompt tokens' exact attention, per block and KV head, is kept
+    as a prior and added to the block scores of every decode step."""
+    config = SparseConfig.model_validate(
+        {"algorithm": "gsa", "min_tokens": 64, "dense_layers": 0, "gsa": {"sparse_ratio": 0.2, "observation_window": 4}}
+    )
+    rt = SparseRuntime(config, B, HKV, D, LAYERS, key_positions=torch.arange(B * D, dtype=torch.int32))
+    length = 20 * B
+    table = tables_for(length + 1)
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(length, HKV, D, generator=g)
+    needle = 5
+    direction = torch.nn.functional.normalize(torch.randn(HKV, D, generator=g), dim=-1)
+    keys[needle * B : (needle + 1) * B] = 6 * direction  # what the prompt's last tokens look for
+    query = torch.randn(length, HKV * G, D, generator=g)
+    query[-4:] = 6 * direction.repeat_interleave(G, dim=0)
+    slots = table[0, torch.arange(length) // B].long() * B + torch.arange(length) % B
+    key_cache = torch.zeros(64, HKV, B, D)
+    key_cache[slots // B, :, slots % B] = keys
+    starts, seq = torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
+    for name in LAYERS:
+        rt.write(name, keys, slots, 64, torch.float32)
+        rt.observe(name, query, key_cache, starts, seq, table, D**-0.5)
+
+    # The reference: softmax of each window query over the prompt (causal), averaged over the
+    # window, summed over the query heads of each KV head, summed per block.
+    logits = torch.einsum("whd,thd->hwt", query[-4:], keys.repeat_interleave(G, dim=1)) * D**-0.5
+    logits.masked_fill_(torch.arange(length)[None, :] > torch.arange(length - 4, length)[:, None], float("-inf"))
+    share = logits.softmax(-1).mean(1).view(HKV, G, -1).sum(1).view(HKV, 20, B).sum(-1)
+    for name in LAYERS:
+        torch.testing.assert_close(rt.priors[name][table[0, :20].long()], share.T)
+    assert bool((share[:, needle] > 0.5 * G).all())  # most of the window looks at the needle
+
+    _, chosen = step(rt, table, [length + 1], [1])  # a decode: new token, random query
+    assert float(rt.priors[LAYERS[0]][table[0, 20]].abs().sum()) == 0  # the block it started holds no prior
+    for name in LAYERS:
+        per_head, _ = chosen[name]
+        for h in range(HKV):
+            assert int(table[0, needle]) * HKV + h in per_head[h].tolist()

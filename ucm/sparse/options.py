@@ -32,6 +32,12 @@ class TopKConfig(StrictModel):
     min_blocks: int = Field(4, ge=1, description="Fewest blocks attended")
     init_window_sz: int = Field(1, ge=0, description="First blocks always attended (attention sinks)")
     local_window_sz: int = Field(2, ge=0, description="Last blocks always attended (recent context)")
+    observation_window: int = Field(
+        0,
+        ge=0,
+        description="Last prompt tokens whose attention, computed exactly at the end of the prompt, is added to "
+        "every decode step's block scores (SnapKV's observation window; 0: off)",
+    )
 
     def windows(self, block_size: int) -> tuple[int, int]:
         """(sink blocks, local blocks)."""

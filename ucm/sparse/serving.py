@@ -91,8 +91,16 @@ class StepStats:
 
 class SparseRuntime:
     def __init__(
-        self, config: SparseConfig, block_size: int, num_kv_heads: int, head_dim: int, layer_names: list[str]
+        self,
+        config: SparseConfig,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_names: list[str],
+        key_positions: torch.Tensor | None = None,
     ) -> None:
+        """``key_positions``: where token ``t``, channel ``d`` of a block's keys lies in one head's
+        keys as the cache stores them (``positions[t * head_dim + d]``); needed to observe prompts."""
         self.config = config
         options = config.options
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
@@ -105,6 +113,11 @@ class SparseRuntime:
             raise ConfigError(f"sparse.{config.algorithm}.{exc}") from None
         self.windows = options.windows(block_size)
         self.stride = getattr(options, "retrieval_stride", 1)
+        self.window = getattr(options, "observation_window", 0) if self.scoring is not None else 0
+        if self.window and key_positions is None:
+            raise ValueError("sparse: observation_window needs the cache's key positions")
+        self.key_positions = None if key_positions is None else key_positions.long()
+        self.priors: dict[str, torch.Tensor] = {}  # per layer, (P, Hkv) float32: see observe
         self.summaries: dict[str, BlockSummaries] = {}
         self._previous: dict[str, torch.Tensor] = {}  # each layer's last table
         # Per physical block: the length, plan row and steps since retrieval of the request that
@@ -130,6 +143,54 @@ class SparseRuntime:
                 self.scoring, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, dtype
             )
         summaries.write(keys[: len(slots)], slots)
+        prior = self.priors.get(layer_name)
+        if prior is not None:  # a block started afresh holds no observed prompt's attention (yet)
+            fresh = slots[(slots >= 0) & (slots % self.block_size == 0)]
+            if len(fresh):
+                prior[fresh // self.block_size] = 0
+
+    def observe(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """The prompt's own attention where it ends (SnapKV's observation window): for each row of
+        the step computing a prompt chunk of a request of at least ``min_tokens``, the attention its
+        last ``observation_window`` query tokens give each block, exactly, averaged over those tokens
+        and summed over the query heads of each KV head (the scale of a selection's block scores).
+        :meth:`select` adds it to every later decode step's scores: what the question at the end of
+        a prompt looked at (a needle in it) stays attended, whatever the block summaries estimate.
+
+        Kept by physical block (the last chunk of a prompt writes all its blocks; a prefix shared by
+        several requests holds the last one's); a block started afresh is zeroed (:meth:`write`).
+        One computation per prompt chunk and layer, a Python loop over the step's prompt chunks."""
+        if not self.window:
+            return
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        rows = torch.nonzero((query_lens > 1) & (seq_lens >= self.config.min_tokens)).flatten().tolist()
+        if not rows:
+            return
+        assert self.key_positions is not None
+        b, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
+        prior = self.priors.get(layer_name)
+        if prior is None or len(prior) != len(key_cache):
+            prior = self.priors[layer_name] = torch.zeros(len(key_cache), hkv, dtype=torch.float32)
+        for r in rows:
+            end, seq = int(query_start_loc[r + 1]), int(seq_lens[r])
+            w, n = min(self.window, int(query_lens[r])), (seq + b - 1) // b
+            blocks = block_table[r, :n].long()
+            stored = key_cache[blocks].reshape(n, hkv, b * d)[:, :, self.key_positions]
+            keys = stored.view(n, hkv, b, d).transpose(0, 1).reshape(hkv, n * b, d).float()
+            q = query[end - w : end].reshape(w, hkv, -1, d).float()
+            logits = torch.einsum("whgd,htd->hgwt", q, keys) * scale
+            hidden = torch.arange(n * b)[None, :] > (seq - w + torch.arange(w))[:, None]  # causal, and past seq
+            share = logits.masked_fill_(hidden, float("-inf")).softmax(-1).mean(2).sum(1)  # (Hkv, T)
+            prior[blocks] = share.view(hkv, n, b).sum(-1).T
 
     def invalidate(self, blocks: torch.Tensor) -> None:
         """Blocks written without the attention backend (loaded from a store): their summaries are
@@ -220,6 +281,7 @@ class SparseRuntime:
         if len(plan.stale):
             summaries.refresh(key_cache, positions, plan.stale)
         hkv = self.num_kv_heads
+        prior = self.priors.get(layer_name)
         table = torch.zeros(len(plan.rows) * hkv, plan.width, dtype=torch.int32)
         windows = self.windows
         lens = plan.lens
@@ -237,12 +299,15 @@ class SparseRuntime:
                 table,
                 mass=self.scoring.mass,
                 kept=kept,
+                prior=prior,
             )
             tail = (plan.seq_lens - 1) % self.block_size + 1
             lens = (kept - 1) * self.block_size + tail.repeat_interleave(hkv)
             self.stats.attended += float(kept.sum()) / hkv - float(plan.kept.sum())  # plan counted the cap
         elif plan.due is None:
-            summaries.select(query, plan.tokens, plan.tables, plan.seq_lens, plan.retrieve, windows, scale, table)
+            summaries.select(
+                query, plan.tokens, plan.tables, plan.seq_lens, plan.retrieve, windows, scale, table, prior=prior
+            )
         else:
             due = plan.due
             if len(due):
@@ -256,6 +321,7 @@ class SparseRuntime:
                     windows,
                     scale,
                     fresh,
+                    prior=prior,
                 )
                 table.view(len(plan.rows), hkv, -1)[due] = fresh.view(len(due), hkv, -1)
             self._reuse(layer_name, plan, table)

@@ -183,6 +183,7 @@ class BlockSummaries:
         mass: float = 0.0,
         kept: torch.Tensor | None = None,
         scores: torch.Tensor | None = None,
+        prior: torch.Tensor | None = None,
     ) -> None:
         """Kept blocks of each (request, KV head) into ``out`` ((R * Hkv, >= max budget) int32).
 
@@ -192,9 +193,14 @@ class BlockSummaries:
         whose estimated share of the group's attention reaches ``mass`` (at most its budget), and
         ``kept`` ((R * Hkv,) int32) receives how many. ``scores`` ((R * Hkv, >= blocks) float32), when
         given, receives each block's estimated share (summed over the group's query heads) before
-        the windows are forced."""
+        the windows are forced. ``prior`` ((num_blocks, kv_heads) float32), when given, is added to
+        each block's score by physical block and KV head before the best are taken."""
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
             query = query.contiguous()
+        if prior is not None and (
+            prior.dtype != torch.float32 or prior.shape != (self.num_blocks, self.kv_heads) or not prior.is_contiguous()
+        ):
+            raise ValueError(f"select: prior must be float32 ({self.num_blocks}, {self.kv_heads})")
         keep = self.scoring.keep_channels
         self._kernel.select(
             query=query.data_ptr(),
@@ -217,6 +223,7 @@ class BlockSummaries:
             kept=0 if kept is None else kept.data_ptr(),
             scores=0 if scores is None else scores.data_ptr(),
             score_stride=0 if scores is None else scores.stride(0),
+            prior=0 if prior is None else prior.data_ptr(),
         )
 
 

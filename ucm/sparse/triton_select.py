@@ -178,6 +178,7 @@ class TritonSelector:
         mass: float = 0.0,
         kept: torch.Tensor | None = None,
         scores: torch.Tensor | None = None,
+        prior: torch.Tensor | None = None,
     ) -> None:
         """What :meth:`ucm.sparse.summaries.BlockSummaries.select` does, with the same arguments."""
         rows, width = len(tokens), tables.shape[1]
@@ -216,6 +217,8 @@ class TritonSelector:
         t = self.scoring.temperature(self.head_dim, scale)
         share = torch.softmax(logits[:, :, :, :g] * t, -1).nan_to_num(0.0)  # rows of -inf: no blocks
         group = share.mean(2).sum(2)  # (R, Hkv, W): each block's estimated share of the group's attention
+        if prior is not None:  # by physical block and KV head
+            group = group + prior[tables.long()].permute(0, 2, 1)
         cols = torch.arange(width, device=query.device)
         n = ((seq_lens.long() + self.block_size - 1) // self.block_size)[:, None, None]
         held = cols < n

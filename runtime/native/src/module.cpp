@@ -80,12 +80,13 @@ static void def_sparse(nb::module_& m) {
           [](const sp::Summaries& s, uintptr_t query, int query_dtype, int64_t token_stride, int64_t heads,
              uintptr_t tokens, int64_t rows, uintptr_t block_table, int64_t table_stride, uintptr_t seq_lens,
              uintptr_t budget, int64_t init, int64_t local, int64_t keep_channels, float temperature, float mass,
-             uintptr_t out, int64_t out_stride, uintptr_t kept, uintptr_t scores, int64_t score_stride) {
+             uintptr_t out, int64_t out_stride, uintptr_t kept, uintptr_t scores, int64_t score_stride,
+             uintptr_t prior) {
             sp::Selection sel{ptr<const void>(query), static_cast<sp::DType>(query_dtype), token_stride, heads,
                               ptr<const int32_t>(tokens), rows, ptr<const int32_t>(block_table), table_stride,
                               ptr<const int32_t>(seq_lens), ptr<const int32_t>(budget), init, local, keep_channels,
                               temperature, mass, ptr<int32_t>(out), out_stride, ptr<int32_t>(kept),
-                              ptr<float>(scores), score_stride};
+                              ptr<float>(scores), score_stride, ptr<const float>(prior)};
             nb::gil_scoped_release release;
             sp::select(s, sel);
           },
@@ -93,7 +94,7 @@ static void def_sparse(nb::module_& m) {
           nb::arg("rows"), nb::arg("block_table"), nb::arg("table_stride"), nb::arg("seq_lens"), nb::arg("budget"),
           nb::arg("init"), nb::arg("local"), nb::arg("keep_channels"), nb::arg("temperature"), nb::arg("mass"),
           nb::arg("out"), nb::arg("out_stride"), nb::arg("kept") = 0, nb::arg("scores") = 0,
-          nb::arg("score_stride") = 0,
+          nb::arg("score_stride") = 0, nb::arg("prior") = 0,
           "Score every (request, KV head, block) of a step and write the kept blocks per (request, KV head).");
 }
 

@@ -407,6 +407,8 @@ void select(const Summaries& s, const Selection& sel) {
 #pragma omp simd
         for (int64_t blk = 0; blk < n; ++blk) group[blk] += head[blk] * inv;
       }
+      if (sel.prior)
+        for (int64_t blk = 0; blk < n; ++blk) group[blk] += sel.prior[static_cast<int64_t>(table[blk]) * hkv + h];
       if (sel.scores) std::memcpy(sel.scores + pair * sel.score_stride, group.data(), n * sizeof(float));
       int64_t keep = k;
       if (sel.mass > 0.0f) {  // the fewest blocks, best first (the windows first), holding `mass`

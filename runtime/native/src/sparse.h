@@ -64,6 +64,8 @@ struct Selection {
   int32_t* kept;            // optional (R * Hkv,): blocks kept per (request, KV head)
   float* scores;            // optional (R * Hkv, score_stride): each block's group score, for tests
   int64_t score_stride;
+  const float* prior;       // optional (P * Hkv,): added to each block's group score, by physical
+                            // block and KV head (the prompt's own attention, see ucm/sparse/serving.py)
 };
 
 void select(const Summaries& s, const Selection& sel);

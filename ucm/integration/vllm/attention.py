@@ -173,8 +173,10 @@ class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                 raise ConfigError("sparse: models with sliding-window attention are not supported")
             if not native_available():
                 raise ConfigError("sparse: needs UCM's native module ucm_native (make dev builds it)")
-            self.runtime = SparseRuntime(config, self.block_size, self.num_kv_heads, self.head_dim, list(layer_names))
             self.layout = learn_layout(self.dtype, self.isa, self.block_size, self.head_dim)
+            self.runtime = SparseRuntime(
+                config, self.block_size, self.num_kv_heads, self.head_dim, list(layer_names), self.layout[0]
+            )
             self.shape = KernelShape(
                 self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.isa, self.kv_cache_dtype
             )
@@ -222,6 +224,23 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
+        runtime = RUNTIMES.get(layer.layer_name)
+        if (
+            runtime is not None
+            and runtime.window
+            and md is not None
+            and self.attn_type == AttentionType.DECODER
+            and runtime.sparse_layer(layer.layer_name)
+        ):
+            runtime.observe(
+                layer.layer_name,
+                query,
+                _key_cache(kv_cache),
+                md.query_start_loc,
+                md.seq_lens,
+                md.block_table,
+                self.scale,
+            )
         if (
             not isinstance(md, UCMAttentionMetadata)
             or md.sparse is None
@@ -246,8 +265,7 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         assert plan is not None and runtime is not None and md.sparse_layout is not None
         num_blocks, hkv, block_size, _ = kv_cache.shape
         per_head = kv_cache.view(num_blocks, hkv, 2 * block_size, -1)
-        key_cache = per_head[:, :, :block_size]
-        table, lens = runtime.select(layer.layer_name, query, key_cache, md.sparse_layout[0], self.scale)
+        table, lens = runtime.select(layer.layer_name, query, _key_cache(kv_cache), md.sparse_layout[0], self.scale)
         schedule = md.sparse_schedule
         if lens is not plan.lens:  # an adaptive budget: lengths differ per layer
             assert md.sparse_shape is not None
@@ -282,6 +300,13 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         )
         if not contiguous:
             output[tokens] = out
+
+
+def _key_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The keys of a layer's cache, per block and KV head: ``(blocks, kv_heads, block_size, head_dim)``
+    as stored (``learn_layout`` says where each element lies)."""
+    num_blocks, hkv, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, hkv, 2 * block_size, -1)[:, :, :block_size]
 
 
 class UCMAttentionBackend(CPUAttentionBackend):
