@@ -144,6 +144,7 @@ def run(config: dict, seq_lens: list[int], query_lens: list[int], name: str = SP
         Batch(seq_lens, query_lens, runtime, seed=7)
     batch = Batch(seq_lens, query_lens, runtime, loaded=loaded)
     md = batch.metadata
+    runtime.begin_step(md.block_table, md.seq_lens - 1, md.query_start_loc)  # the step before: the decodes go on
     plan = runtime.begin_step(md.block_table, md.seq_lens, md.query_start_loc)
     tables: list[torch.Tensor] = []
     select = runtime.select

@@ -87,6 +87,7 @@ class StepStats:
     retrievals: int = 0  # (request, layer) selections computed afresh
     decodes: int = 0  # decode tokens on the sparse path
     short: int = 0  # decode tokens kept dense: their request is shorter than min_tokens
+    first: int = 0  # decode tokens kept dense: their request's first decode step
 
 
 class SparseRuntime:
@@ -118,6 +119,7 @@ class SparseRuntime:
             raise ValueError("sparse: observation_window needs the cache's key positions")
         self.key_positions = None if key_positions is None else key_positions.long()
         self.priors: dict[str, torch.Tensor] = {}  # per layer, (P, Hkv) float32: see observe
+        self.observed = torch.empty(0, dtype=torch.long)  # the step's rows observe reads (begin_step)
         self.summaries: dict[str, BlockSummaries] = {}
         self._previous: dict[str, torch.Tensor] = {}  # each layer's last table
         # Per physical block: the length, plan row and steps since retrieval of the request that
@@ -160,8 +162,9 @@ class SparseRuntime:
         scale: float,
     ) -> None:
         """The prompt's own attention where it ends (SnapKV's observation window): for each row of
-        the step computing a prompt chunk of a request of at least ``min_tokens``, the attention its
-        last ``observation_window`` query tokens give each block, exactly, averaged over those tokens
+        the step computing a prompt chunk of a request of at least ``min_tokens``, or the request's
+        first decode step (dense, :meth:`begin_step`), the attention its last ``observation_window``
+        query tokens give each block, exactly, averaged over those tokens
         and summed over the query heads of each KV head (the scale of a selection's block scores).
         :meth:`select` adds it to every later decode step's scores: what the question at the end of
         a prompt looked at (a needle in it) stays attended, whatever the block summaries estimate.
@@ -169,18 +172,15 @@ class SparseRuntime:
         Kept by physical block (the last chunk of a prompt writes all its blocks; a prefix shared by
         several requests holds the last one's); a block started afresh is zeroed (:meth:`write`).
         One computation per prompt chunk and layer, a Python loop over the step's prompt chunks."""
-        if not self.window:
+        if not self.window or not len(self.observed):
             return
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        rows = torch.nonzero((query_lens > 1) & (seq_lens >= self.config.min_tokens)).flatten().tolist()
-        if not rows:
-            return
         assert self.key_positions is not None
         b, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
         prior = self.priors.get(layer_name)
         if prior is None or len(prior) != len(key_cache):
             prior = self.priors[layer_name] = torch.zeros(len(key_cache), hkv, dtype=torch.float32)
-        for r in rows:
+        for r in self.observed.tolist():
             end, seq = int(query_start_loc[r + 1]), int(seq_lens[r])
             w, n = min(self.window, int(query_lens[r])), (seq + b - 1) // b
             blocks = block_table[r, :n].long()
@@ -206,20 +206,29 @@ class SparseRuntime:
         self._flush()
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         decode = query_lens == 1
-        sparse = decode & (seq_lens >= self.config.min_tokens)
-        rows = torch.nonzero(sparse).flatten()
-        self.stats.short += int(decode.sum()) - len(rows)
+        long = seq_lens >= self.config.min_tokens
+        candidates = torch.nonzero(decode & long).flatten()
+        self.stats.short += int(decode.sum()) - len(candidates)
         self._ensure_tracking(block_table)
+        b, hkv = self.block_size, self.num_kv_heads
+        seq = seq_lens[candidates].to(torch.int32)
+        n = (seq + b - 1) // b
+        tables = block_table[candidates].to(torch.int32).contiguous()
+        age, previous, continuing = self._track(tables, seq, n)
+        # A request's first decode step attends densely: its query is the prompt's last token (all
+        # the rest came from a cache or a store) or the first token generated after a prompt chunk;
+        # either way no selection of its own exists yet, and that step is observed.
+        first = candidates[~continuing]
+        self.observed = torch.cat([torch.nonzero(~decode & long).flatten(), first])
+        self.stats.first += len(first)
+        self.stats.requests += len(first)
+        rows = candidates[continuing]
         if len(rows) == 0:
-            self._forget()
             self.plan = None
             return None
-        b, hkv = self.block_size, self.num_kv_heads
-        seq = seq_lens[rows].to(torch.int32)
-        n = (seq + b - 1) // b
-        tables = block_table[rows].to(torch.int32).contiguous()
+        seq, n, tables = seq[continuing], n[continuing], tables[continuing].contiguous()
+        age, previous = age[continuing], previous[continuing]
         budget = self.config.options.budget_blocks(n.long(), b).to(torch.int32)
-        age, previous, continuing = self._track(rows, tables, seq, n)
         due_mask = age % self.stride == 0
         if self.scoring is None:  # static: nothing to retrieve
             due_mask = torch.ones_like(due_mask)
@@ -256,7 +265,6 @@ class SparseRuntime:
             self.plan.fixed = self._static_table(self.plan, n.long())
         self._previous_kept = kept
         s = self.stats
-        s.requests += int((~continuing).sum())
         sparse_layers = self.num_layers - self.dense_layers
         s.attended += float(kept.sum()) * sparse_layers + float(n.sum()) * self.dense_layers
         s.available += int(n.sum()) * self.num_layers
@@ -366,22 +374,23 @@ class SparseRuntime:
             self._age = torch.cat([self._age, torch.zeros(grow - len(self._age), dtype=torch.int32)])
 
     def _track(
-        self, rows: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, n: torch.Tensor
+        self, tables: torch.Tensor, seq: torch.Tensor, n: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per sparse row: steps since its last retrieval, its row in the previous plan, and whether
-        it continues a request of the previous step."""
-        idx = torch.arange(len(rows))
+        """Per long decode row: steps since its last retrieval, its row in the previous plan, and
+        whether it continues a request of the previous step (else it is the request's first decode
+        step, dense: its next step retrieves)."""
+        idx = torch.arange(len(seq))
         writing = tables[idx, n.long() - 1].long()
         before = tables[idx, (n.long() - 2).clamp(min=0)].long()
         here = self._seq[writing] == seq - 1
         moved = ~here & (n >= 2) & ((seq - 1) % self.block_size == 0) & (self._seq[before] == seq - 1)
         source = torch.where(moved, before, writing)
         continuing = here | moved
-        age = torch.where(continuing, self._age[source] + 1, torch.zeros_like(seq))
+        age = torch.where(continuing, self._age[source] + 1, torch.full_like(seq, -1))
         previous = torch.where(continuing, self._row[source], torch.full_like(seq, -1))
         self._forget()
         self._seq[writing] = seq
-        self._row[writing] = idx.to(torch.int32)
+        self._row[writing] = torch.where(continuing, continuing.int().cumsum(0) - 1, -1).to(torch.int32)
         self._age[writing] = age
         self._written = writing
         return age, previous, continuing
@@ -398,6 +407,9 @@ class SparseRuntime:
         if s.short:
             metrics.SPARSE_DECODE_TOKENS.labels(algo, "dense_short").inc(s.short)
             self.totals.short += s.short
+        if s.first:
+            metrics.SPARSE_DECODE_TOKENS.labels(algo, "dense_first").inc(s.first)
+            self.totals.first += s.first
         if s.retrievals or s.requests or s.available:
             metrics.SPARSE_DECODE_TOKENS.labels(algo, "sparse").inc(s.decodes)
             self.totals.decodes += s.decodes
