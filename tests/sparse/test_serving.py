@@ -55,17 +55,13 @@ def test_only_long_decodes_are_sparse_with_their_budgets_and_kernel_lengths():
     plan, chosen = step(rt, tables, [300, 90, 150, 400], [300, 90, 150, 400])
     assert plan is None and chosen == {}  # all prefill
     plan, chosen = step(rt, tables, [301, 91, 151, 401], [1, 1, 1, 1])
-    assert plan is None and chosen == {}  # each request's first decode step attends densely
-    assert (rt.stats.requests, rt.stats.first, rt.stats.short) == (3, 3, 1)
-    assert rt.observed.tolist() == [0, 2, 3]  # what observation_window reads, when set
-    plan, chosen = step(rt, tables, [302, 92, 152, 402], [1, 1, 1, 1])
-    assert plan.rows.tolist() == [0, 2, 3]  # 92 < min_tokens
-    n = torch.tensor([10, 5, 13])  # blocks of 302, 152 and 402 tokens
+    assert plan.rows.tolist() == [0, 2, 3]  # 91 < min_tokens
+    n = torch.tensor([10, 5, 13])  # blocks of 301, 151 and 401 tokens
     assert plan.kept.tolist() == torch.ceil(n * 0.5).long().clamp(min=4).tolist()
-    tails = torch.tensor([302 - 9 * B, 152 - 4 * B, 402 - 12 * B])
+    tails = torch.tensor([301 - 9 * B, 151 - 4 * B, 401 - 12 * B])
     assert plan.lens.tolist() == ((plan.kept - 1) * B + tails).repeat_interleave(HKV).tolist()
     assert set(chosen) == set(LAYERS[2:])  # dense layers select nothing
-    assert (rt.stats.requests, rt.stats.first) == (0, 0)  # the same requests, going on
+    assert rt.stats.requests == 3
     assert (rt.stats.decodes, rt.stats.short) == (3, 1)  # the short decode is counted as such
 
 
@@ -75,13 +71,12 @@ def test_between_retrievals_a_selection_is_reused_plus_the_block_started_since()
     )
     tables = tables_for(330)
     step(rt, tables, [318], [318])
-    step(rt, tables, [319], [1])  # the first decode step: dense
     seen = []
-    for seq in range(320, 327):  # crosses into block 10 at 321
+    for seq in range(319, 326):  # crosses into block 10 at 321
         plan, chosen = step(rt, tables, [seq], [1])
         seen.append((seq, plan, chosen))
     for (seq, plan, chosen), (_, _, before) in zip(seen[1:], seen[:-1], strict=True):
-        due = (seq - 320) % 3 == 0
+        due = (seq - 319) % 3 == 0
         assert (plan.due is None) == due
         if due:
             continue
@@ -104,10 +99,8 @@ def test_a_new_request_in_a_reused_block_is_not_mistaken_for_the_old_one():
     tables = tables_for(200)
     step(rt, tables, [150], [150])
     step(rt, tables, [151], [1])
-    plan, _ = step(rt, tables, [152], [1])
-    assert plan.due is None  # its first selection
     plan, _ = step(rt, tables, [180], [1])  # same blocks, but not one token longer: another request
-    assert plan is None  # its first decode step, dense
+    assert plan is None  # its prompt's last token (the rest cached): dense
     plan, _ = step(rt, tables, [181], [1])
     assert plan.due is None  # its first selection
     plan, _ = step(rt, tables, [182], [1])
@@ -119,8 +112,7 @@ def test_counts_cover_dense_layers_and_sparse_layers():
     rt = runtime({"algorithm": "static", "min_tokens": 64, "dense_layers": 1, "static": {"sparse_ratio": 0.5}})
     tables = tables_for(320)
     step(rt, tables, [320], [320])
-    step(rt, tables, [321], [1])
-    plan, _ = step(rt, tables, [322], [1])
+    plan, _ = step(rt, tables, [321], [1])
     n, k = 11, int(plan.kept[0])
     assert (rt.stats.available, rt.stats.attended) == (4 * n, n + 3 * k)
     assert rt.stats.retrievals == 3
@@ -160,10 +152,25 @@ def test_what_a_prompt_attended_at_its_end_stays_selected_while_it_decodes():
         torch.testing.assert_close(rt.priors[name][table[0, :20].long()], share.T)
     assert bool((share[:, needle] > 0.5 * G).all())  # most of the window looks at the needle
 
-    step(rt, table, [length + 1], [1])  # the first decode step (dense)
+    _, chosen = step(rt, table, [length + 1], [1])  # a decode: new token, random query
     assert float(rt.priors[LAYERS[0]][table[0, 20]].abs().sum()) == 0  # the block it started holds no prior
-    _, chosen = step(rt, table, [length + 2], [1])  # a sparse decode: new token, random query
     for name in LAYERS:
         per_head, _ = chosen[name]
         for h in range(HKV):
             assert int(table[0, needle]) * HKV + h in per_head[h].tolist()
+
+
+def test_the_last_prompt_token_after_a_cached_prompt_attends_densely_and_is_observed():
+    """A PD decode engine (or a warm prompt) gets the prompt from the store but its last token:
+    that token is computed alone, like a decode, and attends densely as it would at the end of a
+    computed prompt; the request's next step is its first sparse one."""
+    rt = runtime({"algorithm": "gsa", "min_tokens": 100, "dense_layers": 0, "gsa": {"sparse_ratio": 0.5}})
+    tables = tables_for(300, 400)
+    plan, chosen = step(rt, tables, [300, 401], [1, 1])  # two prompts whose last token alone is computed
+    assert plan is None and chosen == {}
+    assert rt.observed.tolist() == [0, 1]
+    assert (rt.stats.first, rt.stats.requests) == (2, 0)
+    plan, _ = step(rt, tables, [301, 402], [1, 1])
+    assert plan.rows.tolist() == [0, 1] and plan.due is None
+    assert rt.stats.requests == 2  # their first sparse step
+    assert len(rt.observed) == 0

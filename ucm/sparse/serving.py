@@ -87,7 +87,7 @@ class StepStats:
     retrievals: int = 0  # (request, layer) selections computed afresh
     decodes: int = 0  # decode tokens on the sparse path
     short: int = 0  # decode tokens kept dense: their request is shorter than min_tokens
-    first: int = 0  # decode tokens kept dense: their request's first decode step
+    first: int = 0  # decode tokens kept dense: the prompt's last token (the rest was cached)
 
 
 class SparseRuntime:
@@ -207,27 +207,29 @@ class SparseRuntime:
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         decode = query_lens == 1
         long = seq_lens >= self.config.min_tokens
-        candidates = torch.nonzero(decode & long).flatten()
-        self.stats.short += int(decode.sum()) - len(candidates)
+        self.stats.short += int((decode & ~long).sum())
         self._ensure_tracking(block_table)
+        # Long requests are followed from step to step, prompt chunks included.
+        tracked = torch.nonzero(long).flatten()
         b, hkv = self.block_size, self.num_kv_heads
-        seq = seq_lens[candidates].to(torch.int32)
+        seq = seq_lens[tracked].to(torch.int32)
         n = (seq + b - 1) // b
-        tables = block_table[candidates].to(torch.int32).contiguous()
-        age, previous, continuing = self._track(tables, seq, n)
-        # A request's first decode step attends densely: its query is the prompt's last token (all
-        # the rest came from a cache or a store) or the first token generated after a prompt chunk;
-        # either way no selection of its own exists yet, and that step is observed.
-        first = candidates[~continuing]
-        self.observed = torch.cat([torch.nonzero(~decode & long).flatten(), first])
+        tables = block_table[tracked].to(torch.int32).contiguous()
+        is_decode = decode[tracked]
+        age, previous, sparse = self._track(tables, seq, n, is_decode)
+        # A decode row that continues nothing computes the prompt's last token: the rest of the
+        # prompt came from the prefix cache or the store (a PD decode engine, a warm prompt). It
+        # attends densely, as that token does at the end of a computed prompt, and is observed.
+        first = tracked[is_decode & ~sparse]
+        self.observed = torch.cat([tracked[~is_decode], first])
         self.stats.first += len(first)
-        self.stats.requests += len(first)
-        rows = candidates[continuing]
+        rows = tracked[sparse]
         if len(rows) == 0:
             self.plan = None
             return None
-        seq, n, tables = seq[continuing], n[continuing], tables[continuing].contiguous()
-        age, previous = age[continuing], previous[continuing]
+        seq, n, tables = seq[sparse], n[sparse], tables[sparse].contiguous()
+        age, previous = age[sparse], previous[sparse]
+        self.stats.requests += int((age == 0).sum())  # their first sparse step
         budget = self.config.options.budget_blocks(n.long(), b).to(torch.int32)
         due_mask = age % self.stride == 0
         if self.scoring is None:  # static: nothing to retrieve
@@ -374,26 +376,26 @@ class SparseRuntime:
             self._age = torch.cat([self._age, torch.zeros(grow - len(self._age), dtype=torch.int32)])
 
     def _track(
-        self, tables: torch.Tensor, seq: torch.Tensor, n: torch.Tensor
+        self, tables: torch.Tensor, seq: torch.Tensor, n: torch.Tensor, decode: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per long decode row: steps since its last retrieval, its row in the previous plan, and
-        whether it continues a request of the previous step (else it is the request's first decode
-        step, dense: its next step retrieves)."""
+        """Per tracked row: steps since its first sparse step, its row in the previous plan, and
+        whether it decodes sparsely: a decode continuing a request of the previous step (a decode
+        or a prompt chunk); its first sparse step (age 0) retrieves."""
         idx = torch.arange(len(seq))
         writing = tables[idx, n.long() - 1].long()
         before = tables[idx, (n.long() - 2).clamp(min=0)].long()
         here = self._seq[writing] == seq - 1
         moved = ~here & (n >= 2) & ((seq - 1) % self.block_size == 0) & (self._seq[before] == seq - 1)
         source = torch.where(moved, before, writing)
-        continuing = here | moved
-        age = torch.where(continuing, self._age[source] + 1, torch.full_like(seq, -1))
-        previous = torch.where(continuing, self._row[source], torch.full_like(seq, -1))
+        sparse = decode & (here | moved)
+        age = torch.where(sparse, self._age[source] + 1, torch.full_like(seq, -1))
+        previous = torch.where(sparse, self._row[source], torch.full_like(seq, -1))
         self._forget()
         self._seq[writing] = seq
-        self._row[writing] = torch.where(continuing, continuing.int().cumsum(0) - 1, -1).to(torch.int32)
+        self._row[writing] = torch.where(sparse, sparse.int().cumsum(0) - 1, -1).to(torch.int32)
         self._age[writing] = age
         self._written = writing
-        return age, previous, continuing
+        return age, previous, sparse
 
     def _forget(self) -> None:
         if len(self._written):
