@@ -14,7 +14,8 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
 def runtime(config: dict) -> SparseRuntime:
-    return SparseRuntime(SparseConfig.model_validate(config), B, HKV, D, LAYERS)
+    positions = torch.arange(B * D, dtype=torch.int32)  # keys stored plainly
+    return SparseRuntime(SparseConfig.model_validate(config), B, HKV, D, LAYERS, key_positions=positions)
 
 
 def step(rt: SparseRuntime, tables: torch.Tensor, seq_lens: list[int], query_lens: list[int], keys=None):

@@ -33,10 +33,11 @@ class TopKConfig(StrictModel):
     init_window_sz: int = Field(1, ge=0, description="First blocks always attended (attention sinks)")
     local_window_sz: int = Field(2, ge=0, description="Last blocks always attended (recent context)")
     observation_window: int = Field(
-        0,
+        1,
         ge=0,
         description="Last prompt tokens whose attention, computed exactly at the end of the prompt, is added to "
-        "every decode step's block scores (SnapKV's observation window; 0: off)",
+        "every decode step's block scores (SnapKV's observation window; 0: off). 1, the last token: what a PD "
+        "decode engine computes itself",
     )
 
     def windows(self, block_size: int) -> tuple[int, int]:
