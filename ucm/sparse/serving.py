@@ -162,10 +162,10 @@ class SparseRuntime:
         scale: float,
     ) -> None:
         """The prompt's own attention where it ends (SnapKV's observation window): for each row of
-        the step computing a prompt chunk of a request of at least ``min_tokens``, or the request's
-        first decode step (dense, :meth:`begin_step`), the attention its last ``observation_window``
-        query tokens give each block, exactly, averaged over those tokens
-        and summed over the query heads of each KV head (the scale of a selection's block scores).
+        the step computing a prompt chunk of a request of at least ``min_tokens``, or a prompt's last
+        token computed alone (dense, :meth:`begin_step`), the attention its last ``observation_window``
+        query tokens give each block, exactly, averaged over those tokens and summed over the query
+        heads of each KV head (the scale of a selection's block scores).
         :meth:`select` adds it to every later decode step's scores: what the question at the end of
         a prompt looked at (a needle in it) stays attended, whatever the block summaries estimate.
 

@@ -265,7 +265,8 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         assert plan is not None and runtime is not None and md.sparse_layout is not None
         num_blocks, hkv, block_size, _ = kv_cache.shape
         per_head = kv_cache.view(num_blocks, hkv, 2 * block_size, -1)
-        table, lens = runtime.select(layer.layer_name, query, _key_cache(kv_cache), md.sparse_layout[0], self.scale)
+        key_cache = per_head[:, :, :block_size]
+        table, lens = runtime.select(layer.layer_name, query, key_cache, md.sparse_layout[0], self.scale)
         schedule = md.sparse_schedule
         if lens is not plan.lens:  # an adaptive budget: lengths differ per layer
             assert md.sparse_shape is not None
