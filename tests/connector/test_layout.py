@@ -95,3 +95,30 @@ def test_in_place_segments_are_the_payload_of_the_block():
     layout.gather([4], staging)
     assert b"".join(bytes(s) for s in layout.block_segments(4)) == staging[0].numpy().tobytes()
     assert not KVLayout({"a": flash_attn_legacy()}, NB).in_place  # K and V of a block are apart
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+@pytest.mark.parametrize("copier", ["torch", "native-cuda"])
+@pytest.mark.parametrize("make", LAYOUTS)
+def test_layouts_on_a_gpu_gather_to_pinned_staging_and_scatter_back(make, copier, monkeypatch):
+    monkeypatch.setenv("UCM_NATIVE_CUDA", "1" if copier == "native-cuda" else "0")
+    host = {f"layer{i}": make() for i in range(3)}
+    kv = {name: t.cuda() for name, t in host.items()}
+    layout = KVLayout(kv, NB)
+    blocks = [7, 0, 11, 3]
+    staging = layout.new_staging(len(blocks))
+    assert staging.is_pinned()
+    layout.gather(blocks, staging)
+    torch.cuda.synchronize()
+    for row, b in enumerate(blocks):
+        assert staging[row].numpy().tobytes() == reference_payload(host, b)
+    dst = {name: torch.zeros_like(t) for name, t in kv.items()}
+    into = KVLayout(dst, NB)
+    for layer in range(len(into.slots)):
+        into.scatter_layer(layer, [2, 4, 6, 8], staging)
+    torch.cuda.synchronize()
+    for name in host:
+        d = blocks_dim(host[name], NB)
+        for s, t in zip(blocks, [2, 4, 6, 8], strict=True):
+            assert torch.equal(host[name].select(d, s), dst[name].select(d, t).cpu())
+        assert all(not dst[name].select(d, b).any() for b in range(NB) if b not in (2, 4, 6, 8))

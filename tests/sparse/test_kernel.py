@@ -110,27 +110,28 @@ def test_invalidated_blocks_are_reported_stale_until_refreshed():
     assert torch.equal(s.rep, before)
 
 
-def select(s: BlockSummaries, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0, prior=None):
+def select(s, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0, prior=None, device="cpu"):
+    """``s.select`` with its arguments and outputs on ``device``; the outputs come back on the CPU."""
     r = len(seq_lens)
     width = int(tables.shape[1])
-    out = torch.full((r * HKV, width), -1, dtype=torch.int32)
-    kept = torch.zeros(r * HKV, dtype=torch.int32)
-    scores = torch.zeros(r * HKV, width)
+    out = torch.full((r * HKV, width), -1, dtype=torch.int32, device=device)
+    kept = torch.zeros(r * HKV, dtype=torch.int32, device=device)
+    scores = torch.zeros(r * HKV, width, device=device)
     s.select(
-        q,
-        torch.arange(r, dtype=torch.int32),
-        tables,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        torch.tensor(budget, dtype=torch.int32),
+        q.to(device),
+        torch.arange(r, dtype=torch.int32, device=device),
+        tables.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        torch.tensor(budget, dtype=torch.int32, device=device),
         windows,
         SCALE,
         out,
         mass=mass,
         kept=kept,
         scores=scores,
-        prior=prior,
+        prior=None if prior is None else prior.to(device),
     )
-    return out, kept, scores
+    return out.cpu(), kept.cpu(), scores.cpu()
 
 
 def test_a_prior_is_added_to_each_block_score_by_physical_block_and_head():

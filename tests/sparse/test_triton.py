@@ -1,5 +1,6 @@
-"""The Triton selection kernels (ucm/sparse/triton_select.py) under Triton's CPU interpreter, in a
-process of their own (tests/sparse/triton_cases.py says why)."""
+"""The Triton selection kernels (ucm/sparse/triton_select.py) against the native kernel, in a process
+of their own (tests/sparse/triton_cases.py says why): under Triton's CPU interpreter everywhere, and
+compiled on a GPU where one is (the device machine; CI has none)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_triton_selection_matches_the_native_kernel_under_the_interpreter():
+def run_cases(env: dict[str, str]) -> None:
     cases = Path(__file__).with_name("triton_cases.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
         cwd=ROOT,
@@ -24,3 +27,12 @@ def test_triton_selection_matches_the_native_kernel_under_the_interpreter():
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_triton_selection_matches_the_native_kernel_under_the_interpreter():
+    run_cases({**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
+def test_triton_selection_matches_the_native_kernel_compiled_on_a_gpu():
+    run_cases({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})

@@ -1,12 +1,13 @@
-"""The Triton selection (the GPU path) under Triton's interpreter on the CPU: summaries recomputed
-from a flash-attention-shaped cache equal the native kernel's kept at write, block scores equal the
-plain-torch reference, and the blocks kept per KV head are the native kernel's choice (fixed and
-adaptive budgets, windows, several requests with shuffled block tables). No GPU runs here: this
-checks the kernels' arithmetic and indexing, not their speed.
+"""The Triton selection (the GPU path): summaries recomputed from a flash-attention-shaped cache
+equal the native kernel's kept at write, block scores equal the plain-torch reference, and the
+blocks kept per KV head are the native kernel's choice (fixed and adaptive budgets, windows,
+several requests with shuffled block tables). This checks the kernels' arithmetic and indexing,
+not their speed.
 
-Run by tests/sparse/test_triton.py in a process of its own with ``TRITON_INTERPRET=1``: Triton
-reads the variable when it first decorates its own library (``tl.sum`` and friends), which in the
-test session vLLM's import has already done without it."""
+Run by tests/sparse/test_triton.py in a process of its own: on the CPU with
+``TRITON_INTERPRET=1`` (Triton reads the variable when it first decorates its own library, which
+in the test session vLLM's import has already done without it), and compiled on a GPU where one
+is."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import pytest
 import torch
 
 from tests.sparse import reference
-from tests.sparse.test_kernel import HKV, SCALE, B, D, H, written
-from tests.sparse.test_kernel import select as run
+from tests.sparse.test_kernel import HKV, SCALE, B, D, H, select, written
 from ucm.sparse.summaries import Scoring
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run with TRITON_INTERPRET=1 (tests/sparse/test_triton.py does)")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    raise RuntimeError("run with TRITON_INTERPRET=1 or on a GPU (tests/sparse/test_triton.py does)")
 
 # After the check: importing decorates the kernels, interpreted or not.
 from ucm.sparse.triton_select import TritonSelector
@@ -39,11 +43,16 @@ def flash_cache(keys: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.T
 
 def selector_for(scoring: Scoring, tokens: int, blocks: int, seed: int):
     native, keys, table = written(scoring, tokens, blocks=blocks, seed=seed)
-    sel = TritonSelector(scoring, blocks, B, HKV, D, "cpu")
+    sel = TritonSelector(scoring, blocks, B, HKV, D, DEVICE)
     n = table.numel()
     fills = torch.tensor([min(B, tokens - i * B) for i in range(n)], dtype=torch.int32)
-    sel.summarize(flash_cache(keys, table, blocks), table, fills)
+    sel.summarize(flash_cache(keys, table, blocks).to(DEVICE), table.to(DEVICE), fills.to(DEVICE))
     return sel, native, table
+
+
+def run(s, q, tables, seq_lens, budget, mass=0.0):
+    """The selection of ``s``, native (on the CPU) or Triton (on DEVICE)."""
+    return select(s, q, tables, seq_lens, budget, mass=mass, device=DEVICE if isinstance(s, TritonSelector) else "cpu")
 
 
 @pytest.mark.parametrize("name", SCORINGS)
@@ -51,11 +60,12 @@ def test_summaries_from_the_cache_equal_the_native_ones_kept_at_write(name):
     tokens = 7 * B + 11
     sel, native, table = selector_for(SCORINGS[name], tokens, 40, seed=0)
     idx = table.long()
-    assert torch.equal(sel.count[idx], native.count[idx])
+    rep, count = sel.rep.cpu(), sel.count.cpu()
+    assert torch.equal(count[idx], native.count[idx])
     if name != "mean":  # [c | r] from exact extremes; the interpreter rounds to bfloat16 by truncation: 1 ulp
-        torch.testing.assert_close(sel.rep[idx][:, :, -2:], native.rep[idx][:, :, -2:], rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(rep[idx][:, :, -2:], native.rep[idx][:, :, -2:], rtol=2**-7, atol=1e-6)
     if name != "bound":  # the mean: a float32 sum in another order, then rounded to bfloat16
-        mean, want = sel.rep[idx][:, :, 0].float(), native.rep[idx][:, :, 0].float()
+        mean, want = rep[idx][:, :, 0].float(), native.rep[idx][:, :, 0].float()
         torch.testing.assert_close(mean, want, rtol=1e-2, atol=1e-3)
 
 
@@ -72,7 +82,8 @@ def test_selection_keeps_the_windows_and_the_best_blocks_per_head_as_the_native_
     got, got_kept, got_scores = run(sel, q, tables, [tokens], [budget], mass=mass)
     want, want_kept, _ = run(native, q, tables, [tokens], [budget], mass=mass)
     fills = [min(B, tokens - i * B) for i in range(n)]
-    summaries = [(sel.rep[p], sel.rep[p]) for p in ids]  # what the reference reads: the representation
+    rep = sel.rep.cpu()
+    summaries = [(rep[p], rep[p]) for p in ids]  # what the reference reads: the representation
     forced = {0, n - 2, n - 1}
     for h in range(HKV):
         ref = reference.group_scores(scoring, q[0], summaries, fills, h, HKV, SCALE, sel.dtype)
@@ -106,13 +117,14 @@ def test_several_requests_with_their_own_tables_budgets_and_rows():
     width = max(-(-n // B) for n in lens)
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     start = 0
-    sel = TritonSelector(scoring, blocks, B, HKV, D, "cpu")
+    sel = TritonSelector(scoring, blocks, B, HKV, D, DEVICE)
     for r, n in enumerate(lens):
         m = -(-n // B)
         tables[r, :m] = perm[start : start + m]
         start += m
         fills = torch.tensor([min(B, n - i * B) for i in range(m)], dtype=torch.int32)
-        sel.summarize(flash_cache(keys[r], tables[r, :m], blocks), tables[r, :m].contiguous(), fills)
+        cache = flash_cache(keys[r], tables[r, :m], blocks).to(DEVICE)
+        sel.summarize(cache, tables[r, :m].contiguous().to(DEVICE), fills.to(DEVICE))
     q = torch.randn(len(lens), H, D, generator=g)
     out, kept, _ = run(sel, q, tables, lens, budgets)
     for r, n in enumerate(lens):
