@@ -13,6 +13,8 @@ keeping 30% of the blocks:
   dense      the step's attention over every key (torch SDPA, flash kernel: each KV head's query
              group as the query rows; what a dense engine pays, about)
   select     TritonSelector.select: scores from the block representations, windows, top-k per KV head
+  adaptive   the same with an adaptive budget (the fewest blocks holding 90% of the estimated share)
+  graph      select captured in a CUDA graph and replayed (no launch costs: what a captured step pays)
   summarize  TritonSelector.summarize of the step's R written blocks
   speedup    dense / (ratio x dense + select + summarize): the step's speedup with this selection
              and an ideal sparse kernel (one that reads the kept blocks at dense's speed)
@@ -41,6 +43,16 @@ from ucm.sparse.summaries import Scoring
 from ucm.sparse.triton_select import TritonSelector
 
 LAYERS, BLOCK = 32, 32
+SELECTION_KEYS = (
+    "dense_ms",
+    "select_ms",
+    "select_adaptive_ms",
+    "select_graph_ms",
+    "summarize_ms",
+    "share",
+    "speedup",
+    "speedup_bound",
+)
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 
 
@@ -99,10 +111,17 @@ def selection(shape: str, tokens: int, requests: int, ratio: float) -> dict[str,
 
     dense_ms = ms(dense)
     select_ms = ms(lambda: sel.select(query, rows, tables, lens, budget, (1, 2), scale, out))
+    adaptive_ms = ms(lambda: sel.select(query, rows, tables, lens, budget, (1, 2), scale, out, mass=0.9))
     summarize_ms = ms(lambda: sel.summarize(cache, written, fills))
+    graph = torch.cuda.CUDAGraph()  # fixed shapes, no host synchronisation: the step can be captured
+    with torch.cuda.graph(graph):
+        sel.select(query, rows, tables, lens, budget, (1, 2), scale, out)
+    graph_ms = ms(graph.replay)
     return {
         "dense_ms": dense_ms,
         "select_ms": select_ms,
+        "select_adaptive_ms": adaptive_ms,
+        "select_graph_ms": graph_ms,
         "summarize_ms": summarize_ms,
         "sparse_bound_ms": ratio * dense_ms,
         "share": select_ms / dense_ms,
@@ -128,14 +147,13 @@ def main() -> int:
         keys = ("native_cuda_gather", "native_cuda_scatter", "torch_gather", "torch_scatter", "bound_d2h", "bound_h2d")
         print(f"{n:>9} {r['payload_mb']:9.0f}", " ".join(f"{r[k]:9.1f}" for k in keys))
     report["selection"] = {}
-    head = ("tokens", "dense ms", "select", "summ.", "share", "speedup", "bound")
+    head = ("tokens", "dense ms", "select", "adaptive", "graph", "summ.", "share", "speedup", "bound")
     print(f"\n{'shape':>13}", " ".join(f"{h:>8}" for h in head))
     for shape in SHAPES:
         for tokens in (4096, 32768, 131072):
             r = selection(shape, tokens, args.requests, args.ratio)
             report["selection"][f"{shape}/{tokens}"] = r
-            keys = ("dense_ms", "select_ms", "summarize_ms", "share", "speedup", "speedup_bound")
-            print(f"{shape:>13} {tokens:>8}", " ".join(f"{r[k]:8.3f}" for k in keys))
+            print(f"{shape:>13} {tokens:>8}", " ".join(f"{r[k]:8.3f}" for k in SELECTION_KEYS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

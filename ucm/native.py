@@ -30,10 +30,10 @@ def available() -> bool:
 
 
 def cuda_available() -> bool:
-    """The CUDA kernels are built, and enabled. They are compiled in CI but have not yet run on a
-    GPU in this project's tests, so they stay opt-in (``UCM_NATIVE_CUDA=1``) until verified there:
-    a wrong copy would mean wrong tokens, and torch's path is known good."""
-    return _native is not None and bool(_native.cuda) and os.environ.get("UCM_NATIVE_CUDA") == "1"
+    """The CUDA kernels are built and not turned off (``UCM_NATIVE_CUDA=0`` falls back to torch).
+    Checked on an H200 byte for byte against torch's copy, for every KV layout the connector meets
+    and under compute-sanitizer (tests/runtime/test_native.py, tests/connector/test_layout.py)."""
+    return _native is not None and bool(_native.cuda) and os.environ.get("UCM_NATIVE_CUDA", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -108,13 +108,22 @@ def _move(
     if native and devices == {"cpu"}:
         fn: Any = _native.gather if to_buffer else _native.scatter
         fn([s.as_tuple() for s in segments], list(blocks), buffer.data_ptr(), buffer.stride(0) * 1, threads)
-    elif native and "cuda" in devices and cuda_available():
-        stream = torch.cuda.current_stream(next(t.device for t, _ in layers if t.is_cuda)).cuda_stream
+    elif native and reachable(layers, buffer) and cuda_available():
+        stream = torch.cuda.current_stream(layers[0][0].device).cuda_stream
         _native.cuda_move(
             [s.as_tuple() for s in segments], list(blocks), buffer.data_ptr(), buffer.stride(0), to_buffer, stream
         )
     else:
         torch_move(layers, blocks, buffer, to_buffer)
+
+
+def reachable(layers: Sequence[tuple[torch.Tensor, int]], buffer: torch.Tensor) -> bool:
+    """The kernel runs on the layers' one GPU and dereferences the buffer there: device memory of
+    that GPU, or pinned host memory (pageable memory would fault)."""
+    gpus = {t.device for t, _ in layers}
+    if len(gpus) != 1 or next(iter(gpus)).type != "cuda":
+        return False
+    return buffer.device in gpus or (buffer.device.type == "cpu" and buffer.is_pinned())
 
 
 def torch_move(

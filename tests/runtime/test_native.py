@@ -90,19 +90,34 @@ def test_the_cuda_kernels_were_built_where_nvcc_exists():
     assert ucm_native.cuda == (shutil.which("nvcc") is not None)
 
 
+def test_the_cuda_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("UCM_NATIVE_CUDA", "0")
+    assert not native.cuda_available()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device machine)")
-@pytest.mark.parametrize("layout", ["blocks-first", "kv-first", "strided"])
-def test_cuda_gather_scatter_match_torch(layout, monkeypatch):
-    monkeypatch.setenv("UCM_NATIVE_CUDA", "1")
+@pytest.mark.parametrize("buffer", ["pinned", "device", "pageable"])
+@pytest.mark.parametrize("layout", ["blocks-first", "kv-first", "strided", "many-layers"])
+def test_cuda_gather_scatter_match_torch(layout, buffer, monkeypatch):
+    """Pinned host and device buffers go through the kernel; pageable memory, which the kernel
+    cannot reach, through torch. More layers than fit one launch's fixed table once did (64)."""
+    monkeypatch.delenv("UCM_NATIVE_CUDA", raising=False)  # on by default
     assert native.cuda_available()
-    layers = [(t.cuda(), d) for t, d in layouts(torch.bfloat16)[layout]]
+    if layout == "many-layers":
+        host = [(torch.randn(NB, 2, 4, 16).to(torch.bfloat16), 0) for _ in range(70)]
+    else:
+        host = layouts(torch.bfloat16)[layout]
+    layers = [(t.cuda(), d) for t, d in host]
+    assert native.reachable(layers, torch.empty(1, dtype=torch.uint8).pin_memory())
     blocks = [5, 0, 11, 5, 7]
     width = native.payload_bytes(layers)
-    got = torch.zeros(len(blocks), width, dtype=torch.uint8).pin_memory()
+    got = torch.zeros(len(blocks), width, dtype=torch.uint8)
+    got = {"pinned": got.pin_memory(), "device": got.cuda(), "pageable": got}[buffer]
+    assert native.reachable(layers, got) == (buffer != "pageable")
     want = torch.zeros(len(blocks), width, dtype=torch.uint8)
     native.gather(layers, blocks, got)
     native.torch_move(layers, blocks, want, to_buffer=True)
-    assert torch.equal(got, want)
+    assert torch.equal(got.cpu(), want)
     mine = [(t.clone(), d) for t, d in layers]
     ref = [(t.clone(), d) for t, d in layers]
     native.scatter(mine, blocks[:3], got)

@@ -50,9 +50,10 @@ def selector_for(scoring: Scoring, tokens: int, blocks: int, seed: int):
     return sel, native, table
 
 
-def run(s, q, tables, seq_lens, budget, mass=0.0):
+def run(s, q, tables, seq_lens, budget, mass=0.0, prior=None):
     """The selection of ``s``, native (on the CPU) or Triton (on DEVICE)."""
-    return select(s, q, tables, seq_lens, budget, mass=mass, device=DEVICE if isinstance(s, TritonSelector) else "cpu")
+    device = DEVICE if isinstance(s, TritonSelector) else "cpu"
+    return select(s, q, tables, seq_lens, budget, mass=mass, prior=prior, device=device)
 
 
 @pytest.mark.parametrize("name", SCORINGS)
@@ -142,3 +143,15 @@ def test_unported_scorings_are_refused_by_name():
         TritonSelector(Scoring("hash", hash_bits=32), 4, B, HKV, D, "cpu")
     with pytest.raises(ValueError, match="blk_repre_dim_prune_ratio"):
         TritonSelector(Scoring("mean", keep_channels=0.5), 4, B, HKV, D, "cpu")
+
+
+def test_a_prior_is_added_to_each_block_score_by_physical_block_and_head():
+    tokens = 12 * B + 5
+    sel, _, table = selector_for(SCORINGS["both"], tokens, 30, seed=4)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(5))
+    prior = torch.rand(30, HKV, generator=torch.Generator().manual_seed(6))
+    tables, n = table[None].contiguous(), table.numel()
+    _, _, plain = run(sel, q, tables, [tokens], [n])
+    _, _, primed = run(sel, q, tables, [tokens], [n], prior=prior)
+    want = plain.view(HKV, -1)[:, :n] + prior[table.long()].T
+    torch.testing.assert_close(primed.view(HKV, -1)[:, :n], want)

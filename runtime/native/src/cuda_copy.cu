@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cuda_copy.h"
 
@@ -49,8 +50,7 @@ __global__ void move_kernel(const DeviceSegment* segments, int num_segments, con
 extern "C" int ucm_cuda_move(const UcmCudaSegment* segments, int num_segments, const int64_t* blocks, int64_t num_blocks,
                              void* buffer, int64_t row_stride, int to_buffer, void* stream) {
   if (num_blocks == 0 || num_segments == 0) return 0;
-  DeviceSegment host[64];
-  if (num_segments > 64) return static_cast<int>(cudaErrorInvalidValue);
+  std::vector<DeviceSegment> host(num_segments);
   int64_t offset = 0, units = 0;
   for (int i = 0; i < num_segments; ++i) {
     host[i] = {segments[i].base, segments[i].block_stride, segments[i].chunks, segments[i].chunk_stride,
@@ -64,7 +64,7 @@ extern "C" int ucm_cuda_move(const UcmCudaSegment* segments, int num_segments, c
   cudaError_t err = cudaMallocAsync(&d_segments, sizeof(DeviceSegment) * num_segments, s);
   if (err == cudaSuccess) err = cudaMallocAsync(&d_blocks, sizeof(int64_t) * num_blocks, s);
   if (err == cudaSuccess)
-    err = cudaMemcpyAsync(d_segments, host, sizeof(DeviceSegment) * num_segments, cudaMemcpyHostToDevice, s);
+    err = cudaMemcpyAsync(d_segments, host.data(), sizeof(DeviceSegment) * num_segments, cudaMemcpyHostToDevice, s);
   if (err == cudaSuccess)
     err = cudaMemcpyAsync(d_blocks, blocks, sizeof(int64_t) * num_blocks, cudaMemcpyHostToDevice, s);
   if (err == cudaSuccess) {
