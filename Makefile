@@ -67,9 +67,16 @@ images-offline: dev
 	    --build-arg PIP_ARGS="--no-index --find-links /wheelhouse" -t ucm/$$image:$(VERSION) . || exit 1; \
 	done
 	./scripts/runtime-wheelhouse.sh $(BIN)/python $(RUNTIME_WHEELS)
+	@# The CPU runtime's build holds ~10 GB at its peak (wheels, the build stage's venv, the image's).
+	@# Docker keeps images between runs: the last run's runtime image and whatever a failed build left
+	@# go first (its layers are never reused: the wheels of UCM change with every commit).
+	docker image rm -f ucm/runtime:$(VERSION)-cpu >/dev/null 2>&1 || true
+	docker image prune -f --filter label=ucm.image >/dev/null
+	docker system df
 	docker build -q -f runtime/Dockerfile.cpu --build-arg BASE=$(OFFLINE_BASE)-runtime \
 	  -t ucm/runtime:$(VERSION)-cpu $(RUNTIME_WHEELS)
-	docker image prune -f --filter label=ucm.image >/dev/null  # build stages, replaced images (GBs)
+	docker image prune -f --filter label=ucm.image >/dev/null  # the build stage (GBs)
+	rm -rf $(RUNTIME_WHEELS)  # in the image now (0.9 GB)
 
 # What benchmarks/sparse_serving.py and sparse_eval.py need for the real model (not make test).
 bench-deps: dev

@@ -155,3 +155,16 @@ def test_a_prior_is_added_to_each_block_score_by_physical_block_and_head():
     _, _, primed = run(sel, q, tables, [tokens], [n], prior=prior)
     want = plain.view(HKV, -1)[:, :n] + prior[table.long()].T
     torch.testing.assert_close(primed.view(HKV, -1)[:, :n], want)
+
+
+def test_ties_at_the_threshold_go_to_the_lower_blocks_as_in_the_native_kernel():
+    """A budget below the windows' three blocks (all ranked first, tied): the lowest of them."""
+    tokens = 9 * B + 1
+    sel, native, table = selector_for(SCORINGS["bound"], tokens, 20, seed=7)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(8))
+    tables = table[None].contiguous()
+    got, got_kept, _ = run(sel, q, tables, [tokens], [2])
+    want, want_kept, _ = run(native, q, tables, [tokens], [2])
+    assert torch.equal(got_kept, want_kept)
+    assert torch.equal(got[:, :2], want[:, :2])
+    assert [int(r) // HKV for r in got[0, :2]] == [int(table[0]), int(table[table.numel() - 2])]

@@ -8,12 +8,13 @@ from the paged cache whenever the block changes (:meth:`TritonSelector.summarize
 and needs no running state (the mean's running sum, lo/hi) and no ordering between writers.
 
 Selection is two Triton kernels. The first, per (request, KV head, group of blocks), scores each
-query head of the group against each block's representation (logits). The second, per (request, KV
-head), takes the softmax over blocks, sums the group's shares, adds the prior, forces the windows and
-keeps the top blocks: one bitonic sort of (score, column) packed in 64 bits gives the k-th key, ties
-going to the lower block as in the native kernel; with an adaptive budget a sort of the scores gives
-the count. On an H200 the same steps as ~40 torch operations took ~1 ms per layer whatever the
-context, launches alone (benchmarks/gpu_paths.py). The hash
+query head of the group against each block's representation as matrix products (logits). The
+second, per (request, KV head), takes the softmax over blocks, sums the group's shares, adds the
+prior, forces the windows and keeps the top blocks: the k-th score by bisection over the scores'
+bits (32 counts), ties going to the lower block as in the native kernel; with an adaptive budget a
+sort of the scores gives the count. Measured on an H200 (benchmarks/gpu_paths.py): the same steps as
+~40 torch operations took ~1 ms per layer whatever the context (launches), a bitonic sort of 4,096
+blocks as much as the rest, and a broadcast product in place of tl.dot spilled registers. The hash
 scoring (GSA on-device) and KVStar's channel pruning are not ported (the constructor says so).
 
 Tested against the native kernel and the plain-torch reference (tests/sparse/test_triton.py) under
@@ -71,6 +72,16 @@ def _summarize(
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b of float32 operands. Values that came from bfloat16 or float16 are exact in TF32, the
+    tensor cores' input; float32 representations ask for IEEE products. (Not bfloat16 operands:
+    Triton's interpreter multiplies them wrongly.)"""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _logits(
     query,
     q_token,
@@ -94,6 +105,7 @@ def _logits(
     D: tl.constexpr,
     BN: tl.constexpr,
     MODE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -105,18 +117,18 @@ def _logits(
     d = tl.arange(0, D)
     row = tl.load(tokens + r).to(tl.int64)
     q = tl.load(query + row * q_token + (h * G + g)[:, None] * q_head + d[None, :], mask=(g < G)[:, None], other=0.0)
-    q = q.to(tl.float32)
+    q = q.to(rep.dtype.element_ty).to(tl.float32)  # (GP, D): the group's query heads, rows padded to 16
     base = rep + phys[:, None] * r_block + h * r_head + d[None, :]
     dest = out + r * o_row + h * o_head + g[:, None] * o_q + j[None, :]
     keep = (g < G)[:, None] & held[None, :]
     if MODE == 1 or MODE == 3:  # q . mean
         mean = tl.load(base, mask=held[:, None], other=0.0).to(tl.float32)
-        tl.store(dest, tl.sum(q[:, None, :] * mean[None, :, :], 2), mask=keep)
+        tl.store(dest, _dot(q, tl.trans(mean), IEEE), mask=keep)
     if MODE == 0 or MODE == 3:  # Quest's bound: q . c + |q| . r
         first = 0 if MODE == 0 else 1
         c = tl.load(base + first * r_row, mask=held[:, None], other=0.0).to(tl.float32)
         rad = tl.load(base + (first + 1) * r_row, mask=held[:, None], other=0.0).to(tl.float32)
-        bound = tl.sum(q[:, None, :] * c[None, :, :] + tl.abs(q)[:, None, :] * rad[None, :, :], 2)
+        bound = _dot(q, tl.trans(c), IEEE) + _dot(tl.abs(q), tl.trans(rad), IEEE)
         second = 1 if MODE == 3 else 0  # the bound is the second estimate beside the mean
         tl.store(dest + second * o_est, bound, mask=keep)
 
@@ -185,13 +197,20 @@ def _choose(
         limit = tl.maximum(tl.minimum(taken, limit), 1)
     rank = tl.where(window, float("inf"), tl.where(held, group, float("-inf")))
     bits = rank.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ordered as the floats are
-    key = tl.where(inside, key, -2147483648)
-    packed = (key.to(tl.int64) << 32) | (WP - 1 - c).to(tl.int64)  # ties: the lower block ranks first
-    ordered = tl.sort(packed, 0, descending=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered as the floats are
+    key = tl.where(inside, key, -(2**31))  # below every score, -inf's included
     count = tl.minimum(limit, width)
-    kth = tl.sum(tl.where(c == count - 1, ordered, 0), 0)
-    chosen = (packed >= kth) & inside
+    lo = tl.full((), -(2**31), tl.int64)  # the count-th largest key, by bisection: at most 32 halvings
+    hi = tl.full((), 2**31 - 1, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((key >= mid).to(tl.int32), 0) >= count
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo
+    tied = key == lo  # the lowest blocks among those tied at the threshold, as the native kernel
+    spare = count - tl.sum(above.to(tl.int32), 0)
+    chosen = (above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= spare))) & inside
     at = tl.cumsum(chosen.to(tl.int32), 0) - 1  # kept blocks in ascending order
     tl.store(out + row * o_row + at, (phys * hkv + h).to(tl.int32), mask=chosen & (at < count) & (at < columns))
     tl.store(kept + row, limit)
@@ -213,8 +232,8 @@ class TritonSelector:
             raise ValueError(f"triton selection: scoring {scoring.mode!r} is not ported (mean, bound, both are)")
         if scoring.keep_channels < 1:
             raise ValueError("triton selection: channel pruning (KVStar's blk_repre_dim_prune_ratio < 1) is not ported")
-        if head_dim & (head_dim - 1):
-            raise ValueError(f"triton selection: head_dim must be a power of two, got {head_dim}")
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"triton selection: head_dim must be a power of two from 16, got {head_dim}")
         self.scoring = scoring
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
         self.dtype = scoring.dtype or torch.bfloat16
@@ -267,9 +286,8 @@ class TritonSelector:
         estimates = ESTIMATES[self.scoring.mode]
         if self.dtype == torch.bfloat16:  # as the native kernel: the query in the representations' precision
             query = query.to(torch.bfloat16)
-        gp = max(2, triton.next_power_of_2(g))
-        logits = torch.empty((rows, hkv, estimates, gp, width), device=query.device)  # held columns written
-        bn = min(64, triton.next_power_of_2(width))
+        logits = torch.empty((rows, hkv, estimates, g, width), device=query.device)  # held columns written
+        bn = max(16, min(64, triton.next_power_of_2(width)))  # a matrix product's sides are >= 16
         _logits[(rows, hkv, triton.cdiv(width, bn))](
             query,
             query.stride(0),
@@ -289,10 +307,11 @@ class TritonSelector:
             logits.stride(3),
             self.block_size,
             G=g,
-            GP=gp,
+            GP=max(16, triton.next_power_of_2(g)),
             D=self.head_dim,
             BN=bn,
             MODE=MODES[self.scoring.mode],
+            IEEE=self.dtype == torch.float32,
         )
         if out.stride(1) != 1 or (scores is not None and scores.stride(1) != 1):
             raise ValueError("triton selection: out and scores need contiguous rows")
