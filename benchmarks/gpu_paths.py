@@ -1,5 +1,5 @@
-"""The GPU paths on a real GPU (the device machine; CI has none): KV block transfer and sparse
-block selection.
+"""The GPU paths on a real GPU (the device machine; CI has none): KV block transfer, and a sparse
+decode step (selection and attention over the kept blocks) against dense attention.
 
 Transfer: a request's blocks between paged KV in GPU memory (32 layers of FlashAttention's layout
 [2, num_blocks, 32 tokens, 8 KV heads, 128 dim] bf16) and pinned host memory, one row per block:
@@ -7,19 +7,21 @@ Transfer: a request's blocks between paged KV in GPU memory (32 layers of FlashA
   torch        the reference (index_select + copy per layer)
   bound        one cudaMemcpy of the same bytes between contiguous device and pinned host memory
 
-Selection: one decode step of R requests over N-token contexts, per layer, for two model shapes
+Decode step: one decode token of R requests over N-token contexts, per layer, for two model shapes
 (SmolLM2-135M: 9 query heads over 3 KV heads of 64; Llama-3-8B: 32 over 8 of 128), 32-token blocks,
-keeping 30% of the blocks:
-  dense      the step's attention over every key (torch SDPA, flash kernel: each KV head's query
-             group as the query rows; what a dense engine pays, about)
+keeping 30% of the blocks, in ms:
+  dense      attention over every key (torch SDPA's flash kernel on contiguous K/V, each KV head's
+             query group as its rows): what a dense engine pays, about
+  paged      ucm.sparse.triton_attention.sparse_decode over every block (the same kernel, dense)
   select     TritonSelector.select: scores from the block representations, windows, top-k per KV head
   adaptive   the same with an adaptive budget (the fewest blocks holding 90% of the estimated share)
   graph      select captured in a CUDA graph and replayed (no launch costs: what a captured step pays)
-  summarize  TritonSelector.summarize of the step's R written blocks
-  speedup    dense / (ratio x dense + select + summarize): the step's speedup with this selection
-             and an ideal sparse kernel (one that reads the kept blocks at dense's speed)
-  bound      1 / ratio: the same with a zero-cost selection
-  share      select / dense: the part of the saving the selection spends
+  sparse     sparse_decode over the kept blocks
+  summ.      TritonSelector.summarize of the step's R written blocks
+  step gr.   select + sparse captured in one graph, plus summ.
+  x dense    dense / (select + sparse + summ.), eager: the sparse step's speedup
+  x paged    the same against the paged kernel over every block
+  bound      1 / ratio: the speedup of a zero-cost selection with a kernel as fast per block as dense
 
     python benchmarks/gpu_paths.py --json OUT.json
 """
@@ -40,17 +42,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ucm import native
 from ucm.sparse.summaries import Scoring
+from ucm.sparse.triton_attention import sparse_decode
 from ucm.sparse.triton_select import TritonSelector
 
 LAYERS, BLOCK = 32, 32
-SELECTION_KEYS = (
+TRANSFER_KEYS = ("native_cuda_gather", "native_cuda_scatter", "torch_gather", "torch_scatter", "bound_d2h", "bound_h2d")
+STEP_KEYS = (
     "dense_ms",
+    "paged_dense_ms",
     "select_ms",
     "select_adaptive_ms",
     "select_graph_ms",
+    "sparse_attention_ms",
     "summarize_ms",
-    "share",
+    "step_graph_ms",
     "speedup",
+    "speedup_vs_paged_dense",
     "speedup_bound",
 )
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
@@ -81,24 +88,29 @@ def transfer(request_blocks: int) -> dict[str, float]:
     return out
 
 
-def selection(shape: str, tokens: int, requests: int, ratio: float) -> dict[str, float]:
+def decode_step(shape: str, tokens: int, requests: int, ratio: float) -> dict[str, float]:
     hq, hkv, dim = SHAPES[shape]
     g = hq // hkv
     width = tokens // BLOCK
     pool = requests * width
-    cache = torch.randn(pool, BLOCK, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(pool, BLOCK, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
     tables = torch.randperm(pool, device="cuda").to(torch.int32).view(requests, width)
     sel = TritonSelector(Scoring("both"), pool, BLOCK, hkv, dim, "cuda")
-    sel.summarize(cache, tables.flatten().contiguous(), torch.full((pool,), BLOCK, dtype=torch.int32, device="cuda"))
+    sel.summarize(keys, tables.flatten().contiguous(), torch.full((pool,), BLOCK, dtype=torch.int32, device="cuda"))
     query = torch.randn(requests, hq, dim, device="cuda", dtype=torch.bfloat16)
     rows = torch.arange(requests, dtype=torch.int32, device="cuda")
     lens = torch.full((requests,), tokens, dtype=torch.int32, device="cuda")
     keep = max(3, int(ratio * width))
     budget = torch.full((requests,), keep, dtype=torch.int32, device="cuda")
     out = torch.empty(requests * hkv, keep, dtype=torch.int32, device="cuda")
+    kept = torch.empty(requests * hkv, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(dim)
     written = tables[:, -1].contiguous()
     fills = torch.full((requests,), BLOCK, dtype=torch.int32, device="cuda")
+    heads = torch.arange(hkv, device="cuda", dtype=torch.int32)
+    every = (tables[:, None, :] * hkv + heads[None, :, None]).reshape(requests * hkv, width).contiguous()
+    all_kept = torch.full((requests * hkv,), width, dtype=torch.int32, device="cuda")
 
     # Dense: K and V of each request contiguous per KV head; the group's query heads as query rows.
     k = torch.randn(requests, hkv, tokens, dim, device="cuda", dtype=torch.bfloat16)
@@ -109,23 +121,42 @@ def selection(shape: str, tokens: int, requests: int, ratio: float) -> dict[str,
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             F.scaled_dot_product_attention(q, k, v, scale=scale)
 
+    def select(mass: float = 0.0) -> None:
+        sel.select(query, rows, tables, lens, budget, (1, 2), scale, out, mass=mass, kept=kept)
+
+    def attend(blocks: torch.Tensor, counts: torch.Tensor) -> None:
+        sparse_decode(query, rows, keys, values, blocks, counts, tables, lens, scale)
+
+    def step() -> None:
+        select()
+        attend(out, kept)
+
     dense_ms = ms(dense)
-    select_ms = ms(lambda: sel.select(query, rows, tables, lens, budget, (1, 2), scale, out))
-    adaptive_ms = ms(lambda: sel.select(query, rows, tables, lens, budget, (1, 2), scale, out, mass=0.9))
-    summarize_ms = ms(lambda: sel.summarize(cache, written, fills))
-    graph = torch.cuda.CUDAGraph()  # fixed shapes, no host synchronisation: the step can be captured
-    with torch.cuda.graph(graph):
-        sel.select(query, rows, tables, lens, budget, (1, 2), scale, out)
-    graph_ms = ms(graph.replay)
+    paged_dense_ms = ms(lambda: attend(every, all_kept))
+    select_ms = ms(select)
+    adaptive_ms = ms(lambda: select(0.9))
+    select()
+    sparse_ms = ms(lambda: attend(out, kept))
+    summarize_ms = ms(lambda: sel.summarize(keys, written, fills))
+    graphs = {}
+    for name, fn in (("select", select), ("step", step)):  # fixed shapes, no host synchronisation
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            fn()
+    step_ms = select_ms + sparse_ms + summarize_ms
     return {
         "dense_ms": dense_ms,
+        "paged_dense_ms": paged_dense_ms,
         "select_ms": select_ms,
         "select_adaptive_ms": adaptive_ms,
-        "select_graph_ms": graph_ms,
+        "select_graph_ms": ms(graphs["select"].replay),
+        "sparse_attention_ms": sparse_ms,
         "summarize_ms": summarize_ms,
-        "sparse_bound_ms": ratio * dense_ms,
+        "step_ms": step_ms,
+        "step_graph_ms": ms(graphs["step"].replay) + summarize_ms,
         "share": select_ms / dense_ms,
-        "speedup": dense_ms / (ratio * dense_ms + select_ms + summarize_ms),
+        "speedup": dense_ms / step_ms,
+        "speedup_vs_paged_dense": paged_dense_ms / step_ms,
         "speedup_bound": 1 / ratio,
     }
 
@@ -135,25 +166,29 @@ def main() -> int:
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.3)
+    ap.add_argument("--parts", default="transfer,decode", help="which of transfer, decode to run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_paths: no GPU here (run it on the device machine)", file=sys.stderr)
         return 2
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    report["transfer"] = {str(n): transfer(n) for n in (16, 256)}
-    head = ("blocks", "MB", "native g", "native s", "torch g", "torch s", "d2h", "h2d")
-    print(" ".join(f"{h:>9}" for h in head), " GB/s")
-    for n, r in report["transfer"].items():
-        keys = ("native_cuda_gather", "native_cuda_scatter", "torch_gather", "torch_scatter", "bound_d2h", "bound_h2d")
-        print(f"{n:>9} {r['payload_mb']:9.0f}", " ".join(f"{r[k]:9.1f}" for k in keys))
-    report["selection"] = {}
-    head = ("tokens", "dense ms", "select", "adaptive", "graph", "summ.", "share", "speedup", "bound")
-    print(f"\n{'shape':>13}", " ".join(f"{h:>8}" for h in head))
-    for shape in SHAPES:
-        for tokens in (4096, 32768, 131072):
-            r = selection(shape, tokens, args.requests, args.ratio)
-            report["selection"][f"{shape}/{tokens}"] = r
-            print(f"{shape:>13} {tokens:>8}", " ".join(f"{r[k]:8.3f}" for k in SELECTION_KEYS))
+    parts = set(args.parts.split(","))
+    if "transfer" in parts:
+        report["transfer"] = {str(n): transfer(n) for n in (16, 256)}
+        head = ("blocks", "MB", "native g", "native s", "torch g", "torch s", "d2h", "h2d")
+        print(" ".join(f"{h:>9}" for h in head), " GB/s")
+        for n, r in report["transfer"].items():
+            print(f"{n:>9} {r['payload_mb']:9.0f}", " ".join(f"{r[k]:9.1f}" for k in TRANSFER_KEYS))
+    if "decode" in parts:
+        report["decode_step"] = {}
+        head = ("tokens", "dense", "paged", "select", "adaptive", "graph", "sparse", "summ.", "step gr.")
+        head += ("x dense", "x paged", "bound")
+        print(f"\n{'ms':>13}", " ".join(f"{h:>8}" for h in head))
+        for shape in SHAPES:
+            for tokens in (4096, 32768, 131072):
+                r = decode_step(shape, tokens, args.requests, args.ratio)
+                report["decode_step"][f"{shape}/{tokens}"] = r
+                print(f"{shape:>13} {tokens:>8}", " ".join(f"{r[k]:8.3f}" for k in STEP_KEYS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -28,6 +28,7 @@ else:
     raise RuntimeError("run with TRITON_INTERPRET=1 or on a GPU (tests/sparse/test_triton.py does)")
 
 # After the check: importing decorates the kernels, interpreted or not.
+from ucm.sparse.triton_attention import sparse_decode
 from ucm.sparse.triton_select import TritonSelector
 
 SCORINGS = {"both": Scoring("both"), "bound": Scoring("bound"), "mean": Scoring("mean")}
@@ -168,3 +169,57 @@ def test_ties_at_the_threshold_go_to_the_lower_blocks_as_in_the_native_kernel():
     assert torch.equal(got_kept, want_kept)
     assert torch.equal(got[:, :2], want[:, :2])
     assert [int(r) // HKV for r in got[0, :2]] == [int(table[0]), int(table[table.numel() - 2])]
+
+
+def attend_kept(q, keys, values, rows, kept, tables, lens):
+    """Attention of each request's query over exactly its kept blocks, per KV head (the reference)."""
+    out = torch.zeros(len(lens), H, D)
+    for r, seq in enumerate(lens):
+        n = -(-seq // B)
+        last = int(tables[r, n - 1])
+        for h in range(HKV):
+            blocks = [int(x) // HKV for x in rows[r * HKV + h, : int(kept[r * HKV + h])]]
+            k = torch.cat([keys[p, : (seq - (n - 1) * B if p == last else B), h] for p in blocks]).float()
+            v = torch.cat([values[p, : (seq - (n - 1) * B if p == last else B), h] for p in blocks]).float()
+            for j in range(H // HKV):
+                w = torch.softmax(q[r, h * (H // HKV) + j].float() @ k.T * SCALE, -1)
+                out[r, h * (H // HKV) + j] = w @ v
+    return out
+
+
+@pytest.mark.parametrize("kept_share", [0.3, 1.0])
+def test_sparse_decode_attends_exactly_the_kept_blocks_of_each_head(kept_share):
+    """Requests of different lengths (partial last blocks), shuffled tables, several splits each."""
+    g = torch.Generator().manual_seed(11)
+    lens, blocks = [70 * B + 5, 9 * B, 40 * B + 31], 200
+    width = max(-(-n // B) for n in lens)
+    keys = torch.randn(blocks, B, HKV, D, generator=g).to(torch.bfloat16)
+    values = torch.randn(blocks, B, HKV, D, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(blocks, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    start = 0
+    sel = TritonSelector(SCORINGS["both"], blocks, B, HKV, D, DEVICE)
+    for r, n in enumerate(lens):
+        m = -(-n // B)
+        tables[r, :m] = perm[start : start + m]
+        start += m
+        fills = torch.tensor([min(B, n - i * B) for i in range(m)], dtype=torch.int32)
+        sel.summarize(keys.to(DEVICE), tables[r, :m].contiguous().to(DEVICE), fills.to(DEVICE))
+    q = torch.randn(len(lens), H, D, generator=g).to(torch.bfloat16).float()  # exact in TF32 on a GPU
+    budgets = [max(3, int(kept_share * -(-n // B))) for n in lens]
+    rows, kept, _ = run(sel, q, tables, lens, budgets)
+    assert kept_share < 1 or kept.tolist() == [-(-n // B) for n in lens for _ in range(HKV)]
+    got = sparse_decode(
+        q.to(DEVICE),
+        torch.arange(len(lens), dtype=torch.int32, device=DEVICE),
+        keys.to(DEVICE),
+        values.to(DEVICE),
+        rows.to(DEVICE),
+        kept.to(DEVICE),
+        tables.to(DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        SCALE,
+    )
+    assert got.dtype == q.dtype
+    want = attend_kept(q, keys, values, rows, kept, tables, lens)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)  # the weights pass TF32 on a GPU
