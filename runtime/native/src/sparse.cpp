@@ -228,6 +228,22 @@ constexpr bool kFastBf16 = true;
 
 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// The lane sums of 16 vectors as the 16 lanes of one, in order: 45 shuffles and adds where 16
+// separate reductions take ~130 (the scoring loop's largest cost once the dot products are bf16).
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i+1], each folded to 2 partial sums
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the sums of v[4i..4i+3] over that lane
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // across 128-bit lanes: pairs of lanes added
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // sum over D (a multiple of 32) of a . b, both bf16.
 inline __m512 dot_bf16(__m512 acc, const uint16_t* a, const uint16_t* b, int64_t d) {
   for (int64_t i = 0; i < d; i += 32) {
@@ -252,7 +268,31 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   const int64_t bound_row = s.mode == Mode::Both ? g : 0;  // first logits row of the bound
   const int64_t bound_at = s.mode == Mode::Both ? d : 0;   // the bound's [c | r] within rep
   float row[3 * 512];
-  for (int64_t blk = 0; blk < n; ++blk) {
+  int64_t blk = 0;
+#if defined(__AVX512BF16__)
+  if (fast && s.mode != Mode::Hash) {  // 16 blocks at a time: one vector of 16 logits per query head and estimate
+    const uint16_t* base = static_cast<const uint16_t*>(s.rep);
+    __m512 acc[16];
+    for (; blk + 16 <= n; blk += 16) {
+      const uint16_t* rep[16];
+      for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
+      for (int64_t j = 0; j < g; ++j) {
+        if (has_mean) {
+          for (int i = 0; i < 16; ++i) acc[i] = dot_bf16(_mm512_setzero_ps(), rep[i], grp.qb + j * d, d);
+          _mm512_storeu_ps(logits + j * n + blk, reduce16(acc));
+        }
+        if (has_bound) {
+          for (int i = 0; i < 16; ++i) {
+            acc[i] = dot_bf16(_mm512_setzero_ps(), rep[i] + bound_at, grp.qb + j * d, d);
+            acc[i] = dot_bf16(acc[i], rep[i] + bound_at + d, grp.qab + j * d, d);
+          }
+          _mm512_storeu_ps(logits + (bound_row + j) * n + blk, reduce16(acc));
+        }
+      }
+    }
+  }
+#endif
+  for (; blk < n; ++blk) {
     const int64_t p = table[blk];
     if (s.mode == Mode::Hash) {
       const int64_t filled = blk == n - 1 ? seq - (n - 1) * b : b;
