@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ucm.sparse.triton_select import check_head_dim, group_query
+
 BLOCKS_PER_SPLIT = 16  # a split reads at least this many blocks before merging costs more than it spreads
 MAX_SPLITS = 32
 
@@ -63,9 +65,7 @@ def _partial(
     n = (seq + block_size - 1) // block_size
     last = tl.load(tables + r * t_row + n - 1).to(tl.int64)  # the one block read only up to seq
     tail = seq - (n - 1) * block_size
-    token = tl.load(tokens + r).to(tl.int64)
-    q = tl.load(query + token * q_token + (h * G + g)[:, None] * q_head + d[None, :], mask=(g < G)[:, None], other=0.0)
-    q = q.to(tl.float32) * scale
+    q = group_query(query, q_token, q_head, tokens, r, h, G, GP, D).to(tl.float32) * scale
     m = tl.full((GP,), float("-inf"), tl.float32)
     total = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
@@ -146,8 +146,7 @@ def sparse_decode(
     _, block_size, hkv, _ = key_cache.shape
     if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
         raise ValueError("sparse_decode: key and value caches need the same strides, channels contiguous")
-    if dim & (dim - 1) or dim < 16:
-        raise ValueError(f"sparse_decode: head_dim must be a power of two from 16, got {dim}")
+    check_head_dim("sparse_decode", dim)
     if rows.stride(1) != 1:
         raise ValueError("sparse_decode: rows need contiguous columns")
     g = hq // hkv

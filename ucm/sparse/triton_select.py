@@ -71,6 +71,22 @@ def _summarize(
         tl.store(count + p, n)
 
 
+def check_head_dim(who: str, head_dim: int) -> None:
+    """The kernels' matrix products take a power of two from 16 as a side."""
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"{who}: head_dim must be a power of two from 16, got {head_dim}")
+
+
+@triton.jit
+def group_query(query, q_token, q_head, tokens, r, h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """(GP, D): request r's query heads sharing KV head h, the rows past G zero (a matrix product's
+    rows are at least 16)."""
+    g = tl.arange(0, GP)
+    token = tl.load(tokens + r).to(tl.int64)
+    at = query + token * q_token + (h * G + g)[:, None] * q_head + tl.arange(0, D)[None, :]
+    return tl.load(at, mask=(g < G)[:, None], other=0.0)
+
+
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     """a @ b of float32 operands. Values that came from bfloat16 or float16 are exact in TF32, the
@@ -115,9 +131,8 @@ def _logits(
     phys = tl.load(tables + r * t_row + j, mask=held, other=0).to(tl.int64)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    row = tl.load(tokens + r).to(tl.int64)
-    q = tl.load(query + row * q_token + (h * G + g)[:, None] * q_head + d[None, :], mask=(g < G)[:, None], other=0.0)
-    q = q.to(rep.dtype.element_ty).to(tl.float32)  # (GP, D): the group's query heads, rows padded to 16
+    q = group_query(query, q_token, q_head, tokens, r, h, G, GP, D)
+    q = q.to(rep.dtype.element_ty).to(tl.float32)  # in the representations' precision
     base = rep + phys[:, None] * r_block + h * r_head + d[None, :]
     dest = out + r * o_row + h * o_head + g[:, None] * o_q + j[None, :]
     keep = (g < G)[:, None] & held[None, :]
@@ -232,8 +247,7 @@ class TritonSelector:
             raise ValueError(f"triton selection: scoring {scoring.mode!r} is not ported (mean, bound, both are)")
         if scoring.keep_channels < 1:
             raise ValueError("triton selection: channel pruning (KVStar's blk_repre_dim_prune_ratio < 1) is not ported")
-        if head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(f"triton selection: head_dim must be a power of two from 16, got {head_dim}")
+        check_head_dim("triton selection", head_dim)
         self.scoring = scoring
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
         self.dtype = scoring.dtype or torch.bfloat16
