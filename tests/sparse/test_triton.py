@@ -29,6 +29,23 @@ def run_cases(env: dict[str, str]) -> None:
     assert " passed" in done.stdout and "failed" not in done.stdout
 
 
+def interpreter_breaks_on_loops() -> bool:
+    """Triton before 3.7 turns a loop bound into an int with ``int(array)``, which NumPy 2.4 refuses
+    for the interpreter's one-element arrays (Triton 3.7 squeezes them first): every kernel with a
+    data-dependent loop fails there, whatever it computes (the device machine's Triton 3.6)."""
+    import numpy
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+        return False
+    try:
+        int(numpy.array([1]))
+    except TypeError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(interpreter_breaks_on_loops(), reason="Triton < 3.7's interpreter with NumPy >= 2.4")
 def test_triton_selection_matches_the_native_kernel_under_the_interpreter():
     run_cases({**os.environ, "TRITON_INTERPRET": "1"})
 
