@@ -120,19 +120,27 @@ class Text:
 
 @dataclass
 class Arm:
-    name: str  # dense, or an algorithm
+    name: str  # dense, an algorithm, or a variant of one: "gsa:retrieval_stride=4:sparse_ratio=0.2"
     group: str  # "native" or "scaled": the model configuration
     factor: int  # RoPE scaling factor (1: native)
 
     def sparse(self, knobs: dict[str, Any]) -> dict[str, Any] | None:
         if self.name == "dense":
             return None
-        settings = dict(SETTINGS[self.name])
+        algorithm, *variant = self.name.split(":")
+        if algorithm not in SETTINGS:
+            raise SystemExit(f"--algorithms: {algorithm!r} is not one of {', '.join(SETTINGS)}")
+        settings = dict(SETTINGS[algorithm])
         if "sparse_ratio" in settings and knobs.get("sparse_ratio") is not None:
             settings["sparse_ratio"] = knobs["sparse_ratio"]
-        if "sparse_ratio" in settings and self.name != "static" and knobs.get("observation_window") is not None:
+        if "sparse_ratio" in settings and algorithm != "static" and knobs.get("observation_window") is not None:
             settings["observation_window"] = knobs["observation_window"]
-        config: dict[str, Any] = {"algorithm": self.name, self.name: settings}
+        for option in variant:
+            key, eq, value = option.partition("=")
+            if not eq:
+                raise SystemExit(f"--algorithms: {self.name!r}: variant options are key=value, got {option!r}")
+            settings[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+        config: dict[str, Any] = {"algorithm": algorithm, algorithm: settings}
         for key in ("min_tokens", "dense_layers"):
             if knobs.get(key) is not None:
                 config[key] = knobs[key]
@@ -279,7 +287,11 @@ def accuracy_row(arm: str, context: int, trials: list[Trial], outcomes: list[boo
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="dense, static and the default algorithm; fewer trials")
-    p.add_argument("--algorithms", help=f"comma-separated, from {', '.join(SETTINGS)} (default: all)")
+    p.add_argument(
+        "--algorithms",
+        help=f"comma-separated, from {', '.join(SETTINGS)} (default: all); a variant adds options after the "
+        "name, e.g. gsa:retrieval_stride=4 (arms side by side in one run)",
+    )
     p.add_argument("--contexts", help="speed contexts (default 2000,7000,16000,32000)")
     p.add_argument("--needle-contexts", help="accuracy contexts, native (default 2000,7000; quick: 7000)")
     p.add_argument("--rows", type=int, default=8, help="concurrent requests in a speed run")

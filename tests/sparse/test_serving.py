@@ -4,7 +4,9 @@ requests recognized across steps, and the counts it publishes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from pydantic import ValidationError
 
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.serving import SparseRuntime
@@ -66,10 +68,10 @@ def test_only_long_decodes_are_sparse_with_their_budgets_and_kernel_lengths():
     assert (rt.stats.decodes, rt.stats.short) == (3, 1)  # the short decode is counted as such
 
 
-def test_between_retrievals_a_selection_is_reused_plus_the_block_started_since():
-    rt = runtime(
-        {"algorithm": "esa", "min_tokens": 64, "dense_layers": 0, "esa": {"sparse_ratio": 0.3, "retrieval_stride": 3}}
-    )
+@pytest.mark.parametrize("algorithm", ["esa", "gsa", "kvstar"])
+def test_between_retrievals_a_selection_is_reused_plus_the_block_started_since(algorithm):
+    options = {"sparse_ratio": 0.3, "retrieval_stride": 3}
+    rt = runtime({"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, algorithm: options})
     tables = tables_for(330)
     step(rt, tables, [318], [318])
     seen = []
@@ -107,6 +109,11 @@ def test_a_new_request_in_a_reused_block_is_not_mistaken_for_the_old_one():
     plan, _ = step(rt, tables, [182], [1])
     assert plan.due is not None and len(plan.due) == 0  # now it continues
     assert rt.stats.requests + rt.totals.requests == 2
+
+
+def test_static_selection_takes_no_retrieval_stride():
+    with pytest.raises(ValidationError, match=r"static\.retrieval_stride"):
+        SparseConfig.model_validate({"algorithm": "static", "static": {"retrieval_stride": 2}})
 
 
 def test_counts_cover_dense_layers_and_sparse_layers():

@@ -56,8 +56,11 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if nullable:
             node["nullable"] = True
         return node
-    if "const" in schema:
-        return {"type": "string", "enum": [schema["const"]]}
+    if "const" in schema:  # Literal[x]: one accepted value
+        const = schema["const"]
+        kind = "integer" if isinstance(const, int) and not isinstance(const, bool) else "string"
+        kept = {k: v for k, v in schema.items() if k in _KEEP and k not in ("type", "const") and v is not None}
+        return {"type": kind, "enum": [const], **kept}
     out = {k: v for k, v in schema.items() if k in _KEEP}
     for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if isinstance(out.get(bound), (int, float)) and not isinstance(out[bound], bool):

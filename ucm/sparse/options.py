@@ -39,6 +39,9 @@ class TopKConfig(StrictModel):
         "every decode step's block scores (SnapKV's observation window; 0: off). 1, the last token: what a PD "
         "decode engine computes itself",
     )
+    retrieval_stride: int = Field(
+        1, ge=1, description="Decode steps a selection is reused for (the block being written is added meanwhile)"
+    )
 
     def windows(self, block_size: int) -> tuple[int, int]:
         """(sink blocks, local blocks)."""
@@ -60,8 +63,6 @@ class TopKConfig(StrictModel):
 
 class ESAConfig(TopKConfig):
     """ESA: a block is represented by its mean key and scored by ``q . mean``."""
-
-    retrieval_stride: int = Field(1, ge=1, description="Decode steps a selection is reused for")
 
     def scoring(self, head_dim: int) -> Scoring:
         from ucm.sparse.summaries import Scoring
@@ -87,6 +88,8 @@ class StaticConfig(TopKConfig):
     """The first ``init_window_sz`` blocks and the most recent ones, up to the budget, with no
     scoring at all (StreamingLLM's selection): what any selection costing nothing would run at,
     and so the bound a scored algorithm at the same ``sparse_ratio`` is measured against."""
+
+    retrieval_stride: Literal[1] = Field(1, description="Nothing is retrieved: the selection follows the request")
 
     def scoring(self, head_dim: int) -> None:
         return None
