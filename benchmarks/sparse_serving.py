@@ -13,7 +13,9 @@ cached) and differing in their last 64 tokens, each decoding ``--decode-tokens``
 Every arm reads each request's whole context: sharing saves prefill, not decode reads.
 
   decode_tokens_per_s        tokens of all rows between the moment every row has its first
-                             token and the moment the first one ends, per second
+                             token and the moment the first one ends, per second (the median
+                             of --repeats timed runs in the same engine; runs_tokens_per_s
+                             lists them)
   itl_p50_ms / itl_p99_ms    inter-token gaps in that window
   speedup_vs_dense           / dense at the same context
   speedup_vs_bound           / static (first and last blocks, no scoring) at the same kept
@@ -48,6 +50,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -189,7 +192,8 @@ async def run_rows(server: VLLMServer, prompts: list[list[int]], tokens: int) ->
 
 @dataclass
 class Speed:
-    tokens_per_s: float
+    tokens_per_s: float  # the median of the timed runs
+    runs_tokens_per_s: list[float]
     itl_p50_ms: float
     itl_p99_ms: float
     wall_s: float
@@ -197,28 +201,38 @@ class Speed:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def measure_speed(server: VLLMServer, prompts: list[list[int]], decode_tokens: int) -> Speed:
+def measure_speed(server: VLLMServer, prompts: list[list[int]], decode_tokens: int, repeats: int = 1) -> Speed:
+    """``repeats`` timed runs in the same engine: their median rate, every rate (their spread says how
+    much of a difference between arms this machine's noise can make), inter-token gaps pooled."""
     # Warm-up: the first prompt computes (or loads) the document, then every row's prompt is
     # cached and one decode step refreshes the summaries of loaded blocks: the timed run is steady.
     asyncio.run(run_rows(server, prompts[:1], 2))
     asyncio.run(run_rows(server, prompts, 2))
     before = metric_totals(server.url)
-    started = time.perf_counter()
-    runs = asyncio.run(run_rows(server, prompts, decode_tokens))
-    wall = time.perf_counter() - started
+    rates: list[float] = []
+    gaps: list[float] = []
+    wall = 0.0
+    texts: list[list[str]] = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runs = asyncio.run(run_rows(server, prompts, decode_tokens))
+        wall += time.perf_counter() - started
+        start = max(t[0] for t, _ in runs)  # every row is decoding from here
+        end = min(t[-1] for t, _ in runs)  # until the first one ends
+        produced = sum(sum(1 for x in t if start < x <= end) for t, _ in runs)
+        rates.append(produced / (end - start) if end > start else float("nan"))
+        gaps += [(b - a) * 1e3 for t, _ in runs for a, b in itertools.pairwise(t) if start <= a and b <= end]
+        texts = texts or [t for _, t in runs]
     after = metric_totals(server.url)
-    start = max(t[0] for t, _ in runs)  # every row is decoding from here
-    end = min(t[-1] for t, _ in runs)  # until the first one ends
-    produced = sum(sum(1 for x in t if start < x <= end) for t, _ in runs)
-    gaps = [(b - a) * 1e3 for t, _ in runs for a, b in itertools.pairwise(t) if start <= a and b <= end]
     gaps.sort()
     delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("ucm_sparse") or k.startswith("vllm:")}
     return Speed(
-        tokens_per_s=produced / (end - start) if end > start else float("nan"),
+        tokens_per_s=statistics.median(rates),
+        runs_tokens_per_s=[round(r, 2) for r in rates],
         itl_p50_ms=gaps[len(gaps) // 2] if gaps else float("nan"),
         itl_p99_ms=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan"),
         wall_s=wall,
-        texts=[texts for _, texts in runs],
+        texts=texts,
         metrics=delta,
     )
 
@@ -296,6 +310,7 @@ def main() -> int:
     p.add_argument("--needle-contexts", help="accuracy contexts, native (default 2000,7000; quick: 7000)")
     p.add_argument("--rows", type=int, default=8, help="concurrent requests in a speed run")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per speed row (the median is reported)")
     p.add_argument("--short-context", type=int, default=256, help="the dense step's non-attention reference")
     p.add_argument("--haystacks", type=int, help="essay windows per needle context (default 4; quick 2)")
     p.add_argument("--depths", type=int, help="needle depths per haystack (default 25; quick 20)")
@@ -359,11 +374,11 @@ def main() -> int:
             try:
                 server.wait_ready(900)
                 if name == "dense":
-                    short = measure_speed(server, text.rows(args.short_context, args.rows), args.decode_tokens)
-                    dense_short[group] = short
+                    short_rows = text.rows(args.short_context, args.rows)
+                    dense_short[group] = measure_speed(server, short_rows, args.decode_tokens, args.repeats)
                 for context in group_contexts:
                     prompts = text.rows(context, args.rows, args.distinct_documents)
-                    s = measure_speed(server, prompts, args.decode_tokens)
+                    s = measure_speed(server, prompts, args.decode_tokens, args.repeats)
                     row = speed_row(name, group, context, args.rows, s, dense_speed.get(context))
                     if name == "dense":
                         dense_speed[context] = s
@@ -408,6 +423,7 @@ def speed_row(name: str, group: str, context: int, rows: int, s: Speed, dense: S
         "context_tokens": context,
         "rows": rows,
         "decode_tokens_per_s": round(s.tokens_per_s, 2),
+        "runs_tokens_per_s": s.runs_tokens_per_s,
         "itl_p50_ms": round(s.itl_p50_ms, 2),
         "itl_p99_ms": round(s.itl_p99_ms, 2),
         "kv_fraction_attended": round(m.get("ucm_sparse_blocks_attended_total", 0.0) / available, 3)
@@ -477,7 +493,8 @@ def format_speed(r: dict[str, Any]) -> str:
         f", {k} {r[k]}" for k in ("speedup_vs_dense", "token_agreement_vs_dense", "dense_attention_ms") if k in r
     )
     return (
-        f"{r['algorithm']:>12} {r['context_tokens']:>6} x{r['rows']}: {r['decode_tokens_per_s']:>8} tok/s, "
+        f"{r['algorithm']:>12} {r['context_tokens']:>6} x{r['rows']}: {r['decode_tokens_per_s']:>8} tok/s "
+        f"(runs {r['runs_tokens_per_s']}), "
         f"ITL p50 {r['itl_p50_ms']} ms p99 {r['itl_p99_ms']} ms, KV read {r['kv_fraction_attended']}, "
         f"selection {r['selection_share_of_step']:.1%}{extra}"
     )
