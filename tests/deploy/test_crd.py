@@ -92,6 +92,11 @@ def test_a_bad_sparse_section_fails_the_schema():
     jsonschema.Draft4Validator(SCHEMA).validate(
         {"spec": with_("sparse", {"algorithm": "esa", "esa": {"sparse_ratio": 0.2}})}
     )
+    static = {"algorithm": "static", "static": {"retrieval_stride": 1}}
+    jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", static)})  # a one-value integer
+    static["static"]["retrieval_stride"] = 2
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", static)})
 
 
 def test_unknown_fields_and_bad_values_fail_the_schema():
