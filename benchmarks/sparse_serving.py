@@ -142,7 +142,10 @@ class Arm:
             key, eq, value = option.partition("=")
             if not eq:
                 raise SystemExit(f"--algorithms: {self.name!r}: variant options are key=value, got {option!r}")
-            settings[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+            try:  # numbers and booleans as JSON, anything else as the string given
+                settings[key] = json.loads(value)
+            except json.JSONDecodeError:
+                settings[key] = value
         config: dict[str, Any] = {"algorithm": algorithm, algorithm: settings}
         for key in ("min_tokens", "dense_layers"):
             if knobs.get(key) is not None:

@@ -56,12 +56,10 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if nullable:
             node["nullable"] = True
         return node
-    if "const" in schema:  # Literal[x]: one accepted value
-        const = schema["const"]
-        kind = "integer" if isinstance(const, int) and not isinstance(const, bool) else "string"
-        kept = {k: v for k, v in schema.items() if k in _KEEP and k not in ("type", "const") and v is not None}
-        return {"type": kind, "enum": [const], **kept}
     out = {k: v for k, v in schema.items() if k in _KEEP}
+    if "const" in schema:  # Literal[x]: one accepted value, of the type pydantic gives beside it
+        out.setdefault("type", "string")
+        out["enum"] = [schema["const"]]
     for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if isinstance(out.get(bound), (int, float)) and not isinstance(out[bound], bool):
             out[limit], out[bound] = out[bound], True  # OpenAPI 3.0 form: a flag beside the limit
