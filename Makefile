@@ -69,10 +69,13 @@ images-offline: dev
 	./scripts/runtime-wheelhouse.sh $(BIN)/python $(RUNTIME_WHEELS)
 	@# The CPU runtime's build holds ~10 GB at its peak (wheels, the build stage's venv, the image's).
 	@# Docker keeps images between runs: the last run's runtime image and whatever a failed build left
-	@# go first (its layers are never reused: the wheels of UCM change with every commit).
+	@# (images, and the container of the step that could not be committed) go first; their layers are
+	@# never reused: the wheels of UCM change with every commit.
 	docker image rm -f ucm/runtime:$(VERSION)-cpu >/dev/null 2>&1 || true
+	docker container prune -f --filter label=ucm.image >/dev/null
 	docker image prune -f --filter label=ucm.image >/dev/null
 	docker system df
+	./scripts/disk-check.sh "$$(docker info -f '{{.DockerRootDir}}')" 11 "the CPU runtime image's build"
 	docker build -q -f runtime/Dockerfile.cpu --build-arg BASE=$(OFFLINE_BASE)-runtime \
 	  -t ucm/runtime:$(VERSION)-cpu $(RUNTIME_WHEELS)
 	docker image prune -f --filter label=ucm.image >/dev/null  # the build stage (GBs)

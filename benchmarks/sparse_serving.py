@@ -50,6 +50,7 @@ import itertools
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -170,7 +171,9 @@ def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: in
         model, logs / f"{arm.group}-{arm.name}.log", kv_transfer_config=kv, extra_args=args, kv_cache_gib=kv_gib
     )
     # Workers count the ucm_sparse_* metrics; the API server sums every process's samples from here.
-    server.env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ucm-metrics-")
+    metrics = logs / f"metrics-{arm.group}-{arm.name}"
+    metrics.mkdir()
+    server.env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
     return server
 
 
@@ -355,7 +358,7 @@ def main() -> int:
         "observation_window": args.observation_window,
     }
     work = Path(tempfile.mkdtemp(prefix="sparse-serving-"))
-    print(f"logs and stores under {work}", flush=True)
+    print(f"logs under {work} (each store is removed when its engines are done: GBs at 32k)", flush=True)
     groups = {"native": 1, "scaled": max(1, math.ceil((max(contexts, default=0) + 256) / NATIVE))}
     speed_rows: list[dict[str, Any]] = []
     accuracy_rows: list[dict[str, Any]] = []
@@ -370,34 +373,37 @@ def main() -> int:
             continue
         store = work / f"store-{group}"
         store.mkdir()
-        for name in ["dense", *algorithms]:
-            arm = Arm(name, group, factor)
-            needles_here = group_needles if name not in ("static",) or not args.quick else []
-            server = engine(model, arm, store, work, args.rows, args.kv_cache_gib, knobs).start()
-            try:
-                server.wait_ready(900)
-                if name == "dense":
-                    short_rows = text.rows(args.short_context, args.rows)
-                    dense_short[group] = measure_speed(server, short_rows, args.decode_tokens, args.repeats)
-                for context in group_contexts:
-                    prompts = text.rows(context, args.rows, args.distinct_documents)
-                    s = measure_speed(server, prompts, args.decode_tokens, args.repeats)
-                    row = speed_row(name, group, context, args.rows, s, dense_speed.get(context))
+        try:
+            for name in ["dense", *algorithms]:
+                arm = Arm(name, group, factor)
+                needles_here = group_needles if name not in ("static",) or not args.quick else []
+                server = engine(model, arm, store, work, args.rows, args.kv_cache_gib, knobs).start()
+                try:
+                    server.wait_ready(900)
                     if name == "dense":
-                        dense_speed[context] = s
-                        row |= step_split(s, dense_short[group], args.rows)
-                    speed_rows.append(row)
-                    print(format_speed(row), flush=True)
-                for context in needles_here:
-                    outcomes = needle_outcomes(server, text, trials[context])
-                    reference = dense_needles.setdefault(context, outcomes) if name != "dense" else None
-                    if name == "dense":
-                        dense_needles[context] = outcomes
-                    row = accuracy_row(name, context, trials[context], outcomes, reference)
-                    accuracy_rows.append(row)
-                    print(format_accuracy(row), flush=True)
-            finally:
-                server.stop()
+                        short_rows = text.rows(args.short_context, args.rows)
+                        dense_short[group] = measure_speed(server, short_rows, args.decode_tokens, args.repeats)
+                    for context in group_contexts:
+                        prompts = text.rows(context, args.rows, args.distinct_documents)
+                        s = measure_speed(server, prompts, args.decode_tokens, args.repeats)
+                        row = speed_row(name, group, context, args.rows, s, dense_speed.get(context))
+                        if name == "dense":
+                            dense_speed[context] = s
+                            row |= step_split(s, dense_short[group], args.rows)
+                        speed_rows.append(row)
+                        print(format_speed(row), flush=True)
+                    for context in needles_here:
+                        outcomes = needle_outcomes(server, text, trials[context])
+                        reference = dense_needles.setdefault(context, outcomes) if name != "dense" else None
+                        if name == "dense":
+                            dense_needles[context] = outcomes
+                        row = accuracy_row(name, context, trials[context], outcomes, reference)
+                        accuracy_rows.append(row)
+                        print(format_accuracy(row), flush=True)
+                finally:
+                    server.stop()
+        finally:
+            shutil.rmtree(store)
     report = summarize(speed_rows, accuracy_rows, algorithms, contexts, needle_contexts)
     report["setup"] = {
         "model": "SmolLM2-135M-Instruct (bfloat16)",
