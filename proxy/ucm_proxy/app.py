@@ -25,6 +25,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -51,6 +52,8 @@ from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.exchange import Exchange
 from ucm_proxy.http1 import Client, TooLarge, UpstreamError
 from ucm_proxy.keys import ApiKeys
+from ucm_proxy.kvevents import Followers
+from ucm_proxy.kvroute import KVRouter
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
 from ucm_proxy.relay import Upstream, relay_chunks
 from ucm_proxy.requests import (
@@ -75,6 +78,9 @@ class Proxy:
             urls = read_backends_file(config.backends_file)
         self.prefill = Pool("prefill", [], routing.prefill, routing, health)
         self.decode = Pool("decode", [], routing.decode, routing, health)
+        kv_events = routing.kv_events
+        self.followers = Followers(kv_events) if kv_events is not None else None
+        self.kv_router: KVRouter | None = None
         self.set_backends(urls)
         self.keys = ApiKeys(config.api_keys, config.api_keys_file)
         self.models: set[str] = set()
@@ -97,6 +103,9 @@ class Proxy:
         auth = {"Authorization": f"Bearer {key}"} if key else {}  # on every backend call, probes included
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
         self.client = Client(auth)
+        if self.followers is not None:
+            self.kv_router = KVRouter(self.followers, self.session, self.config.timeouts.connect_s)
+            self._follow()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.config.routing.engine_metrics_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._engine_metrics_loop()))
@@ -119,6 +128,8 @@ class Proxy:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.followers is not None:
+            await self.followers.close()
         if self.session is not None:
             await self.session.close()
         if self.client is not None:
@@ -131,6 +142,13 @@ class Proxy:
         else:
             self.prefill.set_urls(urls["prefill"])
             self.decode.set_urls(urls["decode"])
+        if self.kv_router is not None:  # started: following runs in the event loop
+            self._follow()
+
+    def _follow(self) -> None:
+        """Follow the KV events of the engines kv_aware routes among."""
+        assert self.followers is not None
+        self.followers.follow(b.url for p in self.pools if p.policy == "kv_aware" for b in p.backends)
 
     @property
     def pools(self) -> list[Pool]:
@@ -237,8 +255,8 @@ class Proxy:
             raise ProxyError(404, f"The model `{body['model']}` does not exist.", "model")
         # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        key = affinity_key(body, route, self.config.routing.prefix_chars)
-        return await exchange.unless_client_leaves(self._serve(route, raw, body, headers, key, started, trace))
+        hint = Hint(affinity_key(body, route, self.config.routing.prefix_chars), route, body)
+        return await exchange.unless_client_leaves(self._serve(route, raw, body, headers, hint, started, trace))
 
     async def _serve(
         self,
@@ -246,7 +264,7 @@ class Proxy:
         raw: bytes,
         body: dict[str, Any],
         headers: dict[str, str],
-        key: bytes,
+        hint: Hint,
         started: float,
         trace: Trace,
     ) -> Answer | Stream:
@@ -257,7 +275,7 @@ class Proxy:
             metrics.child(metrics.DISAGGREGATION, decision.reason).inc()
             trace.path = "direct"
             if decision.disaggregate:
-                prefilled = await self._prefill(route, body, headers, key)
+                prefilled = await self._prefill(route, body, headers, hint)
                 trace.path = "fallback" if prefilled is None else "pd"
                 if prefilled is not None:
                     params, identity = prefilled
@@ -266,9 +284,9 @@ class Proxy:
                     blocks = params.get(PARAM_BLOCKS) if isinstance(params, dict) else None
                     promised = blocks if isinstance(blocks, int) else 0
         if body.get("stream"):
-            response = await self._decode_stream(route, decode_body, headers, key, started, pair)
+            response = await self._decode_stream(route, decode_body, headers, hint, started, pair)
         else:
-            response = await self._decode(route, decode_body, headers, key, started, promised, pair)
+            response = await self._decode(route, decode_body, headers, hint, started, promised, pair)
         if response.status == 200:
             self.decider.remember(chunks)  # prefill, or decode as it computed them, stored its blocks
         return response
@@ -305,7 +323,7 @@ class Proxy:
             raise ProxyError(408, f"Request body not received within {self.config.timeouts.body_s} s.") from None
 
     async def _prefill(
-        self, route: str, body: dict[str, Any], headers: dict[str, str], key: bytes
+        self, route: str, body: dict[str, Any], headers: dict[str, str], hint: Hint
     ) -> tuple[Any, str | None] | None:
         """kv_transfer_params from a prefill backend and that backend's pairing identity; None when
         decode must do it all (fallback)."""
@@ -338,7 +356,7 @@ class Proxy:
         # With a fallback, decode serves at once rather than after a wait for prefill.
         queue_s = 0.0 if self.config.fallback_to_decode else None
         try:
-            return await self._with_retries(self.prefill, key, attempt, queue_s, avoid)
+            return await self._with_retries(self.prefill, hint, attempt, queue_s, avoid)
         except NoBackend:
             if self.config.fallback_to_decode:
                 return None
@@ -349,7 +367,7 @@ class Proxy:
         route: str,
         payload: bytes,
         headers: dict[str, str],
-        key: bytes,
+        hint: Hint,
         started: float,
         promised: int,
         pair: Pair | None,
@@ -385,12 +403,12 @@ class Proxy:
             return Answer(resp.status, data, _response_headers(resp, headers), content_type)
 
         try:
-            return await self._with_retries(self.decode, key, attempt, avoid=pair.avoid if pair else frozenset())
+            return await self._with_retries(self.decode, hint, attempt, avoid=pair.avoid if pair else frozenset())
         except NoBackend:
             raise no_backend("decode") from None
 
     async def _decode_stream(
-        self, route: str, payload: bytes, headers: dict[str, str], key: bytes, started: float, pair: Pair | None
+        self, route: str, payload: bytes, headers: dict[str, str], hint: Hint, started: float, pair: Pair | None
     ) -> Stream:
         """Commit to a backend only once its first chunk arrives: failures before that are retried."""
 
@@ -422,14 +440,14 @@ class Proxy:
             )
 
         try:
-            return await self._with_retries(self.decode, key, attempt, avoid=pair.avoid if pair else frozenset())
+            return await self._with_retries(self.decode, hint, attempt, avoid=pair.avoid if pair else frozenset())
         except NoBackend:
             raise no_backend("decode") from None
 
     async def _with_retries(
         self,
         pool: Pool,
-        key: bytes,
+        hint: Hint,
         attempt: Callable[[Backend], Awaitable[T]],
         queue_s: float | None = None,
         avoid: frozenset[str] = frozenset(),
@@ -440,10 +458,13 @@ class Proxy:
         if queue_s is None:
             queue_s = self.config.timeouts.queue_s
         exclude: set[str] = set(avoid)
+        hits = None
+        if pool.policy == "kv_aware" and self.kv_router is not None:
+            hits = await self.kv_router.hits(pool, hint.route, hint.body)
         for n in range(self.config.retries + 1):
-            backend = pool.pick(key, frozenset(exclude))
+            backend = pool.pick(hint.affinity, frozenset(exclude), hits)
             if backend is None and exclude == avoid and await pool.wait_available(queue_s):
-                backend = pool.pick(key, avoid)
+                backend = pool.pick(hint.affinity, avoid, hits)
             if backend is None:
                 break
             if n:
@@ -467,6 +488,16 @@ class Proxy:
     ) -> Upstream:
         assert self.client is not None
         return Upstream(self.client, backend, route, payload, headers, self.config.timeouts.connect_s, idle_s)
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What routing weighs for one request: the digest of its prompt's start (prefix_affinity), its
+    route and body (kv_aware tokenizes the prompt)."""
+
+    affinity: bytes
+    route: str
+    body: dict[str, Any]
 
 
 class Pair:

@@ -21,7 +21,10 @@ sent it since that reading; this proxy's own in-flight count where the engine re
 ``least_outstanding`` takes the least loaded (then the emptiest KV cache); ``prefix_affinity`` ranks
 backends per prompt prefix by rendezvous hashing (a backend joining or leaving moves only the
 prefixes it takes or held) and takes the first whose load is within ``load_factor`` of the pool's
-average: consistent hashing with bounded load.
+average: consistent hashing with bounded load. ``kv_aware`` takes, among the backends within that
+same load bound, the one whose cached prefix of the prompt (from the engines' KV events,
+``ucm_proxy.kvindex``) minus ``kv_aware_load_tokens`` per outstanding request is largest; with
+nothing cached anywhere, the least loaded.
 
 A request that finds no backend available may wait (``Pool.wait_available``) for one to come back:
 a health check passing again, discovery adding an endpoint, or an ejection ending wakes it.
@@ -35,7 +38,7 @@ import hashlib
 import itertools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ucm_proxy import metrics
 from ucm_proxy.config import HealthConfig, Policy, RoutingConfig
@@ -122,7 +125,13 @@ class Pool:
         now = time.monotonic()
         return [b for b in self.backends if b.available(now) and b.url not in exclude]
 
-    def pick(self, affinity_key: bytes | None = None, exclude: frozenset[str] = frozenset()) -> Backend | None:
+    def pick(
+        self,
+        affinity_key: bytes | None = None,
+        exclude: frozenset[str] = frozenset(),
+        hits: Mapping[str, int] | None = None,
+    ) -> Backend | None:
+        """``hits``: for kv_aware, the prompt tokens each backend holds cached (``ucm_proxy.kvroute``)."""
         candidates = self.available(exclude)
         if not candidates:
             return None
@@ -132,11 +141,26 @@ class Pool:
             ranked = sorted(
                 candidates, key=lambda b: hashlib.blake2b(affinity_key + b.key, digest_size=8).digest(), reverse=True
             )
-            cap = math.ceil(self.routing.load_factor * (sum(b.load for b in candidates) + 1) / len(candidates))
+            cap = self._load_cap(candidates)
             owner = next((b for b in ranked if b.load + 1 <= cap), None)
             if owner is not None:
                 return owner
+        if self.policy == "kv_aware" and hits and any(hits.get(b.url, 0) for b in candidates):
+            cap = self._load_cap(candidates)
+            within = [b for b in candidates if b.load + 1 <= cap] or candidates
+            weight = self.routing.kv_aware_load_tokens
+            chosen = max(within, key=lambda b: (hits.get(b.url, 0) - weight * b.load, -b.load, -b.engine_kv_usage))
+            metrics.child(metrics.KV_ROUTING, "hit" if hits.get(chosen.url, 0) else "no_hits").inc()
+            metrics.KV_PREDICTED_HIT_TOKENS.inc(hits.get(chosen.url, 0))
+            return chosen
+        if self.policy == "kv_aware" and hits is not None:
+            metrics.child(metrics.KV_ROUTING, "no_hits").inc()
         return min(candidates, key=lambda b: (b.load, b.engine_kv_usage))
+
+    def _load_cap(self, candidates: list[Backend]) -> int:
+        """The most a backend may carry to be chosen for what it holds: ``load_factor`` times the
+        average with this request (consistent hashing with bounded load)."""
+        return math.ceil(self.routing.load_factor * (sum(b.load for b in candidates) + 1) / len(candidates))
 
     # -- passive health --------------------------------------------------------------------------
     def record_success(self, backend: Backend) -> None:

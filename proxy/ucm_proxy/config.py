@@ -4,13 +4,76 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from ucm.config import ConfigError, StrictModel
 
-Policy = Literal["round_robin", "least_outstanding", "prefix_affinity"]
+Policy = Literal["round_robin", "least_outstanding", "prefix_affinity", "kv_aware"]
+
+
+class EventEndpoint(StrictModel):
+    events: str = Field(description="The engine's KV event publisher, tcp://HOST:PORT")
+    replay: str | None = Field(None, description="Its replay endpoint, tcp://HOST:PORT (vLLM's replay_endpoint)")
+
+    @field_validator("events", "replay")
+    @classmethod
+    def _tcp(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_tcp(value)
+        return value
+
+
+class KVEventsConfig(StrictModel):
+    """Where the engines publish their KV events (vLLM ``--kv-events-config``), for ``kv_aware``."""
+
+    port: int | None = Field(
+        None, ge=1, le=65535, description="The publisher's port on every backend's host (pods: the same port each)"
+    )
+    replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="The replay port on every backend's host: the index is rebuilt from the engine's recent "
+        "events after a proxy restart or a lost batch (without it, from what comes next)",
+    )
+    endpoints: dict[str, EventEndpoint] = Field(
+        default_factory=dict,
+        description="Per backend URL, for engines that share a host (ucm up): its publisher and replay endpoints",
+    )
+    topic: str = Field("kv-events", description="The engines' event topic (vLLM's kv_events_config.topic)")
+    max_blocks_per_engine: int = Field(
+        262_144, ge=1, description="Blocks remembered per engine (~250 bytes each), the oldest forgotten first"
+    )
+    max_message_bytes: int = Field(
+        16 << 20, ge=1 << 16, description="A larger event message is refused (the connection is dropped and redone)"
+    )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, endpoints: dict[str, EventEndpoint]) -> dict[str, EventEndpoint]:
+        return dict(zip(checked_urls(list(endpoints)), endpoints.values(), strict=True))
+
+    @model_validator(mode="after")
+    def _one_way(self) -> KVEventsConfig:
+        if (self.port is None) == (not self.endpoints):
+            raise ValueError("kv_events: give port (every backend's host) or endpoints (per backend URL), one of them")
+        if self.replay_port is not None and self.port is None:
+            raise ValueError("kv_events.replay_port: needs port (with endpoints, give each one's replay)")
+        return self
+
+    def endpoint(self, url: str) -> EventEndpoint | None:
+        """The publisher of the backend at ``url`` (None: not known)."""
+        if self.port is None:
+            return self.endpoints.get(url)
+        host = urlsplit(url).hostname
+        if host is None:
+            return None
+        host = f"[{host}]" if ":" in host else host
+        replay = f"tcp://{host}:{self.replay_port}" if self.replay_port is not None else None
+        return EventEndpoint(events=f"tcp://{host}:{self.port}", replay=replay)
 
 
 class RoutingConfig(StrictModel):
@@ -24,12 +87,36 @@ class RoutingConfig(StrictModel):
         "the pool's average (consistent hashing with bounded load); past it, the next backend in the prefix's "
         "order takes it",
     )
+    kv_events: KVEventsConfig | None = Field(
+        None, description="The engines' KV events: with them, kv_aware is the default policy of the pools that compute"
+    )
+    kv_aware_load_tokens: int = Field(
+        256,
+        ge=0,
+        description="kv_aware: cached prompt tokens one outstanding request on an engine is worth; an engine is "
+        "chosen for its cached prefix only while that outweighs its extra load (and its load stays within "
+        "load_factor of the pool's average, as for prefix_affinity)",
+    )
     engine_metrics_interval_s: float = Field(
         2.0,
         ge=0,
         description="How often the proxy reads each engine's /metrics (vLLM's running and waiting requests, KV "
         "cache usage) to weigh load, so several proxy replicas see each other's requests; 0: only its own counts",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_aware_by_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kv_events") is not None and "prefill" not in data:
+            return {**data, "prefill": "kv_aware"}
+        return data
+
+    @model_validator(mode="after")
+    def _events_for_kv_aware(self) -> RoutingConfig:
+        for role in ("prefill", "decode"):
+            if getattr(self, role) == "kv_aware" and self.kv_events is None:
+                raise ValueError(f"routing.{role}: kv_aware needs routing.kv_events (where the engines publish)")
+        return self
 
 
 class TimeoutsConfig(StrictModel):
@@ -175,6 +262,15 @@ class ProxyConfig(StrictModel):
     )
     max_header_count: int = Field(100, ge=16, description="Headers in a request; more get 431")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_aware_mixed_pool(cls, data: Any) -> Any:
+        """In mixed mode the decode pool computes prompts: with events, kv_aware is its default."""
+        routing = data.get("routing") if isinstance(data, dict) and data.get("mode") == "mixed" else None
+        if isinstance(routing, dict) and routing.get("kv_events") is not None and "decode" not in routing:
+            return {**data, "routing": {**routing, "decode": "kv_aware"}}
+        return data
+
     @field_validator("prefill", "decode")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
@@ -247,6 +343,16 @@ class ProxyConfig(StrictModel):
                 "itself): it goes into an HTTP header"
             )
         return key
+
+
+def check_tcp(endpoint: str) -> None:
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path:
+        raise ValueError(f"{endpoint!r} is not a tcp://HOST:PORT endpoint")
 
 
 def checked_urls(urls: list[str]) -> list[str]:

@@ -82,10 +82,47 @@ def forget_backend(url: str, role: str) -> None:
             metric.remove(url, role)
         except KeyError:
             pass  # it never had that series
+    try:
+        KV_INDEX_BLOCKS.remove(url)
+    except KeyError:
+        pass
 
 
 DISAGGREGATION = Counter(
     "ucm_proxy_disaggregation_decisions_total",
     "PD requests by decision: cold (prefilled remotely), short, stored or balance (straight to decode)",
     ["decision"],
+)
+KV_INDEX_BLOCKS = Gauge(
+    "ucm_proxy_kv_index_blocks", "Blocks the KV index holds per engine (from its KV events)", ["backend"]
+)
+KV_EVENTS = Counter(
+    "ucm_proxy_kv_events_total",
+    "KV events read, by kind: stored, removed, cleared; other_tier (not the engine's own cache, or not its first "
+    "KV cache group), orphan (a block whose parent the index never saw), malformed (a batch or event that is "
+    "not vLLM's KVEventBatch: dropped, and that engine's entries cleared)",
+    ["kind"],
+)
+KV_RESYNCS = Counter(
+    "ucm_proxy_kv_event_resyncs_total",
+    "Times an engine's index entries were cleared and rebuilt (from its replay endpoint when it has one), by "
+    "reason: start (first batch after connecting), gap (a lost batch), restart (its sequence started over), "
+    "malformed",
+    ["reason"],
+)
+KV_EVENT_LAG = Histogram(
+    "ucm_proxy_kv_event_lag_seconds",
+    "From an engine's event batch (its timestamp) to the index applying it",
+    buckets=_BUCKETS,
+)
+KV_ROUTING = Counter(
+    "ucm_proxy_kv_routing_total",
+    "kv_aware decisions by reason: hit (an engine's cached prefix chose it), no_hits (no engine holds the prompt's "
+    "first block: least outstanding), no_index (no engine has announced blocks yet), no_tokens (the prompt could "
+    "not be tokenized: least outstanding)",
+    ["reason"],
+)
+KV_PREDICTED_HIT_TOKENS = Counter(
+    "ucm_proxy_kv_predicted_hit_tokens_total",
+    "Prompt tokens the KV index said the chosen engine holds (compare with vLLM's prefix cache hits)",
 )

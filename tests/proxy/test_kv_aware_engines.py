@@ -1,0 +1,153 @@
+"""kv_aware routing against real vLLM engines (CPU build) publishing their KV events.
+
+Two engines, A and B, listed in that order. Each test first warms a prompt on B directly (not
+through the proxy), so that only B's KV events can say where it is: any policy blind to them sends
+the next request to A (equal load: the first), where nothing is cached. The engines' own
+``cached_tokens`` tell where a request ran.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from ucm.deploy.ports import free_port
+from ucm_testing.prompts import PROMPTS
+from ucm_testing.vllm_server import VLLMServer, cached_tokens
+
+pytestmark = pytest.mark.slow
+BS = 32
+
+
+def events_config(port: int, replay: int) -> str:
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "kv-events",
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    servers = {}
+    for name in ("A", "B"):
+        port, replay = free_port(), free_port()
+        server = VLLMServer(
+            tiny_model, logs / f"{name}.log", extra_args=["--kv-events-config", events_config(port, replay)]
+        )
+        server.env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, to check that clears reach the index
+        server.events = {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay}"}
+        servers[name] = server
+    try:
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+@pytest.fixture
+def kv_proxy(engines, make_proxy):
+    a, b = engines["A"], engines["B"]
+
+    def make():
+        return make_proxy(
+            mode="mixed",
+            decode=[a.url, b.url],
+            routing={"kv_events": {"endpoints": {a.url: a.events, b.url: b.events}}, "engine_metrics_interval_s": 0},
+        )
+
+    return make
+
+
+def through(proxy, body: dict, route: str = "/v1/completions") -> dict:
+    with proxy.client(timeout=120) as c:
+        r = c.post(route, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def index_blocks(proxy, url: str) -> int:
+    engine = proxy.proxy.followers.index.engines.get(url)
+    return 0 if engine is None else len(engine)
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_prompt_goes_to_the_engine_that_holds_its_prefix(engines, kv_proxy):
+    b = engines["B"]
+    proxy = kv_proxy()  # started before the warm-up: it learns from live events
+    prompt = PROMPTS[0]
+    b.complete(prompt, max_tokens=1)
+    wait_for(lambda: index_blocks(proxy, b.url) >= 3)
+    r = through(proxy, {"model": b.model, "prompt": prompt + " and then", "max_tokens": 4, "temperature": 0})
+    assert cached_tokens(r) >= 3 * BS  # it ran on B, from B's prefix cache
+
+
+def test_a_restarted_proxy_knows_at_once_from_the_replay(engines, kv_proxy):
+    b = engines["B"]
+    prompt = PROMPTS[1]
+    b.complete(prompt, max_tokens=1)  # no proxy is listening
+    proxy = kv_proxy()
+    # Its first batch from B comes with the next event B sends: any request that stores a block there.
+    b.complete(PROMPTS[2], max_tokens=1)
+    wait_for(lambda: index_blocks(proxy, b.url) >= 6)
+    r = through(proxy, {"model": b.model, "prompt": prompt + " and then", "max_tokens": 4, "temperature": 0})
+    assert cached_tokens(r) >= 3 * BS
+
+
+def test_another_tenants_prefix_does_not_attract_a_request(engines, kv_proxy):
+    b = engines["B"]
+    proxy = kv_proxy()
+    prompt = PROMPTS[3]
+    b.complete(prompt, max_tokens=1, cache_salt="tenant-b")
+    wait_for(lambda: index_blocks(proxy, b.url) >= 3)
+    body = {"model": b.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": "tenant-a"}
+    r = through(proxy, body)
+    assert cached_tokens(r) == 0
+    r = through(proxy, {**body, "cache_salt": "tenant-b"})
+    assert cached_tokens(r) >= 3 * BS
+
+
+def test_chat_prompts_are_matched_through_the_engines_chat_template(engines, kv_proxy):
+    b = engines["B"]
+    proxy = kv_proxy()
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    b.post("/v1/chat/completions", {"model": b.model, "messages": messages, "max_tokens": 1})
+    wait_for(lambda: index_blocks(proxy, b.url) >= 3)
+    r = through(proxy, {"model": b.model, "messages": messages, "max_tokens": 4}, "/v1/chat/completions")
+    assert cached_tokens(r) >= 3 * BS
+
+
+def test_a_cleared_cache_empties_the_engines_entries(engines, kv_proxy):
+    b = engines["B"]
+    proxy = kv_proxy()
+    index = proxy.proxy.followers.index
+
+    def held(prompt: str) -> int:
+        tokens = b.post("/tokenize", {"model": b.model, "prompt": prompt})["tokens"]
+        return index.hit_tokens(index.known([b.url]), tokens, None).get(b.url, 0)
+
+    b.complete(PROMPTS[5], max_tokens=1)
+    wait_for(lambda: held(PROMPTS[5]) >= 3 * BS)
+    urllib.request.urlopen(urllib.request.Request(b.url + "/reset_prefix_cache", method="POST"), timeout=10)
+    # vLLM publishes a step's events with the step: the clear goes out with the next request's blocks.
+    b.complete(PROMPTS[6], max_tokens=1)
+    wait_for(lambda: held(PROMPTS[6]) >= 3 * BS)
+    assert held(PROMPTS[5]) == 0

@@ -1,0 +1,172 @@
+"""Following engines' KV event streams: vLLM's own ZMQ publisher (its replay too), and a hand-driven
+PUB socket for what a healthy publisher never sends (gaps, restarts, garbage, oversize messages)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import pytest_asyncio
+import zmq
+from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+from ucm.deploy.ports import free_port
+from ucm_proxy import metrics
+from ucm_proxy.config import KVEventsConfig
+from ucm_proxy.kvevents import Followers
+from ucm_proxy.kvindex import request_keys
+
+BS = 4
+URL = "http://127.0.0.1:1"
+PROMPT = list(range(200, 232))  # 8 blocks
+
+
+def vllm_stored(i: int) -> KVEventBatch:
+    """Block i of PROMPT as vLLM announces it (its hash: any bytes, here b'h<i>')."""
+    parent = None if i == 0 else f"h{i - 1}".encode()
+    event = BlockStored(
+        block_hashes=[f"h{i}".encode()],
+        parent_block_hash=parent,
+        token_ids=PROMPT[i * BS : (i + 1) * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return KVEventBatch(ts=time.time(), events=[event])
+
+
+def held(followers: Followers) -> int:
+    engine = followers.index.engines.get(URL)
+    return 0 if engine is None else engine.prefix_blocks(request_keys(PROMPT, BS, None))
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def resyncs(reason: str) -> float:
+    return metrics.child(metrics.KV_RESYNCS, reason)._value.get()
+
+
+@pytest.mark.asyncio
+async def test_a_proxy_that_starts_late_rebuilds_from_vllms_replay_buffer():
+    port, replay = free_port(), free_port()
+    publisher = ZmqEventPublisher(
+        # As engines are configured: vLLM binds a wildcard endpoint (it connects to any other).
+        0,
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{replay}",
+        topic="kv-events",
+    )
+    followers = Followers(
+        KVEventsConfig(endpoints={URL: {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay}"}})
+    )
+    try:
+        for i in range(5):  # before the proxy listens: only the replay has them
+            publisher.publish(vllm_stored(i))
+        await asyncio.sleep(0.3)
+        followers.follow([URL])
+        await asyncio.sleep(0.3)  # the subscription is in place (ZMQ drops what a late subscriber misses)
+        publisher.publish(vllm_stored(5))
+        await until(lambda: held(followers) == 6)
+    finally:
+        await followers.close()
+        publisher.shutdown()
+
+
+class HandPublisher:
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def send(self, seq: int, payload: bytes) -> None:
+        self.sock.send_multipart([b"kv-events", seq.to_bytes(8, "big", signed=True), payload])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest_asyncio.fixture
+async def hand():
+    pub = HandPublisher()
+    followers = Followers(
+        KVEventsConfig(endpoints={URL: {"events": f"tcp://127.0.0.1:{pub.port}"}}, max_message_bytes=1 << 16)
+    )
+    followers.follow([URL])
+    # A PUB socket drops what it publishes before the subscriber has joined: send until one lands.
+    deadline = time.monotonic() + 5
+    while held(followers) == 0:
+        assert time.monotonic() < deadline, "the follower never received"
+        pub.send(0, msgspec.msgpack.encode(vllm_stored(0)))
+        await asyncio.sleep(0.05)
+    yield pub, followers
+    await followers.close()
+    pub.close()
+
+
+def encoded(i: int) -> bytes:
+    return msgspec.msgpack.encode(vllm_stored(i))
+
+
+@pytest.mark.asyncio
+async def test_a_lost_batch_clears_the_engines_entries(hand):
+    pub, followers = hand
+    seq = 1  # the fixture's batch was 0
+    pub.send(seq, encoded(1))
+    await until(lambda: held(followers) == 2)
+    gaps = resyncs("gap")
+    pub.send(seq + 2, encoded(2))  # seq + 1 never came: what it said (a removal?) is unknown
+    await until(lambda: resyncs("gap") == gaps + 1)
+    assert held(followers) == 0  # cleared; block 2's parent is not known any more: an orphan
+    pub.send(seq + 3, encoded(0))
+    await until(lambda: held(followers) == 1)  # and it builds up again from what comes
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_engine_starts_over(hand):
+    pub, followers = hand
+    for seq in range(1, 4):
+        pub.send(seq, encoded(seq))
+    await until(lambda: held(followers) == 4)
+    restarts = resyncs("restart")
+    pub.send(0, encoded(0))  # its sequence starts over: its cache is empty but for this
+    await until(lambda: resyncs("restart") == restarts + 1)
+    assert held(followers) == 1
+
+
+@pytest.mark.asyncio
+async def test_garbage_and_oversize_messages_cannot_break_the_follower(hand):
+    pub, followers = hand
+    malformed = resyncs("malformed")
+    pub.send(1, b"\x93not msgpack at all")
+    await until(lambda: resyncs("malformed") == malformed + 1)
+    assert held(followers) == 0
+    pub.send(2, msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]))  # wrong types
+    await until(lambda: resyncs("malformed") == malformed + 2)
+    pub.sock.send_multipart([b"kv-events", b"short"])  # not (topic, seq, payload)
+    await until(lambda: resyncs("malformed") == malformed + 3)
+    huge = BlockStored(
+        block_hashes=[b"x"] * 40_000,
+        parent_block_hash=None,
+        token_ids=[1] * 160_000,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    pub.send(3, msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[huge])))  # over max_message_bytes: dropped
+    # The connection is redone; the follower goes on with what comes next.
+    deadline = time.monotonic() + 10
+    while held(followers) == 0:
+        assert time.monotonic() < deadline, "the follower did not recover"
+        pub.send(0, encoded(0))
+        await asyncio.sleep(0.1)
+    assert len(followers.index.engines[URL]) == 1

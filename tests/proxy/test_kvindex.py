@@ -1,0 +1,161 @@
+"""The KV index: engines' block events in, per-engine cached prefixes of a prompt out."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucm_proxy import metrics
+from ucm_proxy.backends import Pool
+from ucm_proxy.config import HealthConfig, ProxyConfig, RoutingConfig
+from ucm_proxy.kvindex import (
+    AllBlocksCleared,
+    BlockIndex,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    request_keys,
+)
+
+BS = 4
+PROMPT = list(range(100, 118))  # 4 full blocks and 2 tokens
+
+
+def stored(hashes, parent, tokens, salt=None) -> BlockStored:
+    extra = [[salt] if salt and parent is None and i == 0 else None for i in range(len(hashes))]
+    return BlockStored(hashes, parent, tokens, BS, "GPU", extra)
+
+
+def batch(*events) -> EventBatch:
+    return EventBatch(0.0, list(events))
+
+
+def hits(index: BlockIndex, url: str, tokens=PROMPT, salt=None) -> int:
+    return index.hit_tokens(index.known([url]), tokens, salt).get(url, 0)
+
+
+def test_a_prompts_blocks_match_what_the_engine_announced():
+    index = BlockIndex(1000)
+    e = index.engine("http://a")
+    # vLLM's hashes are opaque here; parents link the chain across events.
+    e.apply(batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
+    assert hits(index, "http://a") == 8
+    e.apply(batch(stored([b"h3"], b"h2", PROMPT[8:12])))
+    assert hits(index, "http://a") == 12
+    assert hits(index, "http://a", PROMPT[:5] + [0] * 13) == 4  # diverges in the second block
+    assert hits(index, "http://a", [7, *PROMPT[1:]]) == 0
+
+
+def test_the_cache_salt_separates_tenants():
+    index = BlockIndex(1000)
+    e = index.engine("http://a")
+    e.apply(batch(stored([b"s1", b"s2"], None, PROMPT[:8], salt="tenant-a")))
+    assert hits(index, "http://a", salt="tenant-a") == 8
+    assert hits(index, "http://a", salt="tenant-b") == 0
+    assert hits(index, "http://a") == 0
+    assert request_keys(PROMPT, BS, "tenant-a")[1:] != request_keys(PROMPT, BS, None)[1:]  # the chain differs on
+
+
+def test_removals_and_clears_are_reflected():
+    index = BlockIndex(1000)
+    e = index.engine("http://a")
+    e.apply(batch(stored([b"h1", b"h2", b"h3"], None, PROMPT[:12])))
+    e.apply(batch(BlockRemoved([b"h2"], "GPU")))
+    assert hits(index, "http://a") == 4  # the prefix stops where a block is gone
+    e.apply(batch(BlockRemoved([b"h1"], "CPU")))  # another tier's removal: not the engine's cache
+    assert hits(index, "http://a") == 4
+    e.apply(batch(AllBlocksCleared()))
+    assert len(e) == 0 and index.known(["http://a"]) == []
+
+
+def test_orphans_other_tiers_and_malformed_events_add_nothing():
+    index = BlockIndex(1000)
+    e = index.engine("http://a")
+    before = {k: metrics.child(metrics.KV_EVENTS, k)._value.get() for k in ("orphan", "malformed", "other_tier")}
+    e.apply(batch(stored([b"h2"], b"never-seen", PROMPT[4:8])))
+    e.apply(batch(stored([b"h1", b"h2"], None, PROMPT[:7])))  # 7 tokens for 2 blocks
+    e.apply(batch(BlockStored([b"h1"], None, PROMPT[:4], BS, "STORAGE")))
+    e.apply(batch(BlockStored([b"h1"], None, PROMPT[:4], BS, "GPU", None, group_idx=1)))
+    assert len(e) == 0
+    after = {k: metrics.child(metrics.KV_EVENTS, k)._value.get() for k in before}
+    assert after == {
+        "orphan": before["orphan"] + 1,
+        "malformed": before["malformed"] + 1,
+        "other_tier": 2 + before["other_tier"],
+    }
+
+
+def test_an_engines_entries_are_bounded_oldest_first():
+    index = BlockIndex(3)
+    e = index.engine("http://a")
+    e.apply(batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
+    e.apply(batch(stored([b"h3", b"h4"], b"h2", PROMPT[8:16])))
+    assert len(e) == 3
+    assert hits(index, "http://a") == 0  # the first block went first: no prefix left
+    e.apply(batch(stored([b"h1"], None, PROMPT[:4])))  # announced again (reused): the newest now
+    assert hits(index, "http://a") == 4
+
+
+def pool(policy: str = "kv_aware", **routing) -> Pool:
+    config = RoutingConfig(prefill=policy, kv_events={"port": 5557}, **routing)
+    return Pool("prefill", ["http://a", "http://b", "http://c"], policy, config, HealthConfig())
+
+
+def test_kv_aware_takes_the_engine_holding_the_prefix_unless_its_load_outweighs_it():
+    p = pool(kv_aware_load_tokens=256)
+    a, b, c = p.backends
+    assert p.pick(hits={"http://b": 1024}) is b
+    b.in_flight = 3  # 1024 - 3*256 = 256 > 0: still b
+    a.in_flight = c.in_flight = 2
+    assert p.pick(hits={"http://b": 1024}) is b
+    b.in_flight = 7  # over load_factor x the average: not b, whatever it holds
+    assert p.pick(hits={"http://b": 1024}) is not b
+    b.in_flight = 2
+    assert p.pick(hits={"http://b": 0, "http://c": 0}) is a  # all equal, nothing cached: the first least loaded
+
+
+def test_kv_aware_with_nothing_cached_is_least_outstanding():
+    p = pool()
+    a, b, c = p.backends
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
+    assert p.pick(hits=None) is b
+    assert p.pick(hits={"http://a": 0}) is b
+
+
+def test_kv_aware_needs_events_and_events_make_it_the_default():
+    assert RoutingConfig(kv_events={"port": 5557}).prefill == "kv_aware"
+    assert RoutingConfig(kv_events={"port": 5557}, prefill="least_outstanding").prefill == "least_outstanding"
+    with pytest.raises(ValueError, match=r"routing\.prefill: kv_aware needs routing\.kv_events"):
+        RoutingConfig(prefill="kv_aware")
+
+
+@pytest.mark.parametrize(
+    ("kv_events", "message"),
+    [
+        ({}, "give port .* or endpoints"),
+        ({"port": 5557, "endpoints": {"http://a:8000": {"events": "tcp://a:5557"}}}, "one of them"),
+        ({"endpoints": {"http://a:8000": {"events": "http://a:5557"}}}, "not a tcp://HOST:PORT endpoint"),
+        ({"endpoints": {"http://a:8000": {"events": "tcp://a"}}}, "not a tcp://HOST:PORT endpoint"),
+        ({"endpoints": {"a:8000": {"events": "tcp://a:1"}}}, "not an http"),
+        ({"port": 70000}, "less than or equal to 65535"),
+        ({"replay_port": 5558, "endpoints": {"http://a:8000": {"events": "tcp://a:1"}}}, "replay_port: needs port"),
+    ],
+)
+def test_event_endpoints_are_checked(kv_events, message):
+    with pytest.raises(ValueError, match=message):
+        RoutingConfig(kv_events=kv_events)
+
+
+def test_a_backends_publisher_is_on_its_host():
+    config = RoutingConfig(kv_events={"port": 5557, "replay_port": 5558}).kv_events
+    assert config.endpoint("http://10.0.0.7:8000").model_dump() == {
+        "events": "tcp://10.0.0.7:5557",
+        "replay": "tcp://10.0.0.7:5558",
+    }
+    assert config.endpoint("http://[fd00::7]:8000").events == "tcp://[fd00::7]:5557"
+
+
+def test_with_events_the_pool_that_computes_prompts_is_kv_aware():
+    pd = ProxyConfig(prefill=["http://p:8000"], decode=["http://d:8000"], routing={"kv_events": {"port": 5557}})
+    assert (pd.routing.prefill, pd.routing.decode) == ("kv_aware", "least_outstanding")
+    mixed = ProxyConfig(mode="mixed", decode=["http://d:8000"], routing={"kv_events": {"port": 5557}})
+    assert mixed.routing.decode == "kv_aware"
