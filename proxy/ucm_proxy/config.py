@@ -10,19 +10,20 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from ucm.config import ConfigError, StrictModel
+from ucm.deploy.ports import ipc_event_endpoints
 
 Policy = Literal["round_robin", "least_outstanding", "prefix_affinity", "kv_aware"]
 
 
 class EventEndpoint(StrictModel):
-    events: str = Field(description="The engine's KV event publisher, tcp://HOST:PORT")
-    replay: str | None = Field(None, description="Its replay endpoint, tcp://HOST:PORT (vLLM's replay_endpoint)")
+    events: str = Field(description="The engine's KV event publisher, tcp://HOST:PORT or ipc://PATH")
+    replay: str | None = Field(None, description="Its replay endpoint (vLLM's replay_endpoint), the same forms")
 
     @field_validator("events", "replay")
     @classmethod
-    def _tcp(cls, value: str | None) -> str | None:
+    def _zmq(cls, value: str | None) -> str | None:
         if value is not None:
-            check_tcp(value)
+            check_endpoint(value)
         return value
 
 
@@ -41,7 +42,14 @@ class KVEventsConfig(StrictModel):
     )
     endpoints: dict[str, EventEndpoint] = Field(
         default_factory=dict,
-        description="Per backend URL, for engines that share a host (ucm up): its publisher and replay endpoints",
+        description="Per backend URL, for engines that share a host: its publisher and replay endpoints",
+    )
+    ipc_name: str | None = Field(
+        None,
+        min_length=1,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="ucm up: the deployment's name; each engine on this machine publishes on abstract sockets "
+        "named by it and the engine's HTTP port",
     )
     topic: str = Field("kv-events", description="The engines' event topic (vLLM's kv_events_config.topic)")
     max_blocks_per_engine: int = Field(
@@ -58,19 +66,27 @@ class KVEventsConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_way(self) -> KVEventsConfig:
-        if (self.port is None) == (not self.endpoints):
-            raise ValueError("kv_events: give port (every backend's host) or endpoints (per backend URL), one of them")
+        if sum((self.port is not None, bool(self.endpoints), self.ipc_name is not None)) != 1:
+            raise ValueError(
+                "kv_events: give port (every backend's host), endpoints (per backend URL) or ipc_name (ucm up), "
+                "one of them"
+            )
         if self.replay_port is not None and self.port is None:
             raise ValueError("kv_events.replay_port: needs port (with endpoints, give each one's replay)")
         return self
 
     def endpoint(self, url: str) -> EventEndpoint | None:
         """The publisher of the backend at ``url`` (None: not known)."""
-        if self.port is None:
+        if self.endpoints:
             return self.endpoints.get(url)
-        host = urlsplit(url).hostname
+        parts = urlsplit(url)
+        host = parts.hostname
         if host is None:
             return None
+        if self.ipc_name is not None:
+            events, replay = ipc_event_endpoints(self.ipc_name, parts.port or 80)
+            return EventEndpoint(events=events, replay=replay)
+        assert self.port is not None
         host = f"[{host}]" if ":" in host else host
         replay = f"tcp://{host}:{self.replay_port}" if self.replay_port is not None else None
         return EventEndpoint(events=f"tcp://{host}:{self.port}", replay=replay)
@@ -345,14 +361,17 @@ class ProxyConfig(StrictModel):
         return key
 
 
-def check_tcp(endpoint: str) -> None:
+def check_endpoint(endpoint: str) -> None:
+    """A ZMQ endpoint the proxy can connect to: tcp://HOST:PORT or ipc://PATH (or @NAME, abstract)."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
     parts = urlsplit(endpoint)
     try:
         port = parts.port
     except ValueError:
         port = None
     if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path:
-        raise ValueError(f"{endpoint!r} is not a tcp://HOST:PORT endpoint")
+        raise ValueError(f"{endpoint!r} is not a tcp://HOST:PORT or ipc://PATH endpoint")
 
 
 def checked_urls(urls: list[str]) -> list[str]:

@@ -179,8 +179,13 @@ def test_named_scrapers_reach_the_engines_metrics_and_nobody_else_does():
         for o in render(Owner("demo", "serving", None), spec, plan_for(overrides))
         if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "demo-engines"
     )
-    api, engines = policy["spec"]["ingress"]
+    api, events, engines = policy["spec"]["ingress"]
     assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
+    # Prefill's KV events carry prompts' tokens: the proxy alone may subscribe.
+    assert events == {
+        "from": [api["from"][0]],
+        "ports": [{"port": "kv-events", "protocol": "TCP"}, {"port": "kv-replay", "protocol": "TCP"}],
+    }
     assert api["from"][1] == {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
         "podSelector": {"matchLabels": {"app": "prom"}},
@@ -218,3 +223,51 @@ def test_mooncake_over_rdma_names_its_device():
     store = {"type": "mooncake", "mooncake": {"master": {}, "protocol": "rdma", "deviceName": "mlx5_0"}}
     mooncake = kv(plan_for({"store": store}))["store"]["mooncake"]
     assert (mooncake["protocol"], mooncake["device_name"]) == ("rdma", "mlx5_0")
+
+
+def engine_events(role) -> dict | None:
+    command = role.command
+    return json.loads(command[command.index("--kv-events-config") + 1]) if "--kv-events-config" in command else None
+
+
+def test_prefill_engines_publish_their_kv_events_where_the_proxy_follows_them(tmp_path):
+    plan = plan_for({})
+    events = engine_events(plan.role("prefill"))
+    assert events == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",  # vLLM binds a wildcard endpoint (it would connect to any other)
+        "replay_endpoint": "tcp://*:5558",
+        "topic": "kv-events",
+    }
+    assert [p.name for p in plan.role("prefill").ports] == ["http", "kv-events", "kv-replay"]
+    assert engine_events(plan.role("decode")) is None  # decode is chosen by load, not by what it holds
+    proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
+    assert proxy.routing.prefill == "kv_aware"
+    assert proxy.routing.kv_events.endpoint("http://10.1.2.3:8000").replay == "tcp://10.1.2.3:5558"
+
+    local = plan_for({"prefill": {"replicas": 2}}, local_site(tmp_path))
+    (tmp_path / BACKENDS_FILE).write_text(local.files[BACKENDS_FILE])
+    proxy = ProxyConfig.model_validate(yaml.safe_load(local.files[PROXY_CONFIG_FILE]))
+    for role in (local.role("prefill-0"), local.role("prefill-1")):
+        url = f"http://127.0.0.1:{role.ports[0].number}"
+        followed = proxy.routing.kv_events.endpoint(url)
+        published = engine_events(role)
+        assert (followed.events, followed.replay) == (published["endpoint"], published["replay_endpoint"])
+        assert published["endpoint"].startswith("ipc://@")  # not reachable from other machines
+
+
+def test_kv_events_off_leaves_engines_and_proxy_as_before():
+    plan = plan_for({"proxy": {"kvEvents": False}})
+    assert engine_events(plan.role("prefill")) is None
+    assert [p.name for p in plan.role("prefill").ports] == ["http"]
+    proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
+    assert proxy.routing.kv_events is None and proxy.routing.prefill == "prefix_affinity"
+
+
+def test_the_deployment_decides_where_events_go():
+    with pytest.raises(PlanError, match=r"proxy\.config\.routing\.kv_events: set by the deployment"):
+        plan_for({"proxy": {"config": {"routing": {"kv_events": {"port": 1}}}}})
+    plan = plan_for({"proxy": {"config": {"routing": {"prefill": "least_outstanding"}}}})
+    proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
+    assert proxy.routing.prefill == "least_outstanding"  # the user's choice stands

@@ -263,7 +263,8 @@ def test_network_policies_let_only_the_proxy_reach_engines_and_only_engines_the_
     assert set(policies) == {"x-engines", "x-mooncake-master"}
     engines = policies["x-engines"]
     assert engines["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
-    from_proxy, from_engines = engines["ingress"]
+    from_proxy, events_from_proxy, from_engines = engines["ingress"]
+    assert events_from_proxy["from"] == from_proxy["from"][:1]  # prefill's KV events: the proxy alone
     proxy_labels = from_proxy["from"][0]["podSelector"]["matchLabels"]
     assert proxy_labels == {"app.kubernetes.io/instance": "x", "app.kubernetes.io/component": "proxy"}
     assert from_proxy["ports"] == [{"port": "http", "protocol": "TCP"}]

@@ -131,10 +131,10 @@ def test_kv_aware_needs_events_and_events_make_it_the_default():
 @pytest.mark.parametrize(
     ("kv_events", "message"),
     [
-        ({}, "give port .* or endpoints"),
+        ({}, "give port .* one of them"),
         ({"port": 5557, "endpoints": {"http://a:8000": {"events": "tcp://a:5557"}}}, "one of them"),
-        ({"endpoints": {"http://a:8000": {"events": "http://a:5557"}}}, "not a tcp://HOST:PORT endpoint"),
-        ({"endpoints": {"http://a:8000": {"events": "tcp://a"}}}, "not a tcp://HOST:PORT endpoint"),
+        ({"endpoints": {"http://a:8000": {"events": "http://a:5557"}}}, "not a tcp://HOST:PORT or ipc://PATH endpoint"),
+        ({"endpoints": {"http://a:8000": {"events": "tcp://a"}}}, "not a tcp://HOST:PORT or ipc://PATH endpoint"),
         ({"endpoints": {"a:8000": {"events": "tcp://a:1"}}}, "not an http"),
         ({"port": 70000}, "less than or equal to 65535"),
         ({"replay_port": 5558, "endpoints": {"http://a:8000": {"events": "tcp://a:1"}}}, "replay_port: needs port"),

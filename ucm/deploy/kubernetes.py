@@ -311,8 +311,9 @@ def _proxy_rbac(owner: Owner) -> list[dict[str, Any]]:
 
 
 def _network_policies(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list[dict[str, Any]]:
-    """Engines accept this deployment's proxy (on their API port) and each other (KV transfer),
-    and the scrapers ``monitoring.scrapers`` names on their API port (vLLM's /metrics); a Mooncake
+    """Engines accept this deployment's proxy (on their API port, and prefill's KV event ports) and
+    each other (KV transfer), and the scrapers ``monitoring.scrapers`` names on their API port (vLLM's
+    /metrics); a Mooncake
     master accepts this deployment's engines. Nothing else in the cluster reaches them (kubelet
     probes are not subject to NetworkPolicies). The proxy is the entry point: open."""
     engines = {
@@ -328,6 +329,8 @@ def _network_policies(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list
             engines,
             [
                 {"from": [proxy, *scrapers], "ports": [{"port": "http", "protocol": "TCP"}]},
+                # The KV events carry prompts' tokens: the proxy alone subscribes (no scraper).
+                *([{"from": [proxy], "ports": _event_ports}] if spec.proxy.kv_events else []),
                 {"from": [{"podSelector": engines}]},
             ],
         )
@@ -345,6 +348,9 @@ def _network_policies(owner: Owner, spec: UCMDeploymentSpec, plan: Plan) -> list
                 )
             )
     return policies
+
+
+_event_ports = [{"port": name, "protocol": "TCP"} for name in ("kv-events", "kv-replay")]
 
 
 def _peer(scraper: Scraper) -> dict[str, Any]:

@@ -36,8 +36,8 @@ from typing import Any
 from pydantic.alias_generators import to_camel
 
 from ucm.deploy import prometheus
-from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan
-from ucm.deploy.ports import free_port, port_is_free
+from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan, kv_events_config
+from ucm.deploy.ports import free_port, ipc_event_endpoints, port_is_free
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Port, Probe, Role, Site, credentials_secret
 from ucm.deploy.spec import UCMDeploymentSpec
 
@@ -413,7 +413,7 @@ class LocalStack:
             engines = self._engine_names()
             pinned, cpus = self._env(role, engines), engine_cpus(role.name, engines)
             env = {**pinned, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(len(cpus))}
-            new = Process(on_port(role, port), old.log, env)
+            new = Process(on_port(role, port, self.plan.name), old.log, env)
             progress(f"rolling {old.role.name}: a new one on port {port}", [])
             try:
                 new.start()
@@ -482,10 +482,13 @@ class LocalStack:
         )
 
 
-def on_port(role: Role, port: int) -> Role:
-    """The role listening on another port (its command's ``--port`` and its port)."""
+def on_port(role: Role, port: int, deployment: str) -> Role:
+    """The role listening on another port (its command's ``--port`` and its port; the KV event sockets
+    of a prefill engine, which are named by its port)."""
     command = list(role.command)
     command[command.index("--port") + 1] = str(port)
+    if "--kv-events-config" in command:
+        command[command.index("--kv-events-config") + 1] = kv_events_config(*ipc_event_endpoints(deployment, port))
     return replace(role, command=command, ports=[Port(role.ports[0].name, port)])
 
 

@@ -20,6 +20,7 @@ import yaml
 
 from ucm import __version__
 from ucm.config import ConfigError
+from ucm.deploy.ports import KV_EVENTS_PORT, KV_REPLAY_PORT, ipc_event_endpoints
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
@@ -43,6 +44,7 @@ PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it wit
 KV_CONFIG_FILE = "kv-transfer-config.json"
 KV_DECODE_CONFIG_FILE = "kv-transfer-config-decode.json"  # with spec.sparse: what decode engines read
 PROXY_CONFIG_FILE = "proxy.yaml"
+KV_EVENTS_TOPIC = "kv-events"  # the proxy's routing.kv_events.topic default
 BACKENDS_FILE = "backends.json"  # locally: the proxy's backends, rewritten by `ucm restart`
 API_KEYS_DIR = "/etc/ucm/api-keys"
 MODEL_MOUNT = "/models"
@@ -223,6 +225,15 @@ def _engine(
     # the HTTP requests of aborted ones were seen hanging until the process was killed).
     vllm += ["--shutdown-timeout", str(pool.drain_timeout_s)]
     vllm += [*m.extra_args, *pool.extra_args]
+    ports = [Port("http", port)]
+    if component == "prefill" and spec.proxy.kv_events:  # the pool kv_aware routes among
+        if site.local:
+            endpoints = ipc_event_endpoints(deployment, port)
+        else:
+            endpoints = f"tcp://*:{KV_EVENTS_PORT}", f"tcp://*:{KV_REPLAY_PORT}"
+        vllm += ["--kv-events-config", kv_events_config(*endpoints)]
+        if not site.local:
+            ports += [Port("kv-events", KV_EVENTS_PORT), Port("kv-replay", KV_REPLAY_PORT)]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
     secret_env = {"VLLM_API_KEY": SecretRef(credentials_secret(deployment), BACKEND_KEY)}
     for i, e in enumerate(pool.env):
@@ -234,7 +245,7 @@ def _engine(
         name=role_name,
         component=component,
         command=command,
-        ports=[Port("http", port)],
+        ports=ports,
         replicas=replicas,
         env={e.name: e.value for e in pool.env if e.value is not None},
         # Only the proxy may call an engine: it alone holds the key (clients' keys stay at the proxy).
@@ -251,6 +262,20 @@ def _engine(
     )
 
 
+def kv_events_config(events: str, replay: str) -> str:
+    """vLLM's --kv-events-config publishing on ``events`` with its replay on ``replay``: endpoints it
+    binds (a wildcard or ipc one; it connects to any other), where the proxy's ``routing.kv_events``
+    looks for them."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events,
+        "replay_endpoint": replay,
+        "topic": KV_EVENTS_TOPIC,
+    }
+    return json.dumps(config, separators=(",", ":"), sort_keys=True)
+
+
 def backends_json(engines: dict[str, list[str]]) -> str:
     return _json({"prefill": engines.get("prefill", []), "decode": engines.get("decode", [])})
 
@@ -262,6 +287,12 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> 
         if key in p.config:
             raise fail(f"proxy.config.{key}", "set by the deployment (pools, proxy.service, proxy.apiKeySecret)")
     config: dict[str, Any] = {**p.config, "host": site.bind, "port": port, "mode": "pd"}
+    if p.kv_events:
+        routing = config.get("routing")
+        if isinstance(routing, dict) and "kv_events" in routing:
+            raise fail("proxy.config.routing.kv_events", "set by the deployment (proxy.kvEvents)")
+        where = {"ipc_name": name} if site.local else {"port": KV_EVENTS_PORT, "replay_port": KV_REPLAY_PORT}
+        config["routing"] = {**(routing if isinstance(routing, dict) else {}), "kv_events": where}
     config["backend_api_key_file"] = f"{site.credentials_dir}/{BACKEND_KEY}"
     if site.local:
         config["backends_file"] = f"{site.config_dir}/{BACKENDS_FILE}"

@@ -47,6 +47,8 @@ REFUSED_FLAGS = {
     "--allowed-local-media-path": "lets requests read files of the pod",
     "--api-key": "the deployment sets the engines' key",
     "--kv-transfer-config": "the deployment sets the connector",
+    # vLLM connects its publisher to any endpoint not a wildcard: prompts' tokens would go wherever named.
+    "--kv-events-config": "the deployment sets where engines publish their KV events (proxy.kvEvents)",
     "--host": "the deployment sets the address",
     "--port": "the deployment sets the port",
 }

@@ -327,6 +327,12 @@ class ProxySpec(Spec):
         False,
         description="Serve a NodePort or LoadBalancer proxy without apiKeySecret (anyone who reaches it may use it)",
     )
+    kv_events: bool = Field(
+        True,
+        description="Prefill engines publish their KV cache events (vLLM --kv-events-config) to the proxy, which "
+        "routes each prompt to the engine that holds most of its prefix (routing policy kv_aware); false: the "
+        "proxy's prefix_affinity hashing, blind to what engines hold",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="ucm-proxy's own options as in its config file (routing, timeouts, health, retries, "
