@@ -75,6 +75,19 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 kind="stat",
             ),
             Panel(
+                "KV-aware routing",
+                "Prompt tokens the prefill engine chosen held cached, as the proxy's KV index predicted, against "
+                "the prefix cache hits the prefill engines counted; and decisions without an index or a hit",
+                (
+                    Query(f"sum(rate(ucm_proxy_kv_predicted_hit_tokens_total{{{SEL}}}[{RATE}]))", "predicted"),
+                    Query(f'sum(rate(vllm:prefix_cache_hits_total{{{SEL}, ucm_role="prefill"}}[{RATE}]))', "engines"),
+                    Query(
+                        f'sum by (reason) (rate(ucm_proxy_kv_routing_total{{{SEL}, reason!="hit"}}[{RATE}]))',
+                        "{{reason}} (req/s)",
+                    ),
+                ),
+            ),
+            Panel(
                 "Fallback and error ratios",
                 "Of PD requests, those served by decode alone; of all requests, those answered 5xx",
                 (
