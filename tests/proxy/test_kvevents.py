@@ -4,6 +4,7 @@ PUB socket for what a healthy publisher never sends (gaps, restarts, garbage, ov
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import msgspec
@@ -12,7 +13,7 @@ import pytest_asyncio
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
-from ucm.deploy.ports import free_port
+from ucm.deploy.ports import free_port, ipc_event_endpoints
 from ucm_proxy import metrics
 from ucm_proxy.config import KVEventsConfig
 from ucm_proxy.kvevents import Followers
@@ -55,18 +56,17 @@ def resyncs(reason: str) -> float:
 
 
 @pytest.mark.asyncio
-async def test_a_proxy_that_starts_late_rebuilds_from_vllms_replay_buffer():
-    port, replay = free_port(), free_port()
-    publisher = ZmqEventPublisher(
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])  # pods; ucm up (abstract sockets)
+async def test_a_proxy_that_starts_late_rebuilds_from_vllms_replay_buffer(transport):
+    if transport == "tcp":
+        port, replay = free_port(), free_port()
         # As engines are configured: vLLM binds a wildcard endpoint (it connects to any other).
-        0,
-        endpoint=f"tcp://*:{port}",
-        replay_endpoint=f"tcp://*:{replay}",
-        topic="kv-events",
-    )
-    followers = Followers(
-        KVEventsConfig(endpoints={URL: {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay}"}})
-    )
+        bound = f"tcp://*:{port}", f"tcp://*:{replay}"
+        followed = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"
+    else:
+        bound = followed = ipc_event_endpoints(f"test-{os.getpid()}", free_port())
+    publisher = ZmqEventPublisher(0, endpoint=bound[0], replay_endpoint=bound[1], topic="kv-events")
+    followers = Followers(KVEventsConfig(endpoints={URL: {"events": followed[0], "replay": followed[1]}}))
     try:
         for i in range(5):  # before the proxy listens: only the replay has them
             publisher.publish(vllm_stored(i))
