@@ -104,7 +104,10 @@ class Proxy:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth)
         self.client = Client(auth)
         if self.followers is not None:
-            self.kv_router = KVRouter(self.followers, self.session, self.config.timeouts.connect_s)
+            routing = self.config.routing
+            self.kv_router = KVRouter(
+                self.followers, self.session, self.config.timeouts.connect_s, routing.kv_aware_store_weight
+            )
             self._follow()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.config.routing.engine_metrics_interval_s > 0:

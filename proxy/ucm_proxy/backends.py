@@ -121,6 +121,9 @@ class Pool:
         if kept - current.keys():  # a new endpoint: requests waiting for one may go
             self._notify()
 
+    def has(self, url: str) -> bool:
+        return any(b.url == url for b in self.backends)
+
     def available(self, exclude: frozenset[str] = frozenset()) -> list[Backend]:
         now = time.monotonic()
         return [b for b in self.backends if b.available(now) and b.url not in exclude]
@@ -129,9 +132,9 @@ class Pool:
         self,
         affinity_key: bytes | None = None,
         exclude: frozenset[str] = frozenset(),
-        hits: Mapping[str, int] | None = None,
+        hits: Mapping[str, float] | None = None,
     ) -> Backend | None:
-        """``hits``: for kv_aware, the prompt tokens each backend holds cached (``ucm_proxy.kvroute``)."""
+        """``hits``: for kv_aware, the prompt tokens each backend would not compute (``ucm_proxy.kvroute``)."""
         candidates = self.available(exclude)
         if not candidates:
             return None

@@ -113,6 +113,13 @@ class RoutingConfig(StrictModel):
         "chosen for its cached prefix only while that outweighs its extra load (and its load stays within "
         "load_factor of the pool's average, as for prefix_affinity)",
     )
+    kv_aware_store_weight: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="kv_aware: what a prompt token the shared store holds (an engine would load it) counts for, "
+        "against 1 for one in the engine's own cache (the connector announces the store's blocks)",
+    )
     engine_metrics_interval_s: float = Field(
         2.0,
         ge=0,

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from ucm_proxy import metrics
 from ucm_proxy.config import EventEndpoint, KVEventsConfig
-from ucm_proxy.kvindex import BlockIndex, EngineBlocks, EventBatch, decode_batch
+from ucm_proxy.kvindex import BlockIndex, EventBatch, decode_batch
 
 logger = logging.getLogger("ucm_proxy")
 
@@ -54,7 +54,7 @@ class Followers:
         for url, endpoint in wanted.items():
             if url not in self._tasks:
                 assert self._ctx is not None
-                follower = Follower(self._ctx, self.index.engine(url), endpoint, self.config)
+                follower = Follower(self._ctx, self.index, url, endpoint, self.config)
                 self._tasks[url] = asyncio.create_task(follower.run(), name=f"kv-events {url}")
 
     async def close(self) -> None:
@@ -71,10 +71,11 @@ class Followers:
 
 class Follower:
     def __init__(
-        self, ctx: zmq.asyncio.Context, engine: EngineBlocks, endpoint: EventEndpoint, config: KVEventsConfig
+        self, ctx: zmq.asyncio.Context, index: BlockIndex, url: str, endpoint: EventEndpoint, config: KVEventsConfig
     ) -> None:
         self.ctx = ctx
-        self.engine = engine
+        self.index = index
+        self.url = url
         self.endpoint = endpoint
         self.config = config
         self.expected: int | None = None  # the next sequence number; None: resync on the next batch
@@ -111,7 +112,7 @@ class Follower:
                 try:
                     await self.receive(frames)
                 except Exception:  # never let one engine's stream stop its following
-                    logger.exception("KV events from %s", self.engine.url)
+                    logger.exception("KV events from %s", self.url)
                     self.expected = None
         finally:
             sub.disable_monitor()
@@ -127,7 +128,7 @@ class Follower:
         if self.expected is None or seq != self.expected:
             reason = "start" if self.expected is None else ("restart" if seq < self.expected else "gap")
             metrics.child(metrics.KV_RESYNCS, reason).inc()
-            self.engine.clear()
+            self.index.engine(self.url).clear()
             if self.endpoint.replay is not None:
                 await self._replay(until=seq)
         self.expected = seq + 1
@@ -139,13 +140,13 @@ class Follower:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._malformed()
             return
-        self.engine.apply(batch)
+        self.index.apply(self.url, batch)
         metrics.KV_EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
 
     def _malformed(self) -> None:
         metrics.child(metrics.KV_EVENTS, "malformed").inc()
         metrics.child(metrics.KV_RESYNCS, "malformed").inc()
-        self.engine.clear()
+        self.index.engine(self.url).clear()
         self.expected = None
 
     async def _replay(self, until: int) -> None:

@@ -59,6 +59,7 @@ _decode = msgspec.msgpack.Decoder(EventBatch).decode
 # The engine's own cache: vLLM names it GPU on every device (its CPU build too); CPU offloading and
 # storage tiers are other media, not what this engine's prefix cache holds.
 _ENGINE_MEDIA = (None, "GPU")
+STORAGE = "STORAGE"  # what UCMConnector announces for the shared store
 
 
 def decode_batch(payload: bytes) -> EventBatch:
@@ -86,48 +87,33 @@ def request_keys(tokens: Sequence[int], block_size: int, cache_salt: str | None)
     return keys
 
 
-class EngineBlocks:
-    """One engine's announced blocks."""
+class Blocks:
+    """Blocks announced in one tier: an engine's own cache, or the shared store."""
 
-    def __init__(self, url: str, max_blocks: int) -> None:
-        self.url = url
+    def __init__(self, name: str, max_blocks: int) -> None:
+        self.name = name
         self.max_blocks = max_blocks
         self.block_size: int | None = None
         self._by_vllm: dict[VLLMHash, bytes] = {}  # insertion order: the oldest announced first
         self._held: dict[bytes, VLLMHash] = {}
-        self._gauge = metrics.KV_INDEX_BLOCKS.labels(url)
+        self._gauge = metrics.KV_INDEX_BLOCKS.labels(name)
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._held
 
     def clear(self) -> None:
         self._by_vllm.clear()
         self._held.clear()
         self._gauge.set(0)
 
-    def apply(self, batch: EventBatch) -> None:
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._stored(event)
-            elif isinstance(event, BlockRemoved):
-                if event.medium in _ENGINE_MEDIA and event.group_idx in (None, 0):
-                    for h in event.block_hashes:
-                        self._forget(h)
-                metrics.child(metrics.KV_EVENTS, "removed").inc()
-            else:
-                self.clear()
-                metrics.child(metrics.KV_EVENTS, "cleared").inc()
-        self._gauge.set(len(self._held))
-
-    def _stored(self, event: BlockStored) -> None:
+    def stored(self, event: BlockStored) -> None:
         n, size = len(event.block_hashes), event.block_size
         extras = event.extra_keys
         if size <= 0 or len(event.token_ids) != n * size or (extras is not None and len(extras) != n):
             metrics.child(metrics.KV_EVENTS, "malformed").inc()
-            return
-        # Hybrid models announce each KV cache group; the first (full attention) decides prefixes.
-        if event.medium not in _ENGINE_MEDIA or event.group_idx not in (None, 0):
-            metrics.child(metrics.KV_EVENTS, "other_tier").inc()
             return
         if event.parent_block_hash is None:
             parent = b""
@@ -139,54 +125,86 @@ class EngineBlocks:
         self.block_size = size
         for i, vllm_hash in enumerate(event.block_hashes):
             parent = block_key(parent, extras[i] if extras else None, event.token_ids[i * size : (i + 1) * size])
-            self._forget(vllm_hash)
+            self.forget(vllm_hash)
             self._by_vllm[vllm_hash] = parent
             self._held[parent] = vllm_hash
         while len(self._by_vllm) > self.max_blocks:
-            self._forget(next(iter(self._by_vllm)))
+            self.forget(next(iter(self._by_vllm)))
+        self._gauge.set(len(self._held))
         metrics.child(metrics.KV_EVENTS, "stored").inc()
 
-    def _forget(self, vllm_hash: VLLMHash) -> None:
+    def removed(self, event: BlockRemoved) -> None:
+        for h in event.block_hashes:
+            self.forget(h)
+        self._gauge.set(len(self._held))
+        metrics.child(metrics.KV_EVENTS, "removed").inc()
+
+    def forget(self, vllm_hash: VLLMHash) -> None:
         key = self._by_vllm.pop(vllm_hash, None)
         if key is not None and self._held.get(key) == vllm_hash:
             del self._held[key]
 
-    def prefix_blocks(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, this engine holds."""
-        for i, key in enumerate(keys):
-            if key not in self._held:
-                return i
-        return len(keys)
+
+def prefix_blocks(keys: Sequence[bytes], *tiers: Blocks) -> int:
+    """How many of ``keys``, from the first, some of ``tiers`` holds."""
+    for i, key in enumerate(keys):
+        if not any(key in tier for tier in tiers):
+            return i
+    return len(keys)
 
 
 class BlockIndex:
-    """Every followed engine's blocks, by backend URL."""
+    """Every followed engine's own blocks by backend URL, and the shared store's: what the UCM
+    connector of any engine announced (``medium: STORAGE``) under the store's own block ids, which
+    are the same from every engine."""
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self.engines: dict[str, EngineBlocks] = {}
+        self.engines: dict[str, Blocks] = {}
+        self.store = Blocks("store", max_blocks)
 
-    def engine(self, url: str) -> EngineBlocks:
+    def engine(self, url: str) -> Blocks:
         if url not in self.engines:
-            self.engines[url] = EngineBlocks(url, self.max_blocks)
+            self.engines[url] = Blocks(url, self.max_blocks)
         return self.engines[url]
 
     def forget(self, url: str) -> None:
         self.engines.pop(url, None)  # its gauge goes with the backend's other series (metrics.forget_backend)
 
-    def known(self, urls: Iterable[str]) -> list[EngineBlocks]:
-        """The engines among ``urls`` that hold anything (and so have announced their block size)."""
-        return [e for u in urls if (e := self.engines.get(u)) is not None and len(e) and e.block_size]
+    def apply(self, url: str, batch: EventBatch) -> None:
+        """One batch of the engine at ``url``."""
+        engine = self.engine(url)
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):  # the engine's cache; the store keeps its blocks
+                engine.clear()
+                metrics.child(metrics.KV_EVENTS, "cleared").inc()
+                continue
+            tier = self.store if event.medium == STORAGE else engine if event.medium in _ENGINE_MEDIA else None
+            # Hybrid models announce each KV cache group; the first (full attention) decides prefixes.
+            if tier is None or event.group_idx not in (None, 0):
+                metrics.child(metrics.KV_EVENTS, "other_tier").inc()
+            elif isinstance(event, BlockStored):
+                tier.stored(event)
+            else:
+                tier.removed(event)
 
-    def hit_tokens(
-        self, engines: Iterable[EngineBlocks], tokens: Sequence[int], cache_salt: str | None
-    ) -> dict[str, int]:
-        """Prompt tokens each engine holds as a cached prefix."""
+    def cached(self, urls: Iterable[str], tokens: Sequence[int], cache_salt: str | None) -> dict[str, tuple[int, int]]:
+        """Per engine among ``urls``: the prompt's tokens its own cache holds as a prefix, and those
+        its cache and the store together hold (it loads the rest of that prefix). Empty when
+        nothing is known (no engine nor the store has announced a block)."""
+        urls = list(urls)
+        tiers = {u: e for u in urls if (e := self.engines.get(u)) is not None and len(e) and e.block_size}
+        if not tiers and not len(self.store):
+            return {}
         keys: dict[int, list[bytes]] = {}
-        hits: dict[str, int] = {}
-        for e in engines:
-            assert e.block_size is not None
-            if e.block_size not in keys:
-                keys[e.block_size] = request_keys(tokens, e.block_size, cache_salt)
-            hits[e.url] = e.prefix_blocks(keys[e.block_size]) * e.block_size
-        return hits
+        out: dict[str, tuple[int, int]] = {}
+        for url in urls:
+            engine = self.engines.get(url)
+            size = (engine.block_size if engine is not None else None) or self.store.block_size
+            if size is None:
+                continue
+            if size not in keys:
+                keys[size] = request_keys(tokens, size, cache_salt)
+            own = prefix_blocks(keys[size], engine) if engine is not None else 0
+            out[url] = (own * size, prefix_blocks(keys[size], *(t for t in (engine, self.store) if t)) * size)
+        return out

@@ -2,7 +2,8 @@
 
 The proxy has no tokenizer (nor the chat template): it asks an engine of the pool (vLLM's
 ``/tokenize``, which renders chat messages as ``/v1/chat/completions`` does), only when some engine
-has announced blocks — a pool with no events pays nothing. A prompt given as token ids needs no call.
+or the store has announced blocks — a pool with no events pays nothing. A prompt given as token ids
+needs no call.
 """
 
 from __future__ import annotations
@@ -30,16 +31,21 @@ _CHAT_TOKENIZE_FIELDS = (
 
 
 class KVRouter:
-    def __init__(self, followers: Followers, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    def __init__(
+        self, followers: Followers, session: aiohttp.ClientSession, timeout_s: float, store_weight: float
+    ) -> None:
         self.followers = followers
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.store_weight = store_weight
 
-    async def hits(self, pool: Pool, route: str, body: dict[str, Any]) -> dict[str, int] | None:
-        """Prompt tokens each available engine of ``pool`` holds cached; None when nothing is known."""
+    async def hits(self, pool: Pool, route: str, body: dict[str, Any]) -> dict[str, float] | None:
+        """Per available engine of ``pool``, the prompt tokens it would not compute: those its own
+        cache holds, plus ``store_weight`` for each further one the store holds (a load, not free);
+        None when nothing is known."""
+        index = self.followers.index
         available = pool.available()
-        engines = self.followers.index.known(b.url for b in available)
-        if not engines:
+        if not len(index.store) and not any(len(e) for u, e in index.engines.items() if pool.has(u)):
             metrics.child(metrics.KV_ROUTING, "no_index").inc()
             return None
         tokens = await self.tokens(min(available, key=lambda b: b.load).url, route, body)
@@ -47,7 +53,8 @@ class KVRouter:
             metrics.child(metrics.KV_ROUTING, "no_tokens").inc()
             return None
         salt = body.get("cache_salt")
-        return self.followers.index.hit_tokens(engines, tokens, salt if isinstance(salt, str) else None)
+        cached = index.cached([b.url for b in available], tokens, salt if isinstance(salt, str) else None)
+        return {url: own + self.store_weight * (reach - own) for url, (own, reach) in cached.items()}
 
     async def tokens(self, url: str, route: str, body: dict[str, Any]) -> list[int] | None:
         if route.endswith("/chat/completions"):

@@ -124,5 +124,6 @@ KV_ROUTING = Counter(
 )
 KV_PREDICTED_HIT_TOKENS = Counter(
     "ucm_proxy_kv_predicted_hit_tokens_total",
-    "Prompt tokens the KV index said the chosen engine holds (compare with vLLM's prefix cache hits)",
+    "Prompt tokens the KV index said the chosen engine would not compute: its own cache's, plus "
+    "kv_aware_store_weight for each further one the store holds (compare with vLLM's prefix cache hits)",
 )

@@ -298,3 +298,48 @@ def test_the_hasher_cache_does_not_grow_with_client_salts(store):
     assert len(s._hashers) == HASHERS_KEPT
     put(store, TOKENS, 4, salt="salt-0")  # an evicted salt is hashed again, the same way
     assert s.num_new_matched_tokens(Req("again", TOKENS, cache_salt="salt-0"), 0)[0] == 16
+
+
+def test_the_stores_blocks_go_out_as_kv_events_a_router_keys_like_the_engines(store):
+    """What a lookup found and what is saved, as vLLM publishes them, read by the proxy's index."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from ucm.integration.vllm.events import StoreEvents
+    from ucm_proxy.kvindex import BlockIndex, decode_batch
+
+    put(store, TOKENS, 2, salt="t")
+    s = SchedulerSide(
+        CTX, store, can_load=True, can_save=True, pd_wait_timeout_s=5, stats=StatsRecorder(), events=StoreEvents(BS)
+    )
+    index = BlockIndex(100)
+
+    def publish() -> None:
+        wire = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=s.take_events()))
+        index.apply("http://engine", decode_batch(wire))
+
+    req = Req("r", TOKENS, cache_salt="t")
+    assert s.num_new_matched_tokens(req, 0) == (8, False)
+    s.num_new_matched_tokens(req, 0)  # asked again (vLLM may): announced once
+    publish()
+    assert index.cached(["http://other"], TOKENS, "t") == {"http://other": (0, 8)}  # any engine may load them
+    assert index.cached(["http://other"], TOKENS, "u") == {"http://other": (0, 0)}  # another tenant's: nothing
+    s.after_alloc(req, [1, 2, 3, 4, 5], 8)
+    s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 8)], scheduled={"r": 10}))  # blocks 2, 3 fill: saved
+    publish()
+    assert index.cached(["http://other"], TOKENS, "t") == {"http://other": (0, 16)}
+    assert s.take_events() == []
+
+
+def test_a_lookup_that_misses_a_block_says_so(store):
+    from ucm.integration.vllm.events import StoreEvents
+
+    put(store, TOKENS, 1)
+    s = SchedulerSide(
+        CTX, store, can_load=True, can_save=False, pd_wait_timeout_s=5, stats=StatsRecorder(), events=StoreEvents(BS)
+    )
+    s.num_new_matched_tokens(Req("r", TOKENS), 0)
+    present, missing = s.take_events()
+    ids = BlockHasher(CTX).block_ids(TOKENS)
+    assert present.block_hashes == ids[:1] and present.token_ids == TOKENS[:4] and present.medium == "STORAGE"
+    assert missing.block_hashes == [ids[1]]  # evicted, say, since some engine announced it

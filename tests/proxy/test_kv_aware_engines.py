@@ -1,9 +1,9 @@
 """kv_aware routing against real vLLM engines (CPU build) publishing their KV events.
 
-Two engines, A and B, listed in that order. Each test first warms a prompt on B directly (not
-through the proxy), so that only B's KV events can say where it is: any policy blind to them sends
-the next request to A (equal load: the first), where nothing is cached. The engines' own
-``cached_tokens`` tell where a request ran.
+Two engines, A and B, listed in that order; B with the UCM connector on a store. Each test first
+warms a prompt on B directly (not through the proxy), so that only B's KV events can say where it
+is: any policy blind to them sends the next request to A (equal load: the first), where nothing is
+cached. The engines' own ``cached_tokens`` tell where a request ran.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from ucm.deploy.ports import free_port
+from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
@@ -38,10 +39,15 @@ def events_config(port: int, replay: int) -> str:
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     servers = {}
-    for name in ("A", "B"):
+    # B runs the UCM connector on a store: its connector announces the store's blocks too.
+    store = {"spec": "posix", "posix": {"roots": [str(tmp_path_factory.mktemp("kv-store"))]}}
+    for name, kv in (("A", None), ("B", kv_transfer_config(store, "kv_both"))):
         port, replay = free_port(), free_port()
         server = VLLMServer(
-            tiny_model, logs / f"{name}.log", extra_args=["--kv-events-config", events_config(port, replay)]
+            tiny_model,
+            logs / f"{name}.log",
+            kv_transfer_config=kv,
+            extra_args=["--kv-events-config", events_config(port, replay)],
         )
         server.env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, to check that clears reach the index
         server.events = {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay}"}
@@ -151,3 +157,13 @@ def test_a_cleared_cache_empties_the_engines_entries(engines, kv_proxy):
     b.complete(PROMPTS[6], max_tokens=1)
     wait_for(lambda: held(PROMPTS[6]) >= 3 * BS)
     assert held(PROMPTS[5]) == 0
+
+
+def test_the_connector_announces_what_the_store_holds_for_any_engine(engines, kv_proxy):
+    a, b = engines["A"], engines["B"]
+    proxy = kv_proxy()
+    index = proxy.proxy.followers.index
+    tokens = b.post("/tokenize", {"model": b.model, "prompt": PROMPTS[7]})["tokens"]
+    b.complete(PROMPTS[7], max_tokens=1)  # B computes it and saves its full blocks to the store
+    full = len(tokens) // BS * BS
+    wait_for(lambda: index.cached([a.url], tokens, None).get(a.url) == (0, full))  # A could load them

@@ -17,7 +17,6 @@ from ucm.deploy.ports import free_port, ipc_event_endpoints
 from ucm_proxy import metrics
 from ucm_proxy.config import KVEventsConfig
 from ucm_proxy.kvevents import Followers
-from ucm_proxy.kvindex import request_keys
 
 BS = 4
 URL = "http://127.0.0.1:1"
@@ -40,8 +39,8 @@ def vllm_stored(i: int) -> KVEventBatch:
 
 
 def held(followers: Followers) -> int:
-    engine = followers.index.engines.get(URL)
-    return 0 if engine is None else engine.prefix_blocks(request_keys(PROMPT, BS, None))
+    """PROMPT's blocks the engine's own cache holds, as the index has it."""
+    return followers.index.cached([URL], PROMPT, None).get(URL, (0, 0))[0] // BS
 
 
 async def until(predicate, timeout: float = 5.0) -> None:

@@ -6,7 +6,8 @@ import pytest
 
 from ucm_proxy import metrics
 from ucm_proxy.backends import Pool
-from ucm_proxy.config import HealthConfig, ProxyConfig, RoutingConfig
+from ucm_proxy.config import HealthConfig, KVEventsConfig, ProxyConfig, RoutingConfig
+from ucm_proxy.kvevents import Followers
 from ucm_proxy.kvindex import (
     AllBlocksCleared,
     BlockIndex,
@@ -15,6 +16,7 @@ from ucm_proxy.kvindex import (
     EventBatch,
     request_keys,
 )
+from ucm_proxy.kvroute import KVRouter
 
 BS = 4
 PROMPT = list(range(100, 118))  # 4 full blocks and 2 tokens
@@ -30,16 +32,16 @@ def batch(*events) -> EventBatch:
 
 
 def hits(index: BlockIndex, url: str, tokens=PROMPT, salt=None) -> int:
-    return index.hit_tokens(index.known([url]), tokens, salt).get(url, 0)
+    """Prompt tokens the engine's own cache holds."""
+    return index.cached([url], tokens, salt).get(url, (0, 0))[0]
 
 
 def test_a_prompts_blocks_match_what_the_engine_announced():
     index = BlockIndex(1000)
-    e = index.engine("http://a")
     # vLLM's hashes are opaque here; parents link the chain across events.
-    e.apply(batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
+    index.apply("http://a", batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
     assert hits(index, "http://a") == 8
-    e.apply(batch(stored([b"h3"], b"h2", PROMPT[8:12])))
+    index.apply("http://a", batch(stored([b"h3"], b"h2", PROMPT[8:12])))
     assert hits(index, "http://a") == 12
     assert hits(index, "http://a", PROMPT[:5] + [0] * 13) == 4  # diverges in the second block
     assert hits(index, "http://a", [7, *PROMPT[1:]]) == 0
@@ -47,8 +49,7 @@ def test_a_prompts_blocks_match_what_the_engine_announced():
 
 def test_the_cache_salt_separates_tenants():
     index = BlockIndex(1000)
-    e = index.engine("http://a")
-    e.apply(batch(stored([b"s1", b"s2"], None, PROMPT[:8], salt="tenant-a")))
+    index.apply("http://a", batch(stored([b"s1", b"s2"], None, PROMPT[:8], salt="tenant-a")))
     assert hits(index, "http://a", salt="tenant-a") == 8
     assert hits(index, "http://a", salt="tenant-b") == 0
     assert hits(index, "http://a") == 0
@@ -57,25 +58,23 @@ def test_the_cache_salt_separates_tenants():
 
 def test_removals_and_clears_are_reflected():
     index = BlockIndex(1000)
-    e = index.engine("http://a")
-    e.apply(batch(stored([b"h1", b"h2", b"h3"], None, PROMPT[:12])))
-    e.apply(batch(BlockRemoved([b"h2"], "GPU")))
+    index.apply("http://a", batch(stored([b"h1", b"h2", b"h3"], None, PROMPT[:12])))
+    index.apply("http://a", batch(BlockRemoved([b"h2"], "GPU")))
     assert hits(index, "http://a") == 4  # the prefix stops where a block is gone
-    e.apply(batch(BlockRemoved([b"h1"], "CPU")))  # another tier's removal: not the engine's cache
+    index.apply("http://a", batch(BlockRemoved([b"h1"], "CPU")))  # another tier's removal: not the engine's cache
     assert hits(index, "http://a") == 4
-    e.apply(batch(AllBlocksCleared()))
-    assert len(e) == 0 and index.known(["http://a"]) == []
+    index.apply("http://a", batch(AllBlocksCleared()))
+    assert len(index.engine("http://a")) == 0 and index.cached(["http://a"], PROMPT, None) == {}
 
 
 def test_orphans_other_tiers_and_malformed_events_add_nothing():
     index = BlockIndex(1000)
-    e = index.engine("http://a")
     before = {k: metrics.child(metrics.KV_EVENTS, k)._value.get() for k in ("orphan", "malformed", "other_tier")}
-    e.apply(batch(stored([b"h2"], b"never-seen", PROMPT[4:8])))
-    e.apply(batch(stored([b"h1", b"h2"], None, PROMPT[:7])))  # 7 tokens for 2 blocks
-    e.apply(batch(BlockStored([b"h1"], None, PROMPT[:4], BS, "STORAGE")))
-    e.apply(batch(BlockStored([b"h1"], None, PROMPT[:4], BS, "GPU", None, group_idx=1)))
-    assert len(e) == 0
+    index.apply("http://a", batch(stored([b"h2"], b"never-seen", PROMPT[4:8])))
+    index.apply("http://a", batch(stored([b"h1", b"h2"], None, PROMPT[:7])))  # 7 tokens for 2 blocks
+    index.apply("http://a", batch(BlockStored([b"h1"], None, PROMPT[:4], BS, "CPU")))  # vLLM's CPU offload tier
+    index.apply("http://a", batch(BlockStored([b"h1"], None, PROMPT[:4], BS, "GPU", None, group_idx=1)))
+    assert len(index.engine("http://a")) == 0
     after = {k: metrics.child(metrics.KV_EVENTS, k)._value.get() for k in before}
     assert after == {
         "orphan": before["orphan"] + 1,
@@ -86,12 +85,11 @@ def test_orphans_other_tiers_and_malformed_events_add_nothing():
 
 def test_an_engines_entries_are_bounded_oldest_first():
     index = BlockIndex(3)
-    e = index.engine("http://a")
-    e.apply(batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
-    e.apply(batch(stored([b"h3", b"h4"], b"h2", PROMPT[8:16])))
-    assert len(e) == 3
+    index.apply("http://a", batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
+    index.apply("http://a", batch(stored([b"h3", b"h4"], b"h2", PROMPT[8:16])))
+    assert len(index.engine("http://a")) == 3
     assert hits(index, "http://a") == 0  # the first block went first: no prefix left
-    e.apply(batch(stored([b"h1"], None, PROMPT[:4])))  # announced again (reused): the newest now
+    index.apply("http://a", batch(stored([b"h1"], None, PROMPT[:4])))  # announced again (reused): the newest now
     assert hits(index, "http://a") == 4
 
 
@@ -159,3 +157,30 @@ def test_with_events_the_pool_that_computes_prompts_is_kv_aware():
     assert (pd.routing.prefill, pd.routing.decode) == ("kv_aware", "least_outstanding")
     mixed = ProxyConfig(mode="mixed", decode=["http://d:8000"], routing={"kv_events": {"port": 5557}})
     assert mixed.routing.decode == "kv_aware"
+
+
+def test_the_store_tier_is_shared_by_every_engine_and_weighed_as_a_load():
+    index = BlockIndex(1000)
+    # Engine a's connector announces what the store holds, under the store's own block ids.
+    index.apply("http://a", batch(BlockStored([b"s1", b"s2", b"s3"], None, PROMPT[:12], BS, "STORAGE")))
+    index.apply("http://b", batch(stored([b"h1"], None, PROMPT[:4])))  # b's own cache: the first block
+    assert index.cached(["http://a", "http://b", "http://c"], PROMPT, None) == {
+        "http://a": (0, 12),  # nothing of its own; three blocks to load
+        "http://b": (4, 12),
+        "http://c": (0, 12),  # an engine that announced nothing still loads from the store
+    }
+    index.apply("http://b", batch(BlockRemoved([b"s2"], "STORAGE")))  # a lookup found it gone
+    assert index.cached(["http://c"], PROMPT, None) == {"http://c": (0, 4)}
+    index.apply("http://a", batch(AllBlocksCleared()))  # an engine's own cache: the store keeps its blocks
+    assert index.cached(["http://c"], PROMPT, None) == {"http://c": (0, 4)}
+
+
+@pytest.mark.asyncio
+async def test_kv_aware_scores_count_store_tokens_at_their_weight():
+    followers = Followers(KVEventsConfig(port=5557))
+    followers.index.apply("http://a", batch(BlockStored([b"s1", b"s2", b"s3"], None, PROMPT[:12], BS, "STORAGE")))
+    followers.index.apply("http://b", batch(stored([b"h1"], None, PROMPT[:4])))
+    router = KVRouter(followers, None, timeout_s=1, store_weight=0.25)  # token ids: no /tokenize call
+    scores = await router.hits(pool(), "/v1/completions", {"prompt": PROMPT})
+    assert scores == {"http://a": 3.0, "http://b": 4 + 2.0, "http://c": 3.0}  # 12 tokens stored
+    assert pool().pick(hits=scores).url == "http://b"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,7 @@ from ucm.integration.vllm.config import (
     prefixed_errors,
     scheduler_store_config,
 )
+from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
@@ -48,6 +50,7 @@ from ucm.store.breaker import BreakerStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -108,6 +111,7 @@ class UCMConnector(KVConnectorBase_V1):
                 lookup_timeout_s=config.lookup_timeout_s,
                 decode_save_blocks=config.decode_save_blocks,
                 health=StoreHealth(config.store_unhealthy_after_s),
+                events=StoreEvents(cache.block_size) if _publishes_events(vllm_config) else None,
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -180,6 +184,10 @@ class UCMConnector(KVConnectorBase_V1):
         if stats is not None:
             self._scheduler.worker_stats(stats.data)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        assert self._scheduler is not None
+        return self._scheduler.take_events()
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         # Saves copy out of the paged cache during the step, so vLLM may free the blocks at once.
@@ -204,3 +212,9 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker.close()
         else:
             self._store.close()
+
+
+def _publishes_events(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config``): only then are the store's built."""
+    events = vllm_config.kv_events_config
+    return events is not None and bool(events.enable_kv_cache_events) and events.publisher != "null"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, store_keys
 from ucm.integration.vllm.stats import StatsRecorder
@@ -59,6 +60,7 @@ class _RequestState:
     blocks: list[int] = field(default_factory=list)  # vLLM block ids of the request
     next_save: int = 0  # first block not yet handed to workers for saving
     wait_started: float | None = None
+    announced: bool = False  # its lookup's result went out as KV events
 
 
 class SchedulerSide:
@@ -76,6 +78,7 @@ class SchedulerSide:
         lookup_timeout_s: float = 2.0,
         decode_save_blocks: int = 0,
         health: StoreHealth | None = None,
+        events: StoreEvents | None = None,
     ) -> None:
         self._context = context
         self._hashers: dict[str, BlockHasher] = {}
@@ -95,6 +98,7 @@ class SchedulerSide:
         self._step_deadline: float | None = None
         self._decode_save_blocks = decode_save_blocks
         self._saves_failing = False
+        self._events = events  # None: vLLM publishes no KV events
 
     def _hasher(self, salt: str) -> BlockHasher:
         """One hasher per request salt, the most recently used ``HASHERS_KEPT`` kept: clients
@@ -125,6 +129,11 @@ class SchedulerSide:
             return 0, False
         state.stored = self._lookup_prefix(state.ids)
         state.next_save = state.stored
+        if self._events is not None and not state.announced:
+            state.announced = True
+            self._events.present(state.ids, request.all_token_ids, 0, state.stored, request.cache_salt)
+            if state.stored < len(state.ids):
+                self._events.missing(state.ids[state.stored])
         if not self._can_load:
             return 0, False
         promised = self._promised_blocks(request, state)
@@ -232,6 +241,8 @@ class SchedulerSide:
             pd = bool((state.request.kv_transfer_params or {}).get("do_remote_decode"))
             meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full], wait=pd))
             state.next_save = full
+            if self._events is not None:
+                self._events.present(state.ids, state.request.all_token_ids, lo, full, state.request.cache_salt)
 
     def _decoded_blocks(self, state: _RequestState, computed_after: int) -> int:
         """Full blocks so far, blocks filled while decoding included (up to ``decode_save_blocks``
@@ -259,6 +270,10 @@ class SchedulerSide:
         prompt_blocks = state.num_prompt_tokens // self.block_size
         promised = 0 if self._saves_failing else min(state.next_save, prompt_blocks)
         return {"do_remote_prefill": True, PARAM_BLOCKS: promised}
+
+    # -- vLLM: take_events -----------------------------------------------------------------------
+    def take_events(self) -> list[Any]:
+        return self._events.take() if self._events is not None else []
 
     # -- vLLM: update_connector_output -----------------------------------------------------------
     def worker_stats(self, data: Mapping[str, Any]) -> None:
