@@ -121,9 +121,6 @@ class Pool:
         if kept - current.keys():  # a new endpoint: requests waiting for one may go
             self._notify()
 
-    def has(self, url: str) -> bool:
-        return any(b.url == url for b in self.backends)
-
     def available(self, exclude: frozenset[str] = frozenset()) -> list[Backend]:
         now = time.monotonic()
         return [b for b in self.backends if b.available(now) and b.url not in exclude]

@@ -45,7 +45,10 @@ class KVRouter:
         None when nothing is known."""
         index = self.followers.index
         available = pool.available()
-        if not len(index.store) and not any(len(e) for u, e in index.engines.items() if pool.has(u)):
+        urls = [b.url for b in available]
+        if not urls:  # the pool waits for a backend first; the pick after that weighs load alone
+            return None
+        if not len(index.store) and not any(len(e) for u in urls if (e := index.engines.get(u)) is not None):
             metrics.child(metrics.KV_ROUTING, "no_index").inc()
             return None
         tokens = await self.tokens(min(available, key=lambda b: b.load).url, route, body)
@@ -53,7 +56,7 @@ class KVRouter:
             metrics.child(metrics.KV_ROUTING, "no_tokens").inc()
             return None
         salt = body.get("cache_salt")
-        cached = index.cached([b.url for b in available], tokens, salt if isinstance(salt, str) else None)
+        cached = index.cached(urls, tokens, salt if isinstance(salt, str) else None)
         return {url: own + self.store_weight * (reach - own) for url, (own, reach) in cached.items()}
 
     async def tokens(self, url: str, route: str, body: dict[str, Any]) -> list[int] | None:

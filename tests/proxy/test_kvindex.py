@@ -184,3 +184,13 @@ async def test_kv_aware_scores_count_store_tokens_at_their_weight():
     scores = await router.hits(pool(), "/v1/completions", {"prompt": PROMPT})
     assert scores == {"http://a": 3.0, "http://b": 4 + 2.0, "http://c": 3.0}  # 12 tokens stored
     assert pool().pick(hits=scores).url == "http://b"
+
+
+@pytest.mark.asyncio
+async def test_kv_aware_with_no_backend_available_knows_nothing():
+    followers = Followers(KVEventsConfig(port=5557))
+    followers.index.apply("http://a", batch(stored([b"h1"], None, PROMPT[:4])))
+    p = pool()
+    for b in p.backends:
+        b.healthy = False
+    assert await KVRouter(followers, None, timeout_s=1, store_weight=0.5).hits(p, "/v1/completions", {}) is None
