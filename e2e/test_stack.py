@@ -101,6 +101,11 @@ def test_multi_turn_chat_reuses_earlier_turns(stack: Stack):
     assert cached[0] < cached[1] < cached[2], cached
     assert cached[2] >= BLOCK * 6, cached
     assert all(n > 0 for n in loaded), loaded
+    # The proxy follows the prefill engine's KV events (ucm up turns them on): its index holds the
+    # conversation's blocks, and the later turns' prefill was chosen for them (kv_aware).
+    proxy = stack.base_url.removesuffix("/v1")
+    assert metric(proxy, "ucm_proxy_kv_index_blocks") >= 6
+    assert metric(proxy, "ucm_proxy_kv_predicted_hit_tokens_total") >= BLOCK * 6
 
 
 def test_the_pd_path_check_sees_decode_load_what_prefill_saved(stack: Stack):
