@@ -169,3 +169,19 @@ async def test_garbage_and_oversize_messages_cannot_break_the_follower(hand):
         pub.send(0, encoded(0))
         await asyncio.sleep(0.1)
     assert len(followers.index.engines[URL]) == 1
+
+
+@pytest.mark.asyncio
+async def test_following_stays_in_step_with_the_pools_members():
+    followers = Followers(KVEventsConfig(port=5557, replay_port=5558))
+    try:
+        followers.follow(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        assert set(followers._tasks) == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+        first = followers._tasks["http://10.0.0.1:8000"]
+        followers.index.engine("http://10.0.0.2:8000")
+        followers.follow(["http://10.0.0.1:8000", "http://10.0.0.3:8000"])  # discovery: one left, one came
+        assert set(followers._tasks) == {"http://10.0.0.1:8000", "http://10.0.0.3:8000"}
+        assert followers._tasks["http://10.0.0.1:8000"] is first  # a member that stays keeps its stream
+        assert "http://10.0.0.2:8000" not in followers.index.engines  # what the one that left held is gone
+    finally:
+        await followers.close()
