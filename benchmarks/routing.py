@@ -16,7 +16,9 @@ between policies) and a fresh proxy:
   clients        ``--clients`` at once, each running conversations one after another
 
 Per policy: prompt tokens and those served from an engine's prefix cache (vLLM's own
-``prefix_cache_queries``/``hits`` counters, summed over the engines), the hit rate, load imbalance
+``prefix_cache_queries``/``hits`` counters, summed over the engines), the hit rate; with
+``--store`` (both engines on one POSIX store through the UCM connector, emptied between policies)
+the tokens loaded from the store and those recomputed; load imbalance
 in the hot phase (the engines' time-averaged outstanding requests, sampled from the proxy's
 ``ucm_proxy_backend_in_flight``: max / mean), TTFT p50/p99. And an **oracle**: the kv_aware run's
 requests, in their arrival order, replayed in a simulation of two LRU caches of the engines'
@@ -35,6 +37,7 @@ import asyncio
 import hashlib
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +54,7 @@ import yaml
 from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
 
 from ucm.deploy.ports import free_port
+from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.processes import stop_process
 from ucm_testing.vllm_server import VLLMServer
 
@@ -177,13 +181,23 @@ async def replay(
     return {"ttfts": ttfts, "arrivals": arrivals, "imbalance_hot": sampler.imbalance()}
 
 
-def prefix_counters(engines: list[VLLMServer]) -> tuple[float, float]:
-    queries = hits = 0.0
+def counters(engines: list[VLLMServer]) -> tuple[float, float, float]:
+    """Prompt tokens the engines looked up in their prefix caches, found there, and loaded from the
+    store (the UCM connector's count), summed over the engines."""
+    queries = hits = loaded = 0.0
     for e in engines:
         m = e.metrics()
         queries += m.get("vllm:prefix_cache_queries_total", 0.0)
         hits += m.get("vllm:prefix_cache_hits_total", 0.0)
-    return queries, hits
+        loaded += m.get("ucm_connector_external_hit_tokens_total", 0.0)
+    return queries, hits, loaded
+
+
+def empty_store(root: Path) -> None:
+    """Every block of a POSIX store gone (its 256 shard directories; it recreates them on write)."""
+    for shard in root.iterdir():
+        if shard.is_dir() and len(shard.name) == 2:
+            shutil.rmtree(shard, ignore_errors=True)
 
 
 def start_proxy(engines: list[VLLMServer], policy: str, events: dict[str, dict[str, str]], work: Path):
@@ -269,6 +283,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--cache-blocks", type=int, default=160, help=f"per engine, of {BLOCK} tokens")
+    ap.add_argument(
+        "--store", action="store_true", help="both engines with the UCM connector on one POSIX store (a load tier)"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.conversations = args.conversations or (20 if args.quick else 40)
@@ -278,6 +295,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="ucm-routing-"))
     print(f"logs under {work}", flush=True)
     engines, events = [], {}
+    store = work / "store"
+    kv = kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, "kv_both") if args.store else None
     for core in ("0", "1"):
         port = free_port()
         replay_port = free_port(taken=[port])
@@ -297,7 +316,9 @@ def main() -> int:
             "--served-model-name",
             "smollm2",
         ]
-        engine = VLLMServer(model, work / f"engine-{core}.log", extra_args=extra, threads_bind=core)
+        engine = VLLMServer(
+            model, work / f"engine-{core}.log", kv_transfer_config=kv, extra_args=extra, threads_bind=core
+        )
         engine.env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache between policies
         engines.append(engine)
         events[engine.url] = {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay_port}"}
@@ -312,11 +333,13 @@ def main() -> int:
             for e in engines:  # every policy from cold caches
                 request = urllib.request.Request(e.url + "/reset_prefix_cache", method="POST")
                 urllib.request.urlopen(request, timeout=30).close()
+            if args.store:
+                empty_store(store)
             proc, url = start_proxy(engines, policy, events, work)
             try:
-                q0, h0 = prefix_counters(engines)
+                q0, h0, l0 = counters(engines)
                 run = asyncio.run(replay(url, "smollm2", system, trace, args))
-                q1, h1 = prefix_counters(engines)
+                q1, h1, l1 = counters(engines)
             finally:
                 stop_process(proc, grace_s=5)
             if policy == "kv_aware":
@@ -327,6 +350,8 @@ def main() -> int:
                 "prompt_tokens": q1 - q0,
                 "hit_tokens": h1 - h0,
                 "hit_rate": (h1 - h0) / max(1.0, q1 - q0),
+                "store_loaded_tokens": l1 - l0,
+                "recomputed_tokens": (q1 - q0) - (h1 - h0) - (l1 - l0),
                 "imbalance_hot": run["imbalance_hot"],
                 "ttft_p50_s": percentile(run["ttfts"], 0.5),
                 "ttft_p99_s": percentile(run["ttfts"], 0.99),
@@ -334,6 +359,7 @@ def main() -> int:
             rows.append(row)
             print(
                 f"{policy:18} hit {row['hit_tokens']:8.0f}/{row['prompt_tokens']:8.0f} ({row['hit_rate']:.2f}) "
+                f"store {row['store_loaded_tokens']:7.0f} "
                 f"imbalance {row['imbalance_hot']:.2f} ttft p50 {row['ttft_p50_s'] * 1e3:.0f} ms "
                 f"p99 {row['ttft_p99_s'] * 1e3:.0f} ms",
                 flush=True,
@@ -359,6 +385,7 @@ def main() -> int:
         "turns": args.turns,
         "hot_share": args.hot_share,
         "clients": args.clients,
+        "store": "one POSIX store behind both engines (UCM connector)" if args.store else None,
     }
     print(json.dumps(report["summary"], indent=2))
     if args.json:

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from ucm.config import ConfigError, StrictModel
-from ucm.deploy.ports import ipc_event_endpoints
+from ucm.kv_events import KV_EVENTS_TOPIC, ipc_event_endpoints
 
 Policy = Literal["round_robin", "least_outstanding", "prefix_affinity", "kv_aware"]
 
@@ -51,7 +51,7 @@ class KVEventsConfig(StrictModel):
         description="ucm up: the deployment's name; each engine on this machine publishes on abstract sockets "
         "named by it and the engine's HTTP port",
     )
-    topic: str = Field("kv-events", description="The engines' event topic (vLLM's kv_events_config.topic)")
+    topic: str = Field(KV_EVENTS_TOPIC, description="The engines' event topic (vLLM's kv_events_config.topic)")
     max_blocks_per_engine: int = Field(
         262_144, ge=1, description="Blocks remembered per engine (~250 bytes each), the oldest forgotten first"
     )

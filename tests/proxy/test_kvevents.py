@@ -13,7 +13,8 @@ import pytest_asyncio
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
-from ucm.deploy.ports import free_port, ipc_event_endpoints
+from ucm.deploy.ports import free_port
+from ucm.kv_events import ipc_event_endpoints
 from ucm_proxy import metrics
 from ucm_proxy.config import KVEventsConfig
 from ucm_proxy.kvevents import Followers

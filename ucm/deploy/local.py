@@ -37,9 +37,10 @@ from pydantic.alias_generators import to_camel
 
 from ucm.deploy import prometheus
 from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan, kv_events_config
-from ucm.deploy.ports import free_port, ipc_event_endpoints, port_is_free
+from ucm.deploy.ports import free_port, port_is_free
 from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Port, Probe, Role, Site, credentials_secret
 from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.kv_events import ipc_event_endpoints
 
 MAX_RESTARTS = 3
 PROXY_SEES_S = 10.0  # how long a roll waits for the proxy to take up a new backends file

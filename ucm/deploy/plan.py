@@ -20,7 +20,6 @@ import yaml
 
 from ucm import __version__
 from ucm.config import ConfigError
-from ucm.deploy.ports import KV_EVENTS_PORT, KV_REPLAY_PORT, ipc_event_endpoints
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
@@ -39,12 +38,12 @@ from ucm.deploy.roles import (
 )
 from ucm.deploy.spec import FILE_KINDS, FileStoreSpec, PoolSpec, UCMDeploymentSpec
 from ucm.integration.vllm.config import kv_transfer_config
+from ucm.kv_events import KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT, ipc_event_endpoints
 
 PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it with the release
 KV_CONFIG_FILE = "kv-transfer-config.json"
 KV_DECODE_CONFIG_FILE = "kv-transfer-config-decode.json"  # with spec.sparse: what decode engines read
 PROXY_CONFIG_FILE = "proxy.yaml"
-KV_EVENTS_TOPIC = "kv-events"  # the proxy's routing.kv_events.topic default
 BACKENDS_FILE = "backends.json"  # locally: the proxy's backends, rewritten by `ucm restart`
 API_KEYS_DIR = "/etc/ucm/api-keys"
 MODEL_MOUNT = "/models"

@@ -53,15 +53,3 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
         except OSError:
             time.sleep(0.05)
     return False
-
-
-# vLLM's KV event publisher and its replay (--kv-events-config) on an engine: in a pod, these ports;
-# on one machine, sockets in the abstract namespace named by deployment and HTTP port (no path to
-# outgrow, nothing left behind, and unlike tcp://* not reachable from other machines).
-KV_EVENTS_PORT = 5557
-KV_REPLAY_PORT = 5558
-
-
-def ipc_event_endpoints(name: str, port: int) -> tuple[str, str]:
-    """The publisher and replay endpoints of the engine of deployment ``name`` serving on ``port``."""
-    return f"ipc://@ucm-{name}-{port}-kv-events", f"ipc://@ucm-{name}-{port}-kv-replay"
