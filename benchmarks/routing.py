@@ -296,6 +296,7 @@ def main() -> int:
     print(f"logs under {work}", flush=True)
     engines, events = [], {}
     store = work / "store"
+    store.mkdir()
     kv = kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, "kv_both") if args.store else None
     for core in ("0", "1"):
         port = free_port()
