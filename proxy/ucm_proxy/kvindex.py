@@ -10,7 +10,9 @@ engine. Each engine's vLLM hashes map to these keys, so removals and parents res
 
 An engine's entries are bounded (``max_blocks``, the oldest announced go first) and cleared whenever
 its stream cannot be trusted (a lost batch, a restart): the index may then miss blocks an engine
-holds, never claim ones it dropped for longer than its events take to arrive.
+holds, never claim ones it dropped for longer than its events take to arrive. The shared store is
+one more tier, fed by every engine's stream: the UCM connector announces its blocks with
+``medium: STORAGE`` under the store's own block ids, which are the same from every engine.
 """
 
 from __future__ import annotations
