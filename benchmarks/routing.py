@@ -374,6 +374,7 @@ def main() -> int:
     finally:
         for e in engines:
             e.stop()
+        shutil.rmtree(store, ignore_errors=True)  # the logs stay
     report = summarize(rows, oracle, pooled)
     report["setup"] = {
         "model": "SmolLM2-135M-Instruct (bfloat16), 2 engines, one core each",
