@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -190,13 +190,15 @@ class BlockIndex:
             else:
                 tier.removed(event)
 
-    def cached(self, urls: Iterable[str], tokens: Sequence[int], cache_salt: str | None) -> dict[str, tuple[int, int]]:
+    def knows(self, urls: Sequence[str]) -> bool:
+        """Whether the store or an engine among ``urls`` has announced any block."""
+        return bool(len(self.store)) or any(len(e) for u in urls if (e := self.engines.get(u)) is not None)
+
+    def cached(self, urls: Sequence[str], tokens: Sequence[int], cache_salt: str | None) -> dict[str, tuple[int, int]]:
         """Per engine among ``urls``: the prompt's tokens its own cache holds as a prefix, and those
         its cache and the store together hold (it loads the rest of that prefix). Empty when
-        nothing is known (no engine nor the store has announced a block)."""
-        urls = list(urls)
-        tiers = {u: e for u in urls if (e := self.engines.get(u)) is not None and len(e) and e.block_size}
-        if not tiers and not len(self.store):
+        nothing is known (``knows``)."""
+        if not self.knows(urls):
             return {}
         keys: dict[int, list[bytes]] = {}
         out: dict[str, tuple[int, int]] = {}

@@ -48,7 +48,7 @@ class KVRouter:
         urls = [b.url for b in available]
         if not urls:  # the pool waits for a backend first; the pick after that weighs load alone
             return None
-        if not len(index.store) and not any(len(e) for u in urls if (e := index.engines.get(u)) is not None):
+        if not index.knows(urls):
             metrics.child(metrics.KV_ROUTING, "no_index").inc()
             return None
         tokens = await self.tokens(min(available, key=lambda b: b.load).url, route, body)
