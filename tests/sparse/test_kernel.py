@@ -175,6 +175,25 @@ def test_selection_keeps_the_windows_and_a_top_k_of_the_reference_scores_per_hea
         assert min(want[list(chosen)]) >= max(want[list(rest)]) * (1 - 1e-3)
 
 
+def test_the_top_k_is_exact_at_any_length_with_ties_and_scores_below_zero():
+    """The cut is the exact k-th largest score: blocks above it are kept, then tied blocks from the
+    lowest; scores below zero (a negative prior) order as numbers do."""
+    n = 70  # four vectors of 16 blocks and a tail
+    tokens = n * B
+    s = BlockSummaries(SCORINGS["both"], n, B, HKV, D, torch.float32)
+    s.write(torch.ones(tokens, HKV, D), torch.arange(tokens))  # every block's estimate is the same
+    prior = (-10 - 0.25 * (torch.arange(n) % 7)).float()[:, None].expand(n, HKV).contiguous()
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(11))
+    table = torch.arange(n, dtype=torch.int32)[None]
+    for k in (3, 10, 20, 37, 69):
+        out, _, scores = select(s, q, table, [tokens], [k], windows=(1, 2), prior=prior)
+        for h in range(HKV):
+            rank = scores[h, :n].tolist()
+            rank[0] = rank[n - 2] = rank[n - 1] = math.inf
+            want = sorted(sorted(range(n), key=lambda blk: (-rank[blk], blk))[:k])
+            assert (out[h, :k] // HKV).tolist() == want, f"k={k}, head {h}"
+
+
 def test_heads_of_one_request_select_different_blocks():
     """Each KV head's query group sees its own keys: a block planted for head h wins for h only."""
     tokens = 20 * B
