@@ -112,6 +112,9 @@ def check_store_dirs(config: dict[str, Any]) -> None:
 
 
 def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
+    transfer = ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if "--headless" in vllm_args:  # a pod of a multi-node engine that holds ranks only: no server
+        return [sys.executable, "-m", "ucm.integration.vllm.headless", *vllm_args, *transfer]
     return [
         sys.executable,
         "-m",
@@ -119,8 +122,7 @@ def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
         *vllm_args,
         "--middleware",
         MIDDLEWARE,
-        "--kv-transfer-config",
-        json.dumps(config, separators=(",", ":")),
+        *transfer,
     ]
 
 

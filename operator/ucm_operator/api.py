@@ -34,6 +34,15 @@ KINDS: dict[str, tuple[str, str, str]] = {
     # Likewise the Prometheus Operator's, rendered with --prometheus-operator.
     "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors"),
     "ServiceMonitor": ("monitoring.coreos.com", "v1", "servicemonitors"),
+    # Multi-pod engines (parallel.nodes > 1), where LeaderWorkerSet is installed.
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
+}
+# Kinds a cluster serves only once their project is installed (its CRD): what to do when it is not.
+INSTALLED_WITH = {
+    "LeaderWorkerSet": "install LeaderWorkerSet (https://lws.sigs.k8s.io), or set parallel.nodes: 1 in every pool",
+    "ScaledObject": "install KEDA, or run the operator with --autoscaler hpa",
+    "PodMonitor": "install the Prometheus Operator, or run the operator without --prometheus-operator",
+    "ServiceMonitor": "install the Prometheus Operator, or run the operator without --prometheus-operator",
 }
 # Rendered but not watched: the operator creates the credentials Secret once and never reads it
 # back (RBAC: get and create on Secrets, no list or watch of every Secret in the namespace).
@@ -72,6 +81,26 @@ class NameConflict(ApiError):
             f"{kind} {namespace}/{name} already exists and is not controlled by this UCMDeployment; "
             "delete or rename it",
         )
+
+
+class MissingKind(ApiError):
+    """The cluster does not serve a kind the spec needs (its CRD is not installed). Retried: it
+    resolves when the CRD is installed, with nothing else to change."""
+
+    reason = "MissingCRD"
+
+    def __init__(self, kind: str, namespace: str) -> None:
+        group, version, _ = KINDS[kind]
+        super().__init__(
+            404,
+            "POST",
+            path(kind, namespace),
+            f"{kind} ({group}/{version}) is not served by this cluster: {INSTALLED_WITH[kind]}",
+        )
+
+    @property
+    def permanent(self) -> bool:
+        return False
 
 
 def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:

@@ -2,7 +2,8 @@
 
 One handler per concern. ``reconcile`` (create/update/resume) turns the spec into a plan, the plan
 into objects, and writes only the objects whose desired hash differs from what the watch last saw.
-``child_changed`` recomputes the owner's status whenever a Deployment or claim reports progress.
+``child_changed`` recomputes the owner's status whenever a Deployment, LeaderWorkerSet or claim reports
+progress.
 ``remove`` takes the children down in the reverse of the plan's start order (proxy first, so
 clients stop being routed before engines go). What the operator knows of its children comes from
 Kopf indexes fed by its watches: a reconcile of an unchanged object reads nothing and writes nothing.
@@ -40,7 +41,7 @@ from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.policy import Policy
 from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
 from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec
-from ucm_operator.api import KINDS, Api, ApiError, NameConflict, controlled_by
+from ucm_operator.api import INSTALLED_WITH, KINDS, Api, ApiError, MissingKind, NameConflict, controlled_by
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
 from ucm_operator.status import Child, child_from, computed_status, invalid_status
 from ucm_proxy.config import ProxyConfig
@@ -259,7 +260,7 @@ async def pd_path_changed(
     await refresh(state, namespace, name, kwargs)
 
 
-for _kind in ("Deployment", "PersistentVolumeClaim"):  # the children whose status ours depends on
+for _kind in ("Deployment", "LeaderWorkerSet", "PersistentVolumeClaim"):  # the children ours depends on
     _group, _version, _plural = KINDS[_kind]
     kopf.on.event(
         *_resource(_group, _version, _plural), id=f"status_from_{_plural}", labels=MANAGED, registry=registry
@@ -348,6 +349,8 @@ async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child]) -> i
                 WRITES.labels(obj["kind"], "create").inc()
                 continue
             except ApiError as exc:
+                if exc.status == 404 and obj["kind"] in INSTALLED_WITH:
+                    raise MissingKind(obj["kind"], obj["metadata"]["namespace"]) from None
                 if exc.status != 409:
                     raise
             # Created meanwhile by us (our watch is behind: patch it), or someone else's object.

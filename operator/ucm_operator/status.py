@@ -1,7 +1,7 @@
 """A ``UCMDeployment``'s status, computed from its plan and what its children report, as the typed
 ``UCMDeploymentStatus`` model (``ucm.deploy.spec``) and written as its camelCase dump.
 
-``Ready`` means every role has its ready replicas (the Deployment controller's count), never merely
+``Ready`` means every role has its ready replicas (its workload controller's count), never merely
 that the objects were created. ``PDPathHealthy`` and ``DisaggregationEffective`` come from what the
 proxy last wrote into ``status.pdPath`` (its check through prefill, store and decode; see
 ``ucm_proxy.pdpath``): whether requests *can* and *do* use the store between the pools.
@@ -18,12 +18,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ucm.deploy.autoscaling import autoscaling
-from ucm.deploy.kubernetes import selector
+from ucm.deploy.kubernetes import serving_pods
 from ucm.deploy.roles import STORE_COMPONENTS, Plan
 from ucm.deploy.spec import Condition, PDPathStatus, ReadyReplicas, UCMDeploymentStatus
 from ucm_operator.api import ApiError
 
 ROLE_CONDITIONS = {"prefill": "PrefillReady", "decode": "DecodeReady", "proxy": "ProxyReady"}
+# What runs a role's pods: a Deployment, or for multi-pod engines a LeaderWorkerSet (whose ready
+# replicas are groups with every pod ready).
+WORKLOADS = ("Deployment", "LeaderWorkerSet")
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,9 @@ class Child:
     name: str
     component: str | None
     desired_hash: str | None
-    ready: int = 0  # Deployments: ready replicas
-    want: int = 0  # Deployments: replicas asked for
-    settled: bool = True  # Deployments: the controller has seen the current generation
+    ready: int = 0  # workloads (Deployments, LeaderWorkerSets): ready replicas (groups of pods for the latter)
+    want: int = 0  # workloads: replicas asked for
+    settled: bool = True  # workloads: the controller has seen the current generation
     phase: str | None = None  # PersistentVolumeClaims
 
 
@@ -49,7 +52,7 @@ def child_from(body: Mapping[str, Any], component: str | None, desired_hash: str
         component=component,
         desired_hash=desired_hash,
         ready=int(status.get("readyReplicas") or 0),
-        want=int(spec.get("replicas", 1) or 0) if body["kind"] == "Deployment" else 0,
+        want=int(spec.get("replicas", 1) or 0) if body["kind"] in WORKLOADS else 0,
         settled=generation is None or observed is None or observed >= generation,
         phase=status.get("phase"),
     )
@@ -118,7 +121,7 @@ def computed_status(
     """The status for a valid spec; ``failure`` is the last apply error, if any; ``pd_path`` what
     the proxy last wrote."""
     kids = list(children)
-    by_component = {c.component: c for c in kids if c.kind == "Deployment"}
+    by_component = {c.component: c for c in kids if c.kind in WORKLOADS}
     conds = Conditions(old_status, generation)
     ready_replicas: dict[str, int] = {}
     not_ready: list[str] = []
@@ -151,7 +154,7 @@ def computed_status(
             ready_replicas=ReadyReplicas(**ready_replicas),
             endpoint=f"http://{plan.name}-proxy.{namespace}.svc:{proxy_port}/v1",
             observed_generation=generation,
-            decode_selector=",".join(f"{k}={v}" for k, v in selector(plan.name, "decode").items()),
+            decode_selector=",".join(f"{k}={v}" for k, v in serving_pods(plan.name, plan.role("decode")).items()),
         )
     )
 

@@ -154,11 +154,14 @@ class Driver:
         return out
 
     async def play_deployment_controller(self, namespace: str, name: str, ready: bool = True) -> None:
-        """Report every Deployment of ``name`` (un)ready, as the controller would once pods run."""
+        """Report every Deployment (and LeaderWorkerSet: its groups) of ``name`` (un)ready, as their
+        controllers would once pods run."""
         for (kind, child), obj in (await self.children(namespace, name)).items():
-            if kind == "Deployment":
+            if kind in ("Deployment", "LeaderWorkerSet"):
                 n = obj["spec"].get("replicas", 1) if ready else 0  # the API server's default
-                status = {"replicas": n, "readyReplicas": n, "updatedReplicas": n, "observedGeneration": 1}
+                status = {"replicas": n, "readyReplicas": n, "updatedReplicas": n}
+                if kind == "Deployment":  # a LeaderWorkerSet's status has no observedGeneration
+                    status["observedGeneration"] = 1
                 await self.call("PATCH", child_path(kind, namespace, child) + "/status", {"status": status})
             elif kind == "PersistentVolumeClaim":
                 await self.call("PATCH", child_path(kind, namespace, child) + "/status", {"status": {"phase": "Bound"}})

@@ -180,6 +180,18 @@ CEL_CASES = [
         with_("decode", {"rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
         "rollout: maxSurge and maxUnavailable cannot both be 0",
     ),
+    (
+        with_("prefill", {"parallel": {"tensor": 4, "nodes": 3}}),
+        "parallel.nodes: must divide tensor x pipeline (each pod runs an equal share of the ranks)",
+    ),
+    (
+        with_("prefill", {"parallel": {"tensor": 8, "nodes": 2}, "resources": {"gpus": 8}}),
+        "resources.gpus: one per rank a pod runs (tensor x pipeline / nodes), or 0 for CPU engines",
+    ),
+    (
+        with_("decode", {"parallel": {"tensor": 2}, "resources": {"gpus": 2}}),
+        "decode.parallel: tensor and pipeline must equal prefill's (KV in the store is kept per rank)",
+    ),
     *(
         (
             with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", name: {}}),

@@ -58,6 +58,13 @@ BYPASSES = [
     ("decode", ["--ec_manager_config.encoder_cache_manager_cls=evil.M"], 0, "--ec-manager-config"),
     ("decode", ["--log-config-file", "/models/logging.json"], 0, "--log-config-file"),
     ("decode", ["--logging-config.pylogging_config_file=/models/logging.json"], 0, "--logging-config"),
+    # How an engine is split: the pods rendered must match (<pool>.parallel).
+    ("decode", ["-tp", "2"], 0, "--tensor-parallel-size"),
+    ("prefill", ["--pipeline_parallel_size=2"], 0, "--pipeline-parallel-size"),
+    ("decode", ["-n", "2"], 0, "--nnodes"),
+    ("decode", ["--node-rank", "1"], 0, "--node-rank"),
+    ("decode", ["--master-addr=10.0.0.1"], 0, "--master-addr"),
+    ("decode", ["--headless"], 0, "--headless"),
 ]
 
 
@@ -92,8 +99,7 @@ def test_spellings_of_allowed_options_pass(tmp_path, capsys):
         "--max_num_seqs=8",
         "--enable-prefix-caching",
         "--no-enable-log-requests",
-        "-tp",
-        "2",
+        "-ep",
         "-O3",
         "--compilation-config.cudagraph_capture_sizes",
         "[1,2]",

@@ -40,8 +40,8 @@ def test_kubernetes_only_fields_are_named(tmp_path):
     s = spec(
         tmp_path,
         image={"repository": "me/runtime"},
-        prefill={"replicas": 1, "resources": {"gpus": 2}, "nodeSelector": {"a": "b"}},
-        decode={"autoscaling": {"maxReplicas": 3}},
+        prefill={"replicas": 1, "resources": {"gpus": 0}, "nodeSelector": {"a": "b"}},
+        decode={"autoscaling": {"maxReplicas": 3}, "parallel": {"topologyKey": "topology.kubernetes.io/zone"}},
         proxy={"replicas": 2, "apiKeySecret": {"name": "k"}},
     )
     assert kubernetes_only_fields(s) == [
@@ -49,6 +49,7 @@ def test_kubernetes_only_fields_are_named(tmp_path):
         "prefill.resources",
         "prefill.nodeSelector",
         "decode.autoscaling",
+        "decode.parallel.topologyKey",
         "store.pvc (blocks go to the run directory)",
         "proxy.apiKeySecret",
         "proxy.replicas (one proxy runs locally)",

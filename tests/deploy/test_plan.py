@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from itertools import count
 
 import pytest
@@ -271,3 +272,128 @@ def test_the_deployment_decides_where_events_go():
     plan = plan_for({"proxy": {"config": {"routing": {"prefill": "least_outstanding"}}}})
     proxy = ProxyConfig.model_validate(yaml.safe_load(plan.files[PROXY_CONFIG_FILE]))
     assert proxy.routing.prefill == "least_outstanding"  # the user's choice stands
+
+
+MULTI_NODE = {
+    "prefill": {"parallel": {"tensor": 8, "pipeline": 2, "nodes": 2}, "resources": {"gpus": 8}},
+    "decode": {
+        "replicas": 3,
+        "parallel": {"tensor": 8, "pipeline": 2, "nodes": 4, "topologyKey": "topology.kubernetes.io/zone"},
+        "resources": {"gpus": 4},
+        "autoscaling": {"maxReplicas": 6},
+    },
+}
+
+
+def test_one_node_per_engine_runs_as_before_with_the_split_from_parallel():
+    plan = plan_for(
+        {
+            "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}},
+            "decode": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}},
+        }
+    )
+    for role in plan.roles[:2]:
+        assert role.group is None
+        assert role.command[role.command.index("--tensor-parallel-size") + 1] == "2"
+        assert not {"--pipeline-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--headless"} & set(
+            role.command
+        )
+
+
+def test_a_multi_node_engine_is_a_group_whose_leader_serves_and_whose_workers_join_it():
+    plan = plan_for(MULTI_NODE)
+    prefill, decode = plan.role("prefill"), plan.role("decode")
+    assert (prefill.group.size, decode.group.size) == (2, 4)
+    assert decode.group.topology_key == "topology.kubernetes.io/zone" and prefill.group.topology_key is None
+
+    def option(command, name):
+        return command[command.index(name) + 1]
+
+    leader, worker = decode.command, decode.group.worker_command
+    for command in (leader, worker):
+        assert option(command, "--tensor-parallel-size") == "8" and option(command, "--pipeline-parallel-size") == "2"
+        assert option(command, "--nnodes") == "4" and option(command, "--master-addr") == "$(LWS_LEADER_ADDRESS)"
+    assert option(leader, "--node-rank") == "0" and "--headless" not in leader
+    assert option(worker, "--node-rank") == "$(LWS_WORKER_INDEX)" and worker[-1] == "--headless"
+    # The same engine otherwise: model, store config, port.
+    assert worker[: worker.index("--nnodes")] == leader[: leader.index("--nnodes")]
+
+
+def test_a_multi_node_engine_cannot_run_locally(tmp_path):
+    with pytest.raises(PlanError, match=r"^decode\.parallel\.nodes: an engine of more than one pod runs in Kubernetes"):
+        plan_for(
+            {
+                "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 0}},
+                "decode": {"parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}},
+            },
+            local_site(tmp_path),
+        )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"prefill": {"parallel": {"tensor": 3, "nodes": 2}, "resources": {"gpus": 0}}}, "parallel.nodes: must divide"),
+        (
+            {"decode": {"parallel": {"tensor": 4, "nodes": 2}}},
+            "resources.gpus: one per rank a pod runs (tensor x pipeline / nodes = 2), or 0 for CPU engines; got 1",
+        ),
+        (
+            {"decode": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}}},
+            "decode.parallel: tensor and pipeline must equal prefill's (1 x 1), got 2 x 1",
+        ),
+        ({"decode": {"parallel": {"nodes": 0}}}, "greater than or equal to 1"),
+    ],
+)
+def test_a_split_that_cannot_work_names_the_field(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        UCMDeploymentSpec.model_validate({**BASE, **overrides})
+
+
+def test_multi_node_pools_render_as_leader_worker_sets():
+    from ucm.deploy.autoscaling import Autoscaler
+    from ucm.deploy.kubernetes import Owner, render
+
+    spec = UCMDeploymentSpec.model_validate({**BASE, **MULTI_NODE})
+    for provider in ("keda", "hpa"):
+        objects = {
+            (o["kind"], o["metadata"]["name"]): o
+            for o in render(Owner("demo", "serving", "u"), spec, plan_for(MULTI_NODE), Autoscaler(provider=provider))
+        }
+        assert ("Deployment", "demo-decode") not in objects and ("Deployment", "demo-proxy") in objects
+        lws = objects[("LeaderWorkerSet", "demo-decode-group")]["spec"]
+        assert "replicas" not in lws  # autoscaled: the autoscaler's count
+        assert objects[("LeaderWorkerSet", "demo-prefill-group")]["spec"]["replicas"] == 1
+        template = lws["leaderWorkerTemplate"]
+        assert template["size"] == 4 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+        assert lws["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 0}
+        leader = template["leaderTemplate"]["spec"]["containers"][0]
+        worker = template["workerTemplate"]["spec"]["containers"][0]
+        assert leader["readinessProbe"]["httpGet"]["path"] == "/health" and leader["ports"][0]["name"] == "http"
+        assert "readinessProbe" not in worker and worker["ports"] == []
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        # A worker's ranks serve its leader's requests until the leader's drain is over.
+        drain = leader["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert worker["lifecycle"]["preStop"]["sleep"]["seconds"] == drain + spec.decode.drain_timeout_s
+        grace = template["workerTemplate"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > worker["lifecycle"]["preStop"]["sleep"]["seconds"]
+        (term,) = template["workerTemplate"]["spec"]["affinity"]["podAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
+        assert term["podAffinityTerm"]["matchLabelKeys"] == ["leaderworkerset.sigs.k8s.io/group-key"]
+        assert (
+            "affinity"
+            not in objects[("LeaderWorkerSet", "demo-prefill-group")]["spec"]["leaderWorkerTemplate"]["leaderTemplate"][
+                "spec"
+            ]
+        )
+        # The proxy finds leaders only: workers serve no HTTP.
+        selector = objects[("Service", "demo-decode")]["spec"]["selector"]
+        assert selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+        scaler = objects[("ScaledObject" if provider == "keda" else "HorizontalPodAutoscaler", "demo-decode")]["spec"]
+        assert scaler["scaleTargetRef"] == {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "name": "demo-decode-group",
+        }

@@ -70,6 +70,27 @@ def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
 
 
+def refuse_creates(kmock, plural: str, status: int, message: str, until: Callable[[], bool] = lambda: False) -> None:
+    """The API server answers ``status`` to every create of ``plural`` (until ``until()`` holds)."""
+    reaction = (
+        kmock["post"][lambda req: req.url.path.endswith(f"/{plural}") and not until()]
+        << status
+        << {"kind": "Status", "status": "Failure", "message": message}
+    )
+    assert reaction is not None
+
+
+async def degraded(cluster: Driver, name: str, reason: str) -> dict[str, Any]:
+    """The Degraded condition, once it is True with ``reason``."""
+
+    async def check() -> dict[str, Any]:
+        cond = conditions(await cluster.ucmd(NS, name))["Degraded"]
+        assert cond["status"] == "True" and cond["reason"] == reason, cond
+        return cond
+
+    return await eventually(check)
+
+
 def writes(k, since: int = 0) -> list[tuple[str, str, str, str]]:
     return [c[:4] for c in k.calls[since:] if c.verb in WRITE_VERBS]
 
@@ -299,14 +320,9 @@ async def test_invalid_spec_is_degraded_and_touches_nothing(kmock, cluster, chan
         mark = len(kmock.calls)
         await cluster.apply_ucmd(NS, "bad", {**SPEC, **change}, uid="uid-bad")
 
-        async def degraded() -> dict[str, Any]:
-            cond = conditions(await cluster.ucmd(NS, "bad"))
-            assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "InvalidSpec"
-            return cond
-
-        cond = await eventually(degraded)
-        assert cond["Degraded"]["message"].startswith(field), cond["Degraded"]["message"]
-        assert cond["Ready"]["status"] == "False"
+        cond = await degraded(cluster, "bad", "InvalidSpec")
+        assert cond["message"].startswith(field), cond["message"]
+        assert conditions(await cluster.ucmd(NS, "bad"))["Ready"]["status"] == "False"
         await asyncio.sleep(0.5)
         assert [c for c in writes(kmock, mark) if not c[1].startswith(("ucmdeployments", "events"))] == []
         assert await cluster.children(NS, "bad") == {}
@@ -369,25 +385,12 @@ async def test_the_console_script_runs_the_operator_with_a_liveness_endpoint(kmo
 async def test_a_permanent_refusal_is_degraded_and_not_retried_forever(kmock, cluster, monkeypatch):
     """422 (say, an env name the API server rejects) is reported, not retried every 15 s."""
     monkeypatch.setattr("ucm_operator.handlers.RETRY_DELAY_S", 0.2)
-    refused = (
-        kmock["post"][lambda req: req.url.path.endswith("/deployments")]
-        << 422
-        << {
-            "kind": "Status",
-            "message": "spec.template.spec.containers[0].env[0].name: Invalid value",
-        }
-    )
-    assert refused is not None
+    refuse_creates(kmock, "deployments", 422, "spec.template.spec.containers[0].env[0].name: Invalid value")
     async with operator_running(cluster.url):
         await cluster.apply_ucmd(NS, "r", SPEC, uid="uid-r")
 
-        async def degraded() -> dict[str, Any]:
-            cond = conditions(await cluster.ucmd(NS, "r"))
-            assert cond["Degraded"]["status"] == "True", cond
-            return cond
-
-        cond = await eventually(degraded)
-        assert "422" in cond["Degraded"]["message"] and "env[0].name" in cond["Degraded"]["message"]
+        cond = await degraded(cluster, "r", "ApplyFailed")
+        assert "422" in cond["message"] and "env[0].name" in cond["message"]
         before = await settled_posts(kmock)  # Kopf's causes (create/resume/update) may come late on a busy machine
         await asyncio.sleep(1.5)  # a temporary error would have been retried ~7 more times by now
         assert deployment_posts(kmock) == before <= 3  # once per Kopf cause (create/resume/update), then no more
@@ -423,16 +426,8 @@ async def test_a_name_taken_by_another_object_is_a_conflict_not_an_adoption(kmoc
     async with operator_running(cluster.url):
         await cluster.apply_ucmd(NS, "c", SPEC, uid="uid-c")
 
-        async def degraded() -> dict[str, Any]:
-            cond = conditions(await cluster.ucmd(NS, "c"))
-            assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "NameConflict", cond
-            return cond
-
-        cond = await eventually(degraded)
-        assert (
-            "Service serving/c-proxy already exists and is not controlled by this UCMDeployment"
-            in (cond["Degraded"]["message"])
-        )
+        cond = await degraded(cluster, "c", "NameConflict")
+        assert "Service serving/c-proxy already exists and is not controlled by this UCMDeployment" in cond["message"]
         got = await cluster.call("GET", child_path("Service", NS, "c-proxy"))
         assert "ownerReferences" not in got["metadata"] and got["spec"]["ports"] == [{"port": 1}]
         assert not [c for c in kmock.calls if c.verb == "patch" and c.path.endswith("/services/c-proxy")]
@@ -579,3 +574,100 @@ async def test_with_the_prometheus_operator_each_deployment_gets_its_monitors(km
         (obj,) = [o for (k, _), o in kids.items() if k == kind]
         assert obj["metadata"]["labels"]["release"] == "prom"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-a"  # deleted with the deployment
+
+
+MULTI_NODE = {
+    **SPEC,
+    "prefill": {"replicas": 1, "parallel": {"tensor": 4, "nodes": 2}, "resources": {"gpus": 2}},
+    "decode": {"replicas": 2, "parallel": {"tensor": 4, "nodes": 2}, "resources": {"gpus": 2}},
+}
+
+
+@pytest.mark.asyncio
+async def test_multi_node_engines_are_leader_worker_sets_that_roll_and_report_as_groups(kmock, cluster):
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "m", MULTI_NODE, uid="uid-m")
+        want = {(k, n.replace("a-", "m-", 1)) for k, n in CHILDREN} - {
+            ("Deployment", "m-prefill"),
+            ("Deployment", "m-decode"),
+        }
+        want |= {("LeaderWorkerSet", "m-prefill-group"), ("LeaderWorkerSet", "m-decode-group")}
+
+        async def created() -> dict:
+            kids = await cluster.children(NS, "m")
+            assert set(kids) == want
+            return kids
+
+        kids = await eventually(created)
+        group = kids[("LeaderWorkerSet", "m-decode-group")]
+        assert group["spec"]["replicas"] == 2 and group["spec"]["leaderWorkerTemplate"]["size"] == 2
+        assert kids[("Service", "m-decode")]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+
+        # Ready follows the groups the controller reports ready.
+        await cluster.play_deployment_controller(NS, "m")
+
+        async def ready() -> dict[str, Any]:
+            obj = await cluster.ucmd(NS, "m")
+            cond = conditions(obj)
+            assert cond["Ready"]["status"] == "True" and cond["DecodeReady"]["message"] == "2/2 ready", cond
+            return obj
+
+        obj = await eventually(ready)
+        # What an HPA on the resource's scale subresource averages over: the leaders, which serve.
+        assert obj["status"]["decodeSelector"] == (
+            "app.kubernetes.io/instance=m,app.kubernetes.io/component=decode,leaderworkerset.sigs.k8s.io/worker-index=0"
+        )
+        await cluster.play_deployment_controller(NS, "m", ready=False)
+
+        async def not_ready() -> None:
+            cond = conditions(await cluster.ucmd(NS, "m"))
+            assert cond["Ready"]["status"] == "False" and cond["PrefillReady"]["message"] == "0/1 ready", cond
+
+        await eventually(not_ready)
+
+        # A new runtime image rolls the groups (one patch each) and nothing else (the proxy has its own
+        # image); a restart on the same spec writes nothing.
+        mark = len(kmock.calls)
+        spec = {**MULTI_NODE, "image": {"tag": "next"}}
+        await cluster.update_ucmd(NS, "m", spec, generation=2)
+
+        async def rolled() -> None:
+            kids = await cluster.children(NS, "m")
+            template = kids[("LeaderWorkerSet", "m-decode-group")]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+            assert template["spec"]["containers"][0]["image"].endswith(":next")
+
+        await eventually(rolled)
+        await asyncio.sleep(0.5)
+        assert child_writes_since(kmock, mark) == {
+            ("leaderworkersets", "m-prefill-group"),
+            ("leaderworkersets", "m-decode-group"),
+        }
+
+    mark = len(kmock.calls)
+    async with operator_running(cluster.url):  # a restart on an unchanged world
+        await asyncio.sleep(1.0)
+    assert child_writes_since(kmock, mark) == set()
+
+
+@pytest.mark.asyncio
+async def test_without_leader_worker_set_installed_the_resource_says_so_and_waits(kmock, cluster, monkeypatch):
+    """The API server answers 404 for a kind whose CRD is not installed: a clear condition, retried
+    (not a permanent failure, not a crash), and the groups appear once it is installed."""
+    monkeypatch.setattr("ucm_operator.handlers.RETRY_DELAY_S", 0.2)
+    installed = False
+    not_found = "the server could not find the requested resource"
+    refuse_creates(kmock, "leaderworkersets", 404, not_found, until=lambda: installed)
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "w", MULTI_NODE, uid="uid-w")
+
+        cond = await degraded(cluster, "w", "MissingCRD")
+        assert "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) is not served by this cluster" in cond["message"]
+        assert "https://lws.sigs.k8s.io" in cond["message"]
+        installed = True
+
+        async def groups() -> None:
+            kids = await cluster.children(NS, "w")
+            assert {("LeaderWorkerSet", "w-prefill-group"), ("LeaderWorkerSet", "w-decode-group")} <= set(kids)
+            assert conditions(await cluster.ucmd(NS, "w"))["Degraded"]["status"] == "False"
+
+        await eventually(groups)

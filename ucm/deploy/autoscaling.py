@@ -3,8 +3,9 @@ Prometheus trigger, or an ``autoscaling/v2`` HorizontalPodAutoscaler reading a c
 adapter. The operator's flags choose (``--autoscaler``, ``--prometheus-url``; chart values
 ``autoscaling.*``), and ``ucm render`` takes the same flags.
 
-Either way the autoscaler owns the Deployment's replica count: the Deployment is rendered without
-one, so no spec change patches it back.
+Either way the autoscaler owns the pool's replica count (a Deployment's pods, or a LeaderWorkerSet's
+groups of pods for multi-pod engines): the workload is rendered without one, so no spec change
+patches it back.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ class Autoscaler:
                     "0 (scale to zero) needs the KEDA autoscaler; this operator renders HPAs (--autoscaler hpa)",
                 )
 
-    def render(self, meta: dict[str, Any], deployment: str, proxy: str, role: Role, scaling: AutoscalingSpec) -> dict:
-        """The autoscaler object for ``role``'s Deployment (named ``deployment``; the proxy's
-        Deployment and Service are named ``proxy``)."""
+    def render(
+        self, meta: dict[str, Any], target: dict[str, str], proxy: str, role: Role, scaling: AutoscalingSpec
+    ) -> dict:
+        """The autoscaler object for ``role``'s workload ``target`` (apiVersion, kind, name: its pods'
+        names start with that name; the proxy's Deployment and Service are named ``proxy``)."""
         if self.provider == "keda":
-            return _scaled_object(meta, deployment, proxy, role, scaling, self.prometheus_url)
-        return _hpa(meta, deployment, proxy, role, scaling)
+            return _scaled_object(meta, target, proxy, role, scaling, self.prometheus_url)
+        return _hpa(meta, target, proxy, role, scaling)
 
 
 def autoscaling(role: Role) -> AutoscalingSpec | None:
@@ -47,7 +50,7 @@ def autoscaling(role: Role) -> AutoscalingSpec | None:
 
 
 def _scaled_object(
-    meta: dict[str, Any], deployment: str, proxy: str, role: Role, scaling: AutoscalingSpec, prometheus: str
+    meta: dict[str, Any], target: dict[str, str], proxy: str, role: Role, scaling: AutoscalingSpec, prometheus: str
 ) -> dict[str, Any]:
     # KEDA divides the query's value by the target per replica: a sum over the pool's pods asks
     # for sum/target replicas, i.e. the target is per engine, as with the HPA.
@@ -55,7 +58,7 @@ def _scaled_object(
     if scaling.signal == "proxy_in_flight":
         series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{proxy}-.*",role="{role.component}"}}'
     else:
-        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{deployment}-.*"}}'
+        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{target["name"]}-.*"}}'
     query = {"serverAddress": prometheus, "query": f"sum({series})", "threshold": _number(scaling.target_value)}
     trigger = {"type": "prometheus", "metadata": query}
     return {
@@ -63,7 +66,7 @@ def _scaled_object(
         "kind": "ScaledObject",
         "metadata": meta,
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "scaleTargetRef": dict(target),
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
             "triggers": [trigger],
@@ -71,23 +74,25 @@ def _scaled_object(
     }
 
 
-def _hpa(meta: dict[str, Any], deployment: str, proxy: str, role: Role, scaling: AutoscalingSpec) -> dict[str, Any]:
+def _hpa(
+    meta: dict[str, Any], target: dict[str, str], proxy: str, role: Role, scaling: AutoscalingSpec
+) -> dict[str, Any]:
     """Engine signals are per-pod metrics; the proxy's in-flight count is an object metric of the
     proxy Service, averaged over the pool."""
-    target = {"type": "AverageValue", "averageValue": _quantity(scaling.target_value)}
+    goal = {"type": "AverageValue", "averageValue": _quantity(scaling.target_value)}
     metric: dict[str, Any]
     if scaling.signal == "proxy_in_flight":
         described = {"apiVersion": "v1", "kind": "Service", "name": proxy}
         selected = {"name": scaling.metric, "selector": {"matchLabels": {"role": role.component}}}
-        metric = {"type": "Object", "object": {"describedObject": described, "metric": selected, "target": target}}
+        metric = {"type": "Object", "object": {"describedObject": described, "metric": selected, "target": goal}}
     else:
-        metric = {"type": "Pods", "pods": {"metric": {"name": scaling.metric}, "target": target}}
+        metric = {"type": "Pods", "pods": {"metric": {"name": scaling.metric}, "target": goal}}
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": meta,
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "scaleTargetRef": dict(target),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [metric],

@@ -30,6 +30,10 @@ GENERATED_KEYS = "ucm.io/generated-keys"
 CONFIG_DIR_VOLUME = "ucm-config"
 RUNTIME_UID = 1000  # the user runtime/Dockerfile creates
 PROXY_UID = 65532  # runtime/Dockerfile.proxy's user
+# LeaderWorkerSet (multi-pod engines): its API group, and the labels its controller puts on pods.
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"  # "0" on leaders
+LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"  # one value per group
 
 
 def digest(data: Any) -> str:
@@ -45,6 +49,15 @@ def labels(name: str, component: str | None = None) -> dict[str, str]:
 
 def selector(name: str, component: str) -> dict[str, str]:
     return {LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+
+
+def serving_pods(name: str, role: Role) -> dict[str, str]:
+    """The labels of ``role``'s pods that serve: all of them, or a multi-pod engine's leaders (its
+    workers hold ranks only)."""
+    out = selector(name, role.component)
+    if role.group is not None:
+        out[LWS_WORKER_INDEX] = "0"
+    return out
 
 
 class Owner:
@@ -101,14 +114,15 @@ def render(
             }
         )
     for role in plan.roles:
-        objects.append(_deployment(owner, spec, plan, role))
+        pods = _leader_worker_set if role.group is not None else _deployment
+        objects.append(pods(owner, spec, plan, role))
         objects.append(_service(owner, spec, role))
         if role.component in ENGINES:
             objects.append(_pdb(owner, role))
         if (scaling := autoscaling(role)) is not None:
             meta = owner.meta(role.name, role.component)
-            deployment, proxy = f"{owner.name}-{role.name}", f"{owner.name}-proxy"
-            objects.append((autoscaler or Autoscaler()).render(meta, deployment, proxy, role, scaling))
+            proxy = f"{owner.name}-proxy"
+            objects.append((autoscaler or Autoscaler()).render(meta, workload(owner, role), proxy, role, scaling))
     objects += _proxy_rbac(owner)
     objects += _network_policies(owner, spec, plan)
     engines = sorted({r.component for r in plan.roles if r.component in ENGINES})
@@ -155,7 +169,11 @@ def _resources(role: Role) -> dict[str, Any]:
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
-def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -> dict[str, Any]:
+def _template(
+    owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role, command: list[str], serves: bool = True
+) -> dict[str, Any]:
+    """The pod template of ``role`` running ``command``; a pod that does not ``serve`` (a worker of a
+    multi-node engine: ranks only) has no ports or probes."""
     mounts = [{"name": CONFIG_DIR_VOLUME, "mountPath": "/etc/ucm", "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": CONFIG_DIR_VOLUME, "configMap": {"name": f"{owner.name}-config"}}]
     for v in role.volumes:
@@ -178,21 +196,20 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
         "name": role.component,
         "image": role.image or f"{spec.image.repository}:{spec.image.tag}",
         "imagePullPolicy": spec.image.pull_policy,
-        "command": role.command,
+        "command": command,
         "env": env,
-        "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in role.ports],
+        "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in role.ports if serves],
         "volumeMounts": mounts,
         "resources": _resources(role),
     }
-    for key, probe in (
-        ("readinessProbe", role.readiness),
-        ("livenessProbe", role.liveness),
-        ("startupProbe", role.startup),
-    ):
+    probes = (("readinessProbe", role.readiness), ("livenessProbe", role.liveness), ("startupProbe", role.startup))
+    for key, probe in probes if serves else ():
         if probe is not None:
             container[key] = _probe(probe)
-    if role.drain_delay_s:
-        container["lifecycle"] = {"preStop": {"sleep": {"seconds": role.drain_delay_s}}}
+    # A worker outlives its leader's drain (its ranks serve the leader's requests to the end).
+    stop_delay = role.drain_delay_s if serves else role.drain_delay_s + role.drain_timeout_s
+    if stop_delay:
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": stop_delay}}}
     pod: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -223,9 +240,18 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
             pod["tolerations"] = list(role.pool.tolerations)
         if role.pool.affinity:
             pod["affinity"] = dict(role.pool.affinity)
+        if role.group is not None and role.group.topology_key:
+            pod["affinity"] = _with_group_affinity(pod.get("affinity") or {}, owner, role, role.group.topology_key)
         if role.pool.env_from:
             container["envFrom"] = [e.model_dump(by_alias=True, exclude_defaults=True) for e in role.pool.env_from]
     config_hash = digest({f: plan.files[f] for f in role.files})
+    return {
+        "metadata": {"labels": labels(owner.name, role.component), "annotations": {CONFIG_HASH: config_hash}},
+        "spec": pod,
+    }
+
+
+def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -235,12 +261,69 @@ def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -
             **({} if autoscaling(role) else {"replicas": role.replicas}),
             "selector": {"matchLabels": selector(owner.name, role.component)},
             **_strategy(role),
-            "template": {
-                "metadata": {"labels": labels(owner.name, role.component), "annotations": {CONFIG_HASH: config_hash}},
-                "spec": pod,
-            },
+            "template": _template(owner, spec, plan, role, role.command),
         },
     }
+
+
+def _leader_worker_set(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -> dict[str, Any]:
+    """An engine pool of multi-pod engines: one group (leader + workers) per engine, created,
+    restarted (any pod's failure recreates its group: the ranks cannot rejoin a running engine) and
+    rolled as a unit. Not named like the pool's Service: the controller makes a headless Service of
+    the set's own name for the pods' addresses."""
+    group = role.group
+    assert group is not None and role.pool is not None
+    rollout = role.pool.rollout
+    return {
+        "apiVersion": f"{LWS_GROUP}/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": owner.meta(group_name(role), role.component),
+        "spec": {
+            **({} if autoscaling(role) else {"replicas": role.replicas}),
+            "leaderWorkerTemplate": {
+                "size": group.size,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _template(owner, spec, plan, role, role.command),
+                "workerTemplate": _template(owner, spec, plan, role, group.worker_command, serves=False),
+            },
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {
+                    "maxSurge": rollout.max_surge,
+                    "maxUnavailable": rollout.max_unavailable,
+                },
+            },
+            "startupPolicy": "LeaderCreated",
+        },
+    }
+
+
+def group_name(role: Role) -> str:
+    """The LeaderWorkerSet of a pool of multi-pod engines (after the deployment's name)."""
+    return f"{role.name}-group"
+
+
+def workload(owner: Owner, role: Role) -> dict[str, str]:
+    """What runs ``role``'s pods, as a reference (an autoscaler's target)."""
+    if role.group is not None:
+        return {"apiVersion": f"{LWS_GROUP}/v1", "kind": "LeaderWorkerSet", "name": f"{owner.name}-{group_name(role)}"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{owner.name}-{role.name}"}
+
+
+def _with_group_affinity(affinity: dict[str, Any], owner: Owner, role: Role, topology_key: str) -> dict[str, Any]:
+    """``affinity`` plus a preference for the pods of one group to share ``topology_key``'s value
+    (the group's own key label, which the controller sets, picks the peers)."""
+    term = {
+        "weight": 100,
+        "podAffinityTerm": {
+            "labelSelector": {"matchLabels": selector(owner.name, role.component)},
+            "matchLabelKeys": [LWS_GROUP_KEY],
+            "topologyKey": topology_key,
+        },
+    }
+    pod_affinity = dict(affinity.get("podAffinity") or {})
+    preferred = [*(pod_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []), term]
+    return {**affinity, "podAffinity": {**pod_affinity, "preferredDuringSchedulingIgnoredDuringExecution": preferred}}
 
 
 def _strategy(role: Role) -> dict[str, Any]:
@@ -266,7 +349,7 @@ def _service(owner: Owner, spec: UCMDeploymentSpec, role: Role) -> dict[str, Any
         }
         if role.component in ENGINES:
             body["clusterIP"] = "None"  # headless: the proxy discovers pods through its EndpointSlices
-    body["selector"] = selector(owner.name, role.component)
+    body["selector"] = serving_pods(owner.name, role)
     return {"apiVersion": "v1", "kind": "Service", "metadata": owner.meta(role.name, role.component), "spec": body}
 
 

@@ -79,6 +79,8 @@ def kubernetes_only_fields(spec: UCMDeploymentSpec) -> list[str]:
         for f in ("resources", "node_selector", "tolerations", "affinity", "autoscaling", "rollout"):
             if f in pool.model_fields_set:
                 out.append(f"{pool_name}.{to_camel(f)}")
+        if pool.parallel.topology_key is not None:
+            out.append(f"{pool_name}.parallel.topologyKey")
         out += [
             f"{pool_name}.env[{i}].valueFrom (set it in your shell)" for i, e in enumerate(pool.env) if e.value_from
         ]

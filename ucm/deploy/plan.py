@@ -25,6 +25,7 @@ from ucm.deploy.roles import (
     CREDENTIALS,
     MAC_KEY,
     Component,
+    Group,
     Plan,
     Port,
     Probe,
@@ -55,6 +56,10 @@ PROXY_PORT = 8000
 # Seconds a stopping pod keeps serving after it leaves its Service's endpoints: the proxy's
 # EndpointSlice watch sees it go first, so no new request is routed to a dying engine.
 DRAIN_DELAY_S = 10
+# What the LeaderWorkerSet controller sets in every container of a group, for Kubernetes to expand
+# in the command: the leader pod's address, and this pod's index in its group (the leader's is 0).
+LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 # Proxy options the deployment decides; proxy.config may not set them.
 PROXY_PLANNED = (
     "host",
@@ -207,16 +212,11 @@ def _engine(
     volumes: list[Volume],
     kv_file: str,
 ) -> Role:
-    m = spec.model
+    m, parallel = spec.model, pool.parallel
     vllm = ["--model", model_path, "--served-model-name", m.served_name or _source_id(spec)]
-    vllm += [
-        "--dtype",
-        m.dtype,
-        "--block-size",
-        str(m.block_size),
-        "--tensor-parallel-size",
-        str(m.tensor_parallel_size),
-    ]
+    vllm += ["--dtype", m.dtype, "--block-size", str(m.block_size), "--tensor-parallel-size", str(parallel.tensor)]
+    if parallel.pipeline > 1:
+        vllm += ["--pipeline-parallel-size", str(parallel.pipeline)]
     if m.max_model_len is not None:
         vllm += ["--max-model-len", str(m.max_model_len)]
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
@@ -234,6 +234,21 @@ def _engine(
         if not site.local:
             ports += [Port("kv-events", KV_EVENTS_PORT), Port("kv-replay", KV_REPLAY_PORT)]
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
+    group = None
+    if parallel.nodes > 1:
+        if site.local:
+            raise fail(
+                f"{component}.parallel.nodes",
+                "an engine of more than one pod runs in Kubernetes only (a LeaderWorkerSet); locally use 1",
+            )
+        # vLLM's multiprocessing executor across pods: rank 0's pod serves, the others join it headless.
+        nodes = ["--nnodes", str(parallel.nodes), "--master-addr", LEADER_ADDRESS]
+        group = Group(
+            size=parallel.nodes,
+            worker_command=[*command, *nodes, "--node-rank", WORKER_INDEX, "--headless"],
+            topology_key=parallel.topology_key,
+        )
+        command = [*command, *nodes, "--node-rank", "0"]
     secret_env = {"VLLM_API_KEY": SecretRef(credentials_secret(deployment), BACKEND_KEY)}
     for i, e in enumerate(pool.env):
         if e.name in ("VLLM_API_KEY", "POD_IP", "POD_NAME"):
@@ -258,6 +273,7 @@ def _engine(
         pool=pool,
         drain_delay_s=DRAIN_DELAY_S,
         drain_timeout_s=pool.drain_timeout_s,
+        group=group,
     )
 
 

@@ -51,6 +51,14 @@ REFUSED_FLAGS = {
     "--kv-events-config": "the deployment sets where engines publish their KV events (proxy.kvEvents)",
     "--host": "the deployment sets the address",
     "--port": "the deployment sets the port",
+    # How an engine is split over ranks and pods: the deployment renders pods to match.
+    "--tensor-parallel-size": "set <pool>.parallel.tensor",
+    "--pipeline-parallel-size": "set <pool>.parallel.pipeline",
+    "--nnodes": "set <pool>.parallel.nodes",
+    "--node-rank": "the deployment numbers the pods of a multi-node engine (<pool>.parallel.nodes)",
+    "--master-addr": "the deployment points a multi-node engine's pods at their leader",
+    "--master-port": "the deployment points a multi-node engine's pods at their leader",
+    "--headless": "the deployment runs the workers of a multi-node engine headless (<pool>.parallel.nodes)",
 }
 # The same by argparse dest, which every spelling of an option comes down to (a KeyError here: a
 # refused flag vLLM no longer has; revise the list).

@@ -83,6 +83,17 @@ class SecretRef:
 
 
 @dataclass(frozen=True)
+class Group:
+    """An engine spread over ``size`` pods that start, restart and roll together (in Kubernetes a
+    LeaderWorkerSet): the leader runs the role's command and serves; the others run
+    ``worker_command``, which holds ranks only (vLLM --headless)."""
+
+    size: int
+    worker_command: list[str]
+    topology_key: str | None = None  # a node label the group's pods should share
+
+
+@dataclass(frozen=True)
 class Role:
     name: str  # unique in the plan; Kubernetes objects are "<deployment>-<name>"
     component: Component
@@ -100,6 +111,7 @@ class Role:
     image: str | None = None  # None: the deployment's runtime image
     drain_delay_s: int = 0  # serving on after leaving the Service's endpoints (preStop)
     drain_timeout_s: int = 0  # then, after SIGTERM, finishing the requests it holds
+    group: Group | None = None  # engines of more than one pod
 
 
 @dataclass(frozen=True)

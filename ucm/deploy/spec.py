@@ -52,7 +52,6 @@ class ModelSpec(Spec):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
     max_model_len: int | None = Field(None, gt=0)
     block_size: int = Field(128, gt=0, description="Tokens per KV block (vLLM CPU needs a multiple of 32)")
-    tensor_parallel_size: int = Field(1, ge=1)
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments")
 
 
@@ -178,8 +177,51 @@ class AutoscalingSpec(Spec):
 DRAIN_TIMEOUT_S = 300
 
 
+class ParallelSpec(Spec):
+    """How one engine of the pool is split: ``tensor`` x ``pipeline`` ranks (vLLM's
+    --tensor-parallel-size, --pipeline-parallel-size) over ``nodes`` pods, each running an equal
+    share of the ranks. More than one node makes each engine a group of pods started, restarted and
+    rolled together (a LeaderWorkerSet: the leader serves, the workers run headless)."""
+
+    model_config = Spec.model_config | cel(
+        (
+            "self.tensor * self.pipeline % self.nodes == 0",
+            "parallel.nodes: must divide tensor x pipeline (each pod runs an equal share of the ranks)",
+        ),
+    )
+    tensor: int = Field(1, ge=1, le=1024, description="Tensor-parallel ranks per engine")
+    pipeline: int = Field(1, ge=1, le=256, description="Pipeline stages per engine")
+    nodes: int = Field(1, ge=1, le=256, description="Pods per engine; above 1 the pool is a LeaderWorkerSet")
+    topology_key: str | None = Field(
+        None,
+        min_length=1,
+        description="A node label (topology.kubernetes.io/zone, a rack label) whose value the pods of one engine "
+        "should share: a scheduling preference, since ranks exchange activations every layer",
+    )
+
+    @model_validator(mode="after")
+    def _divides(self) -> ParallelSpec:
+        if self.tensor * self.pipeline % self.nodes:
+            raise ValueError(
+                f"parallel.nodes: must divide tensor x pipeline (each pod runs an equal share of the ranks); "
+                f"{self.tensor} x {self.pipeline} ranks over {self.nodes} nodes"
+            )
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor * self.pipeline // self.nodes
+
+
 class PoolSpec(Spec):
-    replicas: int = Field(1, ge=0)
+    model_config = Spec.model_config | cel(
+        (
+            "self.resources.gpus == 0 || self.resources.gpus * self.parallel.nodes == "
+            "self.parallel.tensor * self.parallel.pipeline",
+            "resources.gpus: one per rank a pod runs (tensor x pipeline / nodes), or 0 for CPU engines",
+        ),
+    )
+    replicas: int = Field(1, ge=0, description="Engines (with parallel.nodes > 1, groups of pods)")
     resources: Resources = Resources()
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
@@ -189,6 +231,7 @@ class PoolSpec(Spec):
     extra_args: list[str] = Field(default_factory=list)
     rollout: RolloutSpec = RolloutSpec()
     autoscaling: AutoscalingSpec | None = None
+    parallel: ParallelSpec = ParallelSpec()
     drain_timeout_s: int = Field(
         DRAIN_TIMEOUT_S,
         ge=0,
@@ -197,6 +240,16 @@ class PoolSpec(Spec):
         "holds before they are cut (vLLM's --shutdown-timeout; 0 aborts them at once). New requests are refused "
         "meanwhile and the proxy retries them elsewhere. The pod's grace period follows.",
     )
+
+    @model_validator(mode="after")
+    def _gpus_per_rank(self) -> PoolSpec:
+        gpus, ranks = self.resources.gpus, self.parallel.ranks_per_node
+        if gpus and gpus != ranks:
+            raise ValueError(
+                f"resources.gpus: one per rank a pod runs (tensor x pipeline / nodes = {ranks}), or 0 for CPU "
+                f"engines; got {gpus}"
+            )
+        return self
 
 
 class HashingSpec(Spec):
@@ -383,6 +436,13 @@ class MonitoringSpec(Spec):
 
 
 class UCMDeploymentSpec(Spec):
+    model_config = Spec.model_config | cel(
+        (
+            "self.prefill.parallel.tensor == self.decode.parallel.tensor && "
+            "self.prefill.parallel.pipeline == self.decode.parallel.pipeline",
+            "decode.parallel: tensor and pipeline must equal prefill's (KV in the store is kept per rank)",
+        ),
+    )
     model: ModelSpec
     image: ImageSpec = ImageSpec()
     prefill: PoolSpec = PoolSpec()
@@ -392,6 +452,17 @@ class UCMDeploymentSpec(Spec):
     proxy: ProxySpec = ProxySpec()
     sparse: SparseSpec | None = Field(None, description="Sparse attention for long decodes (decode engines)")
     monitoring: MonitoringSpec = MonitoringSpec()
+
+    @model_validator(mode="after")
+    def _same_split(self) -> UCMDeploymentSpec:
+        p, d = self.prefill.parallel, self.decode.parallel
+        if (p.tensor, p.pipeline) != (d.tensor, d.pipeline):
+            raise ValueError(
+                f"decode.parallel: tensor and pipeline must equal prefill's ({p.tensor} x {p.pipeline}), got "
+                f"{d.tensor} x {d.pipeline}: each rank keeps its own share of a block in the store, so pools "
+                "split differently cannot read each other's KV yet (nodes may differ)"
+            )
+        return self
 
 
 class Condition(Spec):
@@ -438,6 +509,8 @@ class UCMDeploymentStatus(Spec):
     endpoint: str | None = Field(None, description="The proxy's OpenAI base URL inside the cluster")
     observed_generation: int | None = None
     decode_selector: str = Field(
-        "", description="The decode pods' label selector: the scale subresource's, for an HorizontalPodAutoscaler"
+        "",
+        description="The serving decode pods' label selector (a multi-pod engine's leaders): the scale "
+        "subresource's, for an HorizontalPodAutoscaler",
     )
     pd_path: PDPathStatus | None = Field(None, description="The proxy's last check through prefill, store and decode")
