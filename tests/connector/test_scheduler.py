@@ -264,6 +264,18 @@ def test_tensor_parallel_ranks_use_their_own_keys():
     assert rank_keys(rank0, 0, 2) == rank0
 
 
+def test_with_tensor_parallel_a_block_is_stored_only_with_every_ranks_share(store):
+    """Each rank loads its own share: a block one rank lacks (and every block after it) is a miss
+    for all of them, however many shares of it the others hold."""
+    ids = BlockHasher(CTX).block_ids(TOKENS)
+    for rank in (0, 1, 2):
+        have = ids[:4] if rank != 1 else ids[:2]  # rank 1 wrote blocks 0-1 only
+        keys = store_keys(have, rank, 3)
+        store.wait(store.dump(keys, [b"x"] * len(keys)))
+    assert side(store, tp_size=3).num_new_matched_tokens(Req("r", TOKENS), 0) == (2 * BS, False)
+    assert side(store, tp_size=1).num_new_matched_tokens(Req("q", TOKENS), 0) == (0, False)  # other keys
+
+
 def test_multimodal_requests_bypass_the_store(store):
     put(store, TOKENS, 4)
     s = side(store)

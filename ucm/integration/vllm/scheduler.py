@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
-from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, store_keys
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys, store_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import Store
 from ucm.store.deadline import Deadlined
@@ -181,8 +181,18 @@ class SchedulerSide:
             self._stats.add("lookup_deadline_skips", 1)
             return 0
         timeouts = self._lookups.timeouts
-        stored = self._lookups.call(lambda: self._store.lookup_prefix(ids), 0, remaining)
+        stored = self._lookups.call(lambda: self._every_share(ids), 0, remaining)
         self._stats.add("lookup_timeouts", self._lookups.timeouts - timeouts)
+        return stored
+
+    def _every_share(self, ids: list[bytes]) -> int:
+        """Leading blocks of ``ids`` (rank 0's keys) whose every worker's share is in the store: each
+        worker loads its own share, so a block one of them lacks must be recomputed by all."""
+        stored = self._store.lookup_prefix(ids)
+        for rank in range(1, self._tp_size):
+            if not stored:
+                break
+            stored = self._store.lookup_prefix(rank_keys(ids[:stored], rank, self._tp_size))
         return stored
 
     def _promised_blocks(self, request: RequestLike, state: _RequestState) -> int:

@@ -1,0 +1,152 @@
+"""A tensor-parallel engine spread over two "nodes": the commands the operator renders for a
+LeaderWorkerSet's leader and worker, run for real as two vLLM processes on loopback (vLLM's
+``--nnodes 2`` multiprocessing executor, TP=2, one rank per process), with UCMConnector on a shared
+store.
+
+Checked: the answers equal a TP=1 engine's; each rank keeps its own shard of every block in the
+store; a fresh group loads a prompt whose shards are all there, and stops its hit at a block one
+rank's shard is missing from (a partial shard set is never loaded).
+
+TP=1 and TP=2 add up the same products in a different order (the attention and MLP outputs are
+all-reduced across ranks), so the greedy tokens are compared up to a flip between two tokens whose
+log-probabilities differ by less than ``NEAR_TIE`` (none occurred when written), and the
+log-probabilities of the tokens both chose within ``NEAR_TIE``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from ucm.deploy.plan import KV_CONFIG_FILE, LEADER_ADDRESS, MODEL_MOUNT, WORKER_INDEX, build_plan
+from ucm.deploy.ports import free_port
+from ucm.deploy.roles import Site
+from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.config import kv_transfer_config
+from ucm.integration.vllm.identity import weights_fingerprint
+from ucm.integration.vllm.metadata import store_keys
+from ucm_testing.prompts import PROMPTS
+from ucm_testing.vllm_server import VLLMServer, cached_tokens
+
+pytestmark = pytest.mark.slow
+BS = 32
+NEAR_TIE = 1e-3
+
+
+def rendered_commands(tiny_model: Path, kv_config: Path, port: int) -> tuple[list[str], list[str]]:
+    """The decode pool's leader and worker commands as the operator renders them, with what
+    Kubernetes and the LeaderWorkerSet controller fill in filled in for loopback."""
+    spec = UCMDeploymentSpec.model_validate(
+        {
+            "model": {
+                "source": {"hostPath": str(tiny_model)},
+                "dtype": "float32",
+                "blockSize": BS,
+                "maxModelLen": 1024,
+            },
+            "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 0}},
+            "decode": {"parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}, "drainTimeoutS": 0},
+            "store": {"type": "posix", "pvc": {"claimName": "kv"}},
+        }
+    )
+    role = build_plan("t", spec, Site("kubernetes")).role("decode")
+    assert role.group is not None
+    fill = {
+        "ucm": str(Path(sys.executable).parent / "ucm"),
+        f"/etc/ucm/{KV_CONFIG_FILE}": str(kv_config),
+        MODEL_MOUNT: str(tiny_model),  # where a pod mounts the hostPath model
+        "0.0.0.0": "127.0.0.1",
+        "8000": str(port),
+        LEADER_ADDRESS: "127.0.0.1",
+        WORKER_INDEX: "1",
+    }
+    return [fill.get(a, a) for a in role.command], [fill.get(a, a) for a in role.group.worker_command]
+
+
+class Group:
+    """One engine: the leader serves on ``port``; the worker holds rank 1 (each pinned to a core)."""
+
+    def __init__(self, tiny_model: Path, kv_config: Path, logs: Path, name: str) -> None:
+        port = free_port()
+        leader_command, worker_command = rendered_commands(tiny_model, kv_config, port)
+        self.leader = VLLMServer(tiny_model, logs / f"{name}-leader.log", port=port, threads_bind="0")
+        self.leader.args = leader_command
+        self.worker = VLLMServer(tiny_model, logs / f"{name}-worker.log", threads_bind="1")
+        self.worker.args = worker_command
+
+    def __enter__(self) -> VLLMServer:
+        self.worker.start()
+        self.leader.start()
+        self.leader.wait_ready(timeout=400)
+        return self.leader
+
+    def __exit__(self, *_: object) -> None:
+        self.leader.stop()
+        self.worker.stop()
+
+
+def same_greedy_answer(got: dict, want: dict) -> None:
+    g, w = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+    for i, (token, reference) in enumerate(zip(g["tokens"], w["tokens"], strict=True)):
+        top = sorted(w["top_logprobs"][i].values(), reverse=True)
+        if token != reference:  # a near tie flipped by the order of the sums; the rest follows it
+            assert top[0] - top[1] < NEAR_TIE, f"token {i}: {token!r} vs {reference!r}, reference top-2 {top}"
+            return
+        assert math.isclose(g["token_logprobs"][i], w["token_logprobs"][i], abs_tol=NEAR_TIE), i
+
+
+def shard_files(store: Path, tiny_model: Path, prompt_ids: list[int], block: int) -> list[Path]:
+    """The store files of each rank's share of the prompt's ``block``, as the connector names them."""
+    context = HashContext(
+        model=str(tiny_model),
+        dtype="float32",
+        block_size=BS,
+        tp_size=2,
+        weights=weights_fingerprint(str(tiny_model)),
+    )
+    block_id = BlockHasher(context).block_ids(prompt_ids)[block]
+    keys = [store_keys([block_id], rank, 2)[0].hex() for rank in (0, 1)]
+    return [store / key[:2] / key for key in keys]
+
+
+def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_rank(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    store, logs = tmp_path / "kv", tmp_path / "logs"
+    store.mkdir()
+    logs.mkdir()
+    kv_config = tmp_path / KV_CONFIG_FILE
+    kv_config.write_text(
+        __import__("json").dumps(kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}))
+    )
+    prompts = PROMPTS[:2]
+    ids = [AutoTokenizer.from_pretrained(tiny_model)(p)["input_ids"] for p in prompts]
+    assert all(len(i) >= 3 * BS for i in ids)
+
+    reference = VLLMServer(tiny_model, logs / "tp1.log", threads_bind="0-1").start()
+    try:
+        reference.wait_ready()
+        want = [reference.complete(p, max_tokens=16, logprobs=2) for p in prompts]
+    finally:
+        reference.stop()
+
+    with Group(tiny_model, kv_config, logs, "first") as engine:
+        for prompt, w in zip(prompts, want, strict=True):
+            same_greedy_answer(engine.complete(prompt, max_tokens=16, logprobs=2), w)
+    for prompt_ids in ids:
+        for block in range(len(prompt_ids) // BS):
+            assert all(f.is_file() for f in shard_files(store, tiny_model, prompt_ids, block)), block
+
+    # One rank's share of the second prompt's block 1 goes missing: that block and the rest of the
+    # prompt are recomputed, never loaded from rank 0's share alone.
+    shard_files(store, tiny_model, ids[1], 1)[1].unlink()
+    with Group(tiny_model, kv_config, logs, "second") as engine:  # a fresh prefix cache
+        whole, partial = (engine.complete(p, max_tokens=16, logprobs=2) for p in prompts)
+        assert cached_tokens(whole) == min(len(ids[0]) // BS * BS, len(ids[0]) - 1)  # one token is computed
+        assert cached_tokens(partial) == BS
+        same_greedy_answer(whole, want[0])
+        same_greedy_answer(partial, want[1])
