@@ -194,6 +194,38 @@ def test_the_top_k_is_exact_at_any_length_with_ties_and_scores_below_zero():
             assert (out[h, :k] // HKV).tolist() == want, f"k={k}, head {h}"
 
 
+@pytest.mark.parametrize("name", ["both", "bound", "mean"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_scores_at_the_head_dims_scored_sixteen_blocks_at_a_time(name, head_dim):
+    """Head dims 64 and 128 take the unrolled 16-block path (where the CPU has AVX-512 BF16): 40
+    blocks are two groups of 16 and a tail, each against the reference."""
+    scoring, n = SCORINGS[name], 40
+    g = torch.Generator().manual_seed(12)
+    s = BlockSummaries(scoring, n, B, HKV, head_dim, torch.bfloat16)
+    s.write(torch.randn(n * B, HKV, head_dim, generator=g).to(torch.bfloat16), torch.arange(n * B))
+    table = torch.randperm(n, generator=g).to(torch.int32)
+    q = torch.randn(1, H, head_dim, generator=g)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.zeros(HKV, n, dtype=torch.int32)
+    scores = torch.zeros(HKV, n)
+    one = torch.zeros(1, dtype=torch.int32)
+    s.select(
+        q,
+        one,
+        table[None],
+        torch.tensor([n * B], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        (1, 2),
+        scale,
+        out,
+        scores=scores,
+    )
+    summaries = [block_summary(s, p) for p in table.tolist()]
+    for h in range(HKV):
+        want = reference.group_scores(scoring, q[0], summaries, [B] * n, h, HKV, scale, s.dtype)
+        torch.testing.assert_close(scores[h], want, rtol=2e-3, atol=1e-6)
+
+
 def test_heads_of_one_request_select_different_blocks():
     """Each KV head's query group sees its own keys: a block planted for head h wins for h only."""
     tokens = 20 * B

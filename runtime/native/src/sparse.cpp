@@ -320,6 +320,39 @@ inline __m512 dot_bf16(__m512 acc, const uint16_t* a, const uint16_t* b, int64_t
   }
   return acc;
 }
+
+// Representations (rep[i], each [mean? | c r?] per ``bound_at``) of 16 blocks scored against every
+// query head of the group into 16 lanes of logits: for a head dim D known here, the 16 blocks'
+// dot products unroll and run interleaved (with D a runtime value each one was a chain of
+// dependent dpbf16s, waited on in turn: half of the selection's time).
+template <int64_t D>
+void score16(const uint16_t* const* rep, const Group& grp, bool has_mean, bool has_bound, int64_t bound_at,
+             int64_t bound_row, int64_t n, float* logits) {
+  __m512 acc[16];
+  for (int64_t j = 0; j < grp.g; ++j) {
+    __m512i q[D / 32], qa[D / 32];
+    for (int64_t k = 0; k < D / 32; ++k) {
+      q[k] = _mm512_loadu_si512(grp.qb + j * D + 32 * k);
+      qa[k] = _mm512_loadu_si512(grp.qab + j * D + 32 * k);
+    }
+    auto dot = [](__m512 a, const uint16_t* x, const __m512i* y) {
+      for (int64_t k = 0; k < D / 32; ++k)
+        a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + 32 * k)),
+                             reinterpret_cast<__m512bh>(y[k]));
+      return a;
+    };
+    if (has_mean) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = dot(_mm512_setzero_ps(), rep[i], q);
+      _mm512_storeu_ps(logits + j * n, reduce16(acc));
+    }
+    if (has_bound) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = dot(dot(_mm512_setzero_ps(), rep[i] + bound_at, q), rep[i] + bound_at + D, qa);
+      _mm512_storeu_ps(logits + (bound_row + j) * n, reduce16(acc));
+    }
+  }
+}
 #else
 constexpr bool kFastBf16 = false;
 #endif
@@ -338,25 +371,15 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   float row[3 * 512];
   int64_t blk = 0;
 #if defined(__AVX512BF16__)
-  if (fast && s.mode != Mode::Hash) {  // 16 blocks at a time: one vector of 16 logits per query head and estimate
+  if (fast && s.mode != Mode::Hash && (d == 64 || d == 128)) {  // 16 blocks at a time
     const uint16_t* base = static_cast<const uint16_t*>(s.rep);
-    __m512 acc[16];
     for (; blk + 16 <= n; blk += 16) {
       const uint16_t* rep[16];
       for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
-      for (int64_t j = 0; j < g; ++j) {
-        if (has_mean) {
-          for (int i = 0; i < 16; ++i) acc[i] = dot_bf16(_mm512_setzero_ps(), rep[i], grp.qb + j * d, d);
-          _mm512_storeu_ps(logits + j * n + blk, reduce16(acc));
-        }
-        if (has_bound) {
-          for (int i = 0; i < 16; ++i) {
-            acc[i] = dot_bf16(_mm512_setzero_ps(), rep[i] + bound_at, grp.qb + j * d, d);
-            acc[i] = dot_bf16(acc[i], rep[i] + bound_at + d, grp.qab + j * d, d);
-          }
-          _mm512_storeu_ps(logits + (bound_row + j) * n + blk, reduce16(acc));
-        }
-      }
+      if (d == 64)
+        score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
+      else
+        score16<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
     }
   }
 #endif
@@ -462,8 +485,10 @@ void select(const Summaries& s, const Selection& sel) {
     int32_t channels[512];
     uint8_t qhash[64 * 64];
 #pragma omp for schedule(dynamic)
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-      const int64_t r = pair / hkv, h = pair % hkv;
+    for (int64_t task = 0; task < pairs; ++task) {
+      // Head by head: the rows that follow one another on a thread read the same head's block
+      // summaries, which rows sharing a document (a prefix-cached prompt) share, from L2.
+      const int64_t h = task / sel.rows, r = task % sel.rows, pair = r * hkv + h;
       const int64_t seq = sel.seq_lens[r], n = (seq + b - 1) / b, k = std::min<int64_t>(sel.budget[r], n);
       const int32_t* table = sel.block_table + r * sel.table_stride;
       int32_t* out = sel.out + pair * sel.out_stride;
