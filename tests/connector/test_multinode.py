@@ -15,20 +15,18 @@ log-probabilities of the tokens both chose within ``NEAR_TIE``.
 
 from __future__ import annotations
 
+import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-from ucm.deploy.plan import KV_CONFIG_FILE, LEADER_ADDRESS, MODEL_MOUNT, WORKER_INDEX, build_plan
-from ucm.deploy.ports import free_port
-from ucm.deploy.roles import Site
-from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.deploy.plan import KV_CONFIG_FILE
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import store_keys
+from ucm_testing.engine_group import EngineGroup
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
@@ -37,56 +35,12 @@ BS = 32
 NEAR_TIE = 1e-3
 
 
-def rendered_commands(tiny_model: Path, kv_config: Path, port: int) -> tuple[list[str], list[str]]:
-    """The decode pool's leader and worker commands as the operator renders them, with what
-    Kubernetes and the LeaderWorkerSet controller fill in filled in for loopback."""
-    spec = UCMDeploymentSpec.model_validate(
-        {
-            "model": {
-                "source": {"hostPath": str(tiny_model)},
-                "dtype": "float32",
-                "blockSize": BS,
-                "maxModelLen": 1024,
-            },
-            "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 0}},
-            "decode": {"parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}, "drainTimeoutS": 0},
-            "store": {"type": "posix", "pvc": {"claimName": "kv"}},
-        }
-    )
-    role = build_plan("t", spec, Site("kubernetes")).role("decode")
-    assert role.group is not None
-    fill = {
-        "ucm": str(Path(sys.executable).parent / "ucm"),
-        f"/etc/ucm/{KV_CONFIG_FILE}": str(kv_config),
-        MODEL_MOUNT: str(tiny_model),  # where a pod mounts the hostPath model
-        "0.0.0.0": "127.0.0.1",
-        "8000": str(port),
-        LEADER_ADDRESS: "127.0.0.1",
-        WORKER_INDEX: "1",
-    }
-    return [fill.get(a, a) for a in role.command], [fill.get(a, a) for a in role.group.worker_command]
+MODEL = {"dtype": "float32", "blockSize": BS, "maxModelLen": 1024}
 
 
-class Group:
-    """One engine: the leader serves on ``port``; the worker holds rank 1 (each pinned to a core)."""
-
-    def __init__(self, tiny_model: Path, kv_config: Path, logs: Path, name: str) -> None:
-        port = free_port()
-        leader_command, worker_command = rendered_commands(tiny_model, kv_config, port)
-        self.leader = VLLMServer(tiny_model, logs / f"{name}-leader.log", port=port, threads_bind="0")
-        self.leader.args = leader_command
-        self.worker = VLLMServer(tiny_model, logs / f"{name}-worker.log", threads_bind="1")
-        self.worker.args = worker_command
-
-    def __enter__(self) -> VLLMServer:
-        self.worker.start()
-        self.leader.start()
-        self.leader.wait_ready(timeout=400)
-        return self.leader
-
-    def __exit__(self, *_: object) -> None:
-        self.leader.stop()
-        self.worker.stop()
+def group(tiny_model: Path, kv_config: Path, logs: Path, name: str) -> EngineGroup:
+    """The TP=2 engine over two processes, one core each."""
+    return EngineGroup(tiny_model, kv_config, logs, name, model_spec=MODEL, tensor=2, nodes=2, cores=["0", "1"])
 
 
 def same_greedy_answer(got: dict, want: dict) -> None:
@@ -120,9 +74,7 @@ def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_
     store.mkdir()
     logs.mkdir()
     kv_config = tmp_path / KV_CONFIG_FILE
-    kv_config.write_text(
-        __import__("json").dumps(kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}))
-    )
+    kv_config.write_text(json.dumps(kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}})))
     prompts = PROMPTS[:2]
     ids = [AutoTokenizer.from_pretrained(tiny_model)(p)["input_ids"] for p in prompts]
     assert all(len(i) >= 3 * BS for i in ids)
@@ -134,7 +86,7 @@ def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_
     finally:
         reference.stop()
 
-    with Group(tiny_model, kv_config, logs, "first") as engine:
+    with group(tiny_model, kv_config, logs, "first") as engine:
         for prompt, w in zip(prompts, want, strict=True):
             same_greedy_answer(engine.complete(prompt, max_tokens=16, logprobs=2), w)
     for prompt_ids in ids:
@@ -144,7 +96,7 @@ def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_
     # One rank's share of the second prompt's block 1 goes missing: that block and the rest of the
     # prompt are recomputed, never loaded from rank 0's share alone.
     shard_files(store, tiny_model, ids[1], 1)[1].unlink()
-    with Group(tiny_model, kv_config, logs, "second") as engine:  # a fresh prefix cache
+    with group(tiny_model, kv_config, logs, "second") as engine:  # a fresh prefix cache
         whole, partial = (engine.complete(p, max_tokens=16, logprobs=2) for p in prompts)
         assert cached_tokens(whole) == min(len(ids[0]) // BS * BS, len(ids[0]) - 1)  # one token is computed
         assert cached_tokens(partial) == BS
