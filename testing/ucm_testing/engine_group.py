@@ -42,6 +42,10 @@ def rendered_commands(
     if role.group is not None:
         for rank in range(1, nodes):
             commands.append([fill.get(a, str(rank) if a == WORKER_INDEX else a) for a in role.group.worker_command])
+        # Pods have an address each and use vLLM's default rendezvous port; groups on one machine
+        # share an address, so each takes a port of its own.
+        rendezvous = ["--master-port", str(free_port())]
+        commands = [[*c, *rendezvous] for c in commands]
     return commands
 
 
