@@ -485,10 +485,8 @@ void select(const Summaries& s, const Selection& sel) {
     int32_t channels[512];
     uint8_t qhash[64 * 64];
 #pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < pairs; ++task) {
-      // Head by head: the rows that follow one another on a thread read the same head's block
-      // summaries, which rows sharing a document (a prefix-cached prompt) share, from L2.
-      const int64_t h = task / sel.rows, r = task % sel.rows, pair = r * hkv + h;
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t r = pair / hkv, h = pair % hkv;
       const int64_t seq = sel.seq_lens[r], n = (seq + b - 1) / b, k = std::min<int64_t>(sel.budget[r], n);
       const int32_t* table = sel.block_table + r * sel.table_stride;
       int32_t* out = sel.out + pair * sel.out_stride;
