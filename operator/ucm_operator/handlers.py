@@ -43,7 +43,7 @@ from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
 from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec
 from ucm_operator.api import INSTALLED_WITH, KINDS, Api, ApiError, MissingKind, NameConflict, controlled_by
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
-from ucm_operator.status import Child, child_from, computed_status, invalid_status
+from ucm_operator.status import WORKLOADS, Child, child_from, computed_status, invalid_status
 from ucm_proxy.config import ProxyConfig
 
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -260,7 +260,7 @@ async def pd_path_changed(
     await refresh(state, namespace, name, kwargs)
 
 
-for _kind in ("Deployment", "LeaderWorkerSet", "PersistentVolumeClaim"):  # the children ours depends on
+for _kind in (*WORKLOADS, "PersistentVolumeClaim"):  # the children whose status ours depends on
     _group, _version, _plural = KINDS[_kind]
     kopf.on.event(
         *_resource(_group, _version, _plural), id=f"status_from_{_plural}", labels=MANAGED, registry=registry

@@ -24,6 +24,7 @@ from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION
 from ucm_operator.api import KINDS, UNWATCHED
 from ucm_operator.api import path as child_path
 from ucm_operator.handlers import new_memo, registry
+from ucm_operator.status import WORKLOADS
 
 DRIVER_HEADER = "X-UCM-Test-Driver"
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
@@ -157,7 +158,7 @@ class Driver:
         """Report every Deployment (and LeaderWorkerSet: its groups) of ``name`` (un)ready, as their
         controllers would once pods run."""
         for (kind, child), obj in (await self.children(namespace, name)).items():
-            if kind in ("Deployment", "LeaderWorkerSet"):
+            if kind in WORKLOADS:
                 n = obj["spec"].get("replicas", 1) if ready else 0  # the API server's default
                 status = {"replicas": n, "readyReplicas": n, "updatedReplicas": n}
                 if kind == "Deployment":  # a LeaderWorkerSet's status has no observedGeneration
