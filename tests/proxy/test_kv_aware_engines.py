@@ -8,12 +8,12 @@ cached. The engines' own ``cached_tokens`` tell where a request ran.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 
 import pytest
 
+from ucm.deploy.plan import kv_events_config
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.prompts import PROMPTS
@@ -21,18 +21,6 @@ from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
 pytestmark = pytest.mark.slow
 BS = 32
-
-
-def events_config(port: int, replay: int) -> str:
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{port}",
-            "replay_endpoint": f"tcp://*:{replay}",
-            "topic": "kv-events",
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +35,7 @@ def engines(tiny_model, tmp_path_factory):
             tiny_model,
             logs / f"{name}.log",
             kv_transfer_config=kv,
-            extra_args=["--kv-events-config", events_config(port, replay)],
+            extra_args=["--kv-events-config", kv_events_config(f"tcp://*:{port}", f"tcp://*:{replay}")],
         )
         server.env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, to check that clears reach the index
         server.events = {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay}"}
