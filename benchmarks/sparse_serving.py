@@ -2,10 +2,13 @@
 and a zero-cost static selection, side by side in one run, on a real pretrained model
 (SmolLM2-135M-Instruct) and real text (Paul Graham's essays): see benchmarks/real_model.py.
 
-Engines run in turn on the same cores, each with UCMConnector on one POSIX store per model
-configuration: the first engine (dense) computes every prompt and writes its KV to the store, later
-engines load it instead of recomputing (prefill is dense in every arm, so the bytes are the same).
-Without that, 100 needle prompts of 7,000 tokens per arm would take hours on two cores.
+Every arm's engine of one model configuration runs at once (idle ones wait without spinning), each
+with UCMConnector on one POSIX store: dense computes every prompt first and writes its KV to the
+store, the other arms load it instead of recomputing (prefill is dense in every arm, so the bytes
+are the same). Without that, 100 needle prompts of 7,000 tokens per arm would take hours on two
+cores. Timed runs alternate between the arms (round r runs them in order, round r+1 in reverse), so
+that every ratio pairs runs seconds apart: on a shared machine one engine's rate moves by 20%
+between runs a minute apart, which a ratio of separate medians would carry.
 
 **Speed** (``--contexts``; above SmolLM2's 8,192 trained positions the model runs RoPE-scaled, for
 speed only): ``--rows`` concurrent requests of that many tokens, sharing one document (prefix-
@@ -14,12 +17,13 @@ Every arm reads each request's whole context: sharing saves prefill, not decode 
 
   decode_tokens_per_s        tokens of all rows between the moment every row has its first
                              token and the moment the first one ends, per second (the median
-                             of --repeats timed runs in the same engine; runs_tokens_per_s
-                             lists them)
+                             of --repeats timed runs, one per round; runs_tokens_per_s lists them)
   itl_p50_ms / itl_p99_ms    inter-token gaps in that window
-  speedup_vs_dense           / dense at the same context
+  speedup_vs_dense           / dense at the same context: the median over rounds of the ratio of
+                             the two arms' runs in that round (paired)
   speedup_vs_bound           / static (first and last blocks, no scoring) at the same kept
-                             fraction: what any selection costing nothing would reach here
+                             fraction, paired the same way: what any selection costing nothing
+                             would reach here
   selection_share_of_step    the backend's selection seconds (ucm_sparse_selection_seconds)
                              over the run's wall time: scoring, top-k, summary refreshes
   kv_fraction_attended       blocks read / blocks held, dense layers included
@@ -80,6 +84,10 @@ NATIVE = 8192  # SmolLM2's trained positions
 QUESTION = "\n\nWhat is the special magic number mentioned in the text above?"
 ANSWER_START = "The special magic number is"
 AGREEMENT_TOKENS = 32
+# vLLM's engine processes poll their shared-memory queues with sched_yield for 1 s after their last
+# message: an engine timed right after another ran met 200-400 ms stalls on two cores. Each timed
+# run waits this long first.
+SETTLE_S = 2.0
 
 
 class Text:
@@ -154,6 +162,41 @@ class Arm:
         return config
 
 
+def held_tokens(args: argparse.Namespace, contexts: list[int], needles: list[int], factor: int) -> int:
+    """Tokens an engine's KV cache must hold at once: a speed run's rows (their shared document once)
+    with their endings and decoded tokens, a needle prompt, and vLLM's own minimum (one request of
+    the longest length the engine allows)."""
+    speed = max(
+        (
+            (args.rows * c if args.distinct_documents else c + 64 * args.rows) + args.rows * (args.decode_tokens + 2)
+            for c in contexts
+        ),
+        default=0,
+    )
+    return max(speed, max(needles, default=0), NATIVE * factor)
+
+
+def kv_cache_gib(model: Path, tokens: int) -> int:
+    """Whole GiB (VLLM_CPU_KVCACHE_SPACE's unit) that hold ``tokens`` of the model's KV, +25%."""
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2  # K and V, bfloat16
+    return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
+
+
+def check_memory(engines: int, kv_gib: int) -> None:
+    """Every arm's engine runs at once: refuse a plan this machine's memory cannot hold (~1.5 GiB per
+    engine besides its KV cache)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    need = engines * (kv_gib + 1.5) * 2**30
+    if need > available:
+        raise SystemExit(
+            f"{engines} engines x ({kv_gib} GiB of KV cache + ~1.5 GiB) need {need / 2**30:.0f} GiB, "
+            f"{available / 2**30:.0f} GiB are available: fewer --algorithms, --rows or --contexts"
+        )
+
+
 def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, knobs: dict[str, Any]):
     length = NATIVE * arm.factor
     args = ["--dtype", "bfloat16", "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
@@ -207,40 +250,57 @@ class Speed:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def measure_speed(server: VLLMServer, prompts: list[list[int]], decode_tokens: int, repeats: int = 1) -> Speed:
-    """``repeats`` timed runs in the same engine: their median rate, every rate (their spread says how
-    much of a difference between arms this machine's noise can make), inter-token gaps pooled."""
-    # Warm-up: the first prompt computes (or loads) the document, then every row's prompt is
-    # cached and one decode step refreshes the summaries of loaded blocks: the timed run is steady.
-    asyncio.run(run_rows(server, prompts[:1], 2))
-    asyncio.run(run_rows(server, prompts, 2))
-    before = metric_totals(server.url)
-    rates: list[float] = []
-    gaps: list[float] = []
-    wall = 0.0
-    texts: list[list[str]] = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runs = asyncio.run(run_rows(server, prompts, decode_tokens))
-        wall += time.perf_counter() - started
-        start = max(t[0] for t, _ in runs)  # every row is decoding from here
-        end = min(t[-1] for t, _ in runs)  # until the first one ends
-        produced = sum(sum(1 for x in t if start < x <= end) for t, _ in runs)
-        rates.append(produced / (end - start) if end > start else float("nan"))
-        gaps += [(b - a) * 1e3 for t, _ in runs for a, b in itertools.pairwise(t) if start <= a and b <= end]
-        texts = texts or [t for _, t in runs]
-    after = metric_totals(server.url)
-    gaps.sort()
-    delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("ucm_sparse") or k.startswith("vllm:")}
-    return Speed(
-        tokens_per_s=statistics.median(rates),
-        runs_tokens_per_s=[round(r, 2) for r in rates],
-        itl_p50_ms=gaps[len(gaps) // 2] if gaps else float("nan"),
-        itl_p99_ms=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan"),
-        wall_s=wall,
-        texts=texts,
-        metrics=delta,
-    )
+def measure_speed(
+    servers: dict[str, VLLMServer], prompts: list[list[int]], decode_tokens: int, repeats: int = 1
+) -> dict[str, Speed]:
+    """``repeats`` rounds, each one timed run per arm (in order, then in reverse the next round): per
+    arm the median rate, every rate (their spread says how much this machine's noise moves one
+    engine), inter-token gaps pooled; :func:`paired_ratio` compares two arms round by round."""
+    # Warm-up, dense first (it computes the document and stores it; the others load it): then every
+    # row's prompt is cached and one decode step refreshes the summaries of loaded blocks.
+    for server in servers.values():
+        asyncio.run(run_rows(server, prompts[:1], 2))
+        asyncio.run(run_rows(server, prompts, 2))
+    before = {name: metric_totals(server.url) for name, server in servers.items()}
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+    gaps: dict[str, list[float]] = {name: [] for name in servers}
+    wall = dict.fromkeys(servers, 0.0)
+    texts: dict[str, list[list[str]]] = {}
+    order = list(servers)
+    for round_ in range(repeats):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            time.sleep(SETTLE_S)
+            started = time.perf_counter()
+            runs = asyncio.run(run_rows(servers[name], prompts, decode_tokens))
+            wall[name] += time.perf_counter() - started
+            start = max(t[0] for t, _ in runs)  # every row is decoding from here
+            end = min(t[-1] for t, _ in runs)  # until the first one ends
+            produced = sum(sum(1 for x in t if start < x <= end) for t, _ in runs)
+            rates[name].append(produced / (end - start) if end > start else float("nan"))
+            gaps[name] += [(b - a) * 1e3 for t, _ in runs for a, b in itertools.pairwise(t) if start <= a and b <= end]
+            texts.setdefault(name, [t for _, t in runs])
+    speeds = {}
+    for name, server in servers.items():
+        after = metric_totals(server.url)
+        delta = {
+            k: after[k] - before[name].get(k, 0.0) for k in after if k.startswith("ucm_sparse") or k.startswith("vllm:")
+        }
+        g = sorted(gaps[name])
+        speeds[name] = Speed(
+            tokens_per_s=statistics.median(rates[name]),
+            runs_tokens_per_s=[round(r, 2) for r in rates[name]],
+            itl_p50_ms=g[len(g) // 2] if g else float("nan"),
+            itl_p99_ms=g[min(len(g) - 1, int(0.99 * len(g)))] if g else float("nan"),
+            wall_s=wall[name],
+            texts=texts[name],
+            metrics=delta,
+        )
+    return speeds
+
+
+def paired_ratio(a: Speed, b: Speed) -> float:
+    """``a``'s rate over ``b``'s, round by round (the runs of one round are seconds apart), median."""
+    return statistics.median(x / y for x, y in zip(a.runs_tokens_per_s, b.runs_tokens_per_s, strict=True))
 
 
 def agreement(texts: list[list[str]], reference: list[list[str]]) -> float:
@@ -334,12 +394,17 @@ def main() -> int:
         type=int,
         help="the top-k algorithms' observation_window: last prompt tokens whose attention is kept as a prior",
     )
-    p.add_argument("--kv-cache-gib", type=int, default=6)
+    p.add_argument(
+        "--kv-cache-gib", type=int, help="each engine's KV cache (default: what the longest row set needs, +25%%)"
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     algorithms = (args.algorithms or (f"{DEFAULT},static" if args.quick else ",".join(SETTINGS))).split(",")
     if "static" not in algorithms:
         algorithms.append("static")
+    arms = ["dense", *algorithms]
+    if len(set(arms)) != len(arms):
+        raise SystemExit(f"--algorithms: an arm is named twice in {', '.join(arms)}")
     speeds = args.contexts if args.contexts is not None else "2000,7000,16000,32000"
     contexts = [int(c) for c in speeds.split(",") if c]
     needles = args.needle_contexts if args.needle_contexts is not None else ("7000" if args.quick else "2000,7000")
@@ -362,7 +427,6 @@ def main() -> int:
     groups = {"native": 1, "scaled": max(1, math.ceil((max(contexts, default=0) + 256) / NATIVE))}
     speed_rows: list[dict[str, Any]] = []
     accuracy_rows: list[dict[str, Any]] = []
-    dense_speed: dict[int, Speed] = {}
     dense_short: dict[str, Speed] = {}
     dense_needles: dict[int, list[bool]] = {}
     trials = {c: trials_for(c, haystacks, depths, seed=c) for c in needle_contexts}
@@ -371,38 +435,44 @@ def main() -> int:
         group_needles = needle_contexts if group == "native" else []
         if not group_contexts and not group_needles:
             continue
+        kv_gib = args.kv_cache_gib or kv_cache_gib(model, held_tokens(args, group_contexts, group_needles, factor))
+        check_memory(len(arms), kv_gib)
         store = work / f"store-{group}"
         store.mkdir()
+        servers: dict[str, VLLMServer] = {}
         try:
-            for name in ["dense", *algorithms]:
+            for name in arms:
                 arm = Arm(name, group, factor)
-                needles_here = group_needles if name not in ("static",) or not args.quick else []
-                server = engine(model, arm, store, work, args.rows, args.kv_cache_gib, knobs).start()
-                try:
-                    server.wait_ready(900)
+                servers[name] = engine(model, arm, store, work, args.rows, kv_gib, knobs).start()
+            for server in servers.values():
+                server.wait_ready(900)
+            if group_contexts:
+                short_rows = text.rows(args.short_context, args.rows)
+                dense = {"dense": servers["dense"]}
+                dense_short[group] = measure_speed(dense, short_rows, args.decode_tokens, args.repeats)["dense"]
+            for context in group_contexts:
+                prompts = text.rows(context, args.rows, args.distinct_documents)
+                speeds = measure_speed(servers, prompts, args.decode_tokens, args.repeats)
+                for name, s in speeds.items():
+                    row = speed_row(name, group, context, args.rows, s, speeds)
                     if name == "dense":
-                        short_rows = text.rows(args.short_context, args.rows)
-                        dense_short[group] = measure_speed(server, short_rows, args.decode_tokens, args.repeats)
-                    for context in group_contexts:
-                        prompts = text.rows(context, args.rows, args.distinct_documents)
-                        s = measure_speed(server, prompts, args.decode_tokens, args.repeats)
-                        row = speed_row(name, group, context, args.rows, s, dense_speed.get(context))
-                        if name == "dense":
-                            dense_speed[context] = s
-                            row |= step_split(s, dense_short[group], args.rows)
-                        speed_rows.append(row)
-                        print(format_speed(row), flush=True)
-                    for context in needles_here:
-                        outcomes = needle_outcomes(server, text, trials[context])
-                        reference = dense_needles.setdefault(context, outcomes) if name != "dense" else None
-                        if name == "dense":
-                            dense_needles[context] = outcomes
-                        row = accuracy_row(name, context, trials[context], outcomes, reference)
-                        accuracy_rows.append(row)
-                        print(format_accuracy(row), flush=True)
-                finally:
-                    server.stop()
+                        row |= step_split(s, dense_short[group], args.rows)
+                    speed_rows.append(row)
+                    print(format_speed(row), flush=True)
+            for context in group_needles:
+                for name in arms:  # dense first: the reference
+                    if name == "static" and args.quick:
+                        continue
+                    outcomes = needle_outcomes(servers[name], text, trials[context])
+                    if name == "dense":
+                        dense_needles[context] = outcomes
+                    reference = dense_needles[context] if name != "dense" else None
+                    row = accuracy_row(name, context, trials[context], outcomes, reference)
+                    accuracy_rows.append(row)
+                    print(format_accuracy(row), flush=True)
         finally:
+            for server in servers.values():
+                server.stop()
             shutil.rmtree(store)
     report = summarize(speed_rows, accuracy_rows, algorithms, contexts, needle_contexts)
     report["setup"] = {
@@ -422,7 +492,7 @@ def main() -> int:
     return 0
 
 
-def speed_row(name: str, group: str, context: int, rows: int, s: Speed, dense: Speed | None) -> dict[str, Any]:
+def speed_row(name: str, group: str, context: int, rows: int, s: Speed, arms: dict[str, Speed]) -> dict[str, Any]:
     m = s.metrics
     available = m.get("ucm_sparse_blocks_available_total", 0.0)
     selection = m.get("ucm_sparse_selection_seconds_sum", 0.0)
@@ -440,10 +510,11 @@ def speed_row(name: str, group: str, context: int, rows: int, s: Speed, dense: S
         else 1.0,
         "selection_share_of_step": round(selection / s.wall_s, 4),
     }
-    if dense is not None:
-        row["speedup_vs_dense"] = round(s.tokens_per_s / dense.tokens_per_s, 3)
-        row["token_agreement_vs_dense"] = round(agreement(s.texts, dense.texts), 3)
-    row["_texts"] = s.texts
+    if name != "dense":
+        row["speedup_vs_dense"] = round(paired_ratio(s, arms["dense"]), 3)
+        row["token_agreement_vs_dense"] = round(agreement(s.texts, arms["dense"].texts), 3)
+    if name not in ("dense", "static") and "static" in arms:
+        row["speedup_vs_bound"] = round(paired_ratio(s, arms["static"]), 3)
     return row
 
 
@@ -467,16 +538,11 @@ def summarize(
     needle_contexts: list[int],
 ) -> dict[str, Any]:
     by = {(r["algorithm"], r["context_tokens"]): r for r in speed}
-    for r in speed:  # the bound: static at the same context
-        static = by.get(("static", r["context_tokens"]))
-        if static is not None and r["algorithm"] not in ("dense", "static"):
-            r["speedup_vs_bound"] = round(r["decode_tokens_per_s"] / static["decode_tokens_per_s"], 3)
+    for r in speed:
         dense = by.get(("dense", r["context_tokens"]))
         if dense is not None and "dense_attention_ms" in dense and r["algorithm"] != "dense":
             predicted = dense["dense_rest_ms"] + r["kv_fraction_attended"] * dense["dense_attention_ms"]
             r["bound_on_paper_speedup"] = round(dense["dense_step_ms"] / predicted, 3)
-    for r in speed:
-        r.pop("_texts", None)
     default = DEFAULT if DEFAULT in algorithms else algorithms[0]
     longest = max(contexts, default=None)
     native = max([c for c in contexts if c + 256 <= NATIVE], default=None)
