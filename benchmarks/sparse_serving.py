@@ -185,14 +185,15 @@ def kv_cache_gib(model: Path, tokens: int) -> int:
 
 
 def check_memory(engines: int, kv_gib: int) -> None:
-    """Every arm's engine runs at once: refuse a plan this machine's memory cannot hold (~1.5 GiB per
-    engine besides its KV cache)."""
+    """Every arm's engine runs at once: refuse a plan this machine's memory cannot hold (~2.5 GiB per
+    engine besides its KV cache, as measured with three 32k engines; that run, with ~1 GiB left free,
+    had one engine stall past vLLM's 300 s step limit)."""
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     available = int(meminfo["MemAvailable"].split()[0]) * 1024
-    need = engines * (kv_gib + 1.5) * 2**30
+    need = engines * (kv_gib + 2.5) * 2**30
     if need > available:
         raise SystemExit(
-            f"{engines} engines x ({kv_gib} GiB of KV cache + ~1.5 GiB) need {need / 2**30:.0f} GiB, "
+            f"{engines} engines x ({kv_gib} GiB of KV cache + ~2.5 GiB) need {need / 2**30:.0f} GiB, "
             f"{available / 2**30:.0f} GiB are available: fewer --algorithms, --rows or --contexts"
         )
 
