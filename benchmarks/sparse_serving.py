@@ -480,6 +480,7 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct (bfloat16)",
         "rows": args.rows,
         "decode_tokens": args.decode_tokens,
+        "rounds": args.repeats,  # each times every arm once; ratios are medians of per-round ratios
         "scaled_rope_factor": groups["scaled"],
         "block_size": args.block_size or "vLLM's default",
         "documents": "one per row" if args.distinct_documents else "one shared by the rows",
