@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ NAME = "monitored"
 def monitored(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     spec = {**default_spec(tiny), "sparse": SPARSE}
     spec["store"] = {**spec["store"], "files": {"capacity": "256Mi"}}
+    spec["proxy"] = {"metricsAuth": True}  # Prometheus scrapes the proxy with the generated token
     args = ("--monitor", "--monitor-port", "0")
     with running(Stack(tmp_path_factory.mktemp("monitored"), spec, name=NAME, args=args)) as s:
         yield s
@@ -106,8 +108,14 @@ def test_every_rule_and_panel_has_data_from_a_running_stack(monitored: Stack):
     # The store's own series leave the engines' worker processes (summed on their /metrics).
     assert query(url, 'ucm_store_blocks_total{op="load", result="ok", ucm_role="decode"} > 0')
     assert query(url, 'ucm_store_blocks_total{op="dump", result="ok", ucm_role="prefill"} > 0')
-    (roles,) = [query(url, 'count by (ucm_role) (up{ucm_role=~"prefill|decode"} == 1)')]
-    assert {s["metric"]["ucm_role"] for s in roles} == {"prefill", "decode"}
+    (roles,) = [query(url, 'count by (ucm_role) (up{ucm_role=~"prefill|decode|proxy"} == 1)')]
+    assert {s["metric"]["ucm_role"] for s in roles} == {"prefill", "decode", "proxy"}
+    # ... the proxy with its token: without it, its /metrics refuses.
+    try:
+        urllib.request.urlopen(monitored.base_url.removesuffix("/v1") + "/metrics", timeout=10)
+        raise AssertionError("the proxy's /metrics answered without the metrics token")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 401
     with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     evaluated = {rule["name"]: rule for g in groups for rule in g["rules"]}

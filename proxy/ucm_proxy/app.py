@@ -51,7 +51,7 @@ from ucm_proxy.decider import Decider
 from ucm_proxy.errors import NoBackend, Passthrough, ProxyError, Retry
 from ucm_proxy.exchange import Exchange
 from ucm_proxy.http1 import Client, TooLarge, UpstreamError
-from ucm_proxy.keys import ApiKeys
+from ucm_proxy.keys import ApiKeys, bearer
 from ucm_proxy.kvevents import Followers
 from ucm_proxy.kvroute import KVRouter
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
@@ -83,6 +83,8 @@ class Proxy:
         self.kv_router: KVRouter | None = None
         self.set_backends(urls)
         self.keys = ApiKeys(config.api_keys, config.api_keys_file)
+        # Not the clients' keys: a tenant's key must not read the counters of every tenant.
+        self.scrape_tokens = ApiKeys([], config.metrics_token_file) if config.metrics_token_file else None
         self.models: set[str] = set()
         self.recent = RecentPaths()
         split = config.disaggregation
@@ -307,12 +309,20 @@ class Proxy:
         keys = self.keys.current()
         if not keys:
             return None
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or token not in keys:
+        token = bearer(authorization, keys)
+        if token is None:
             raise ProxyError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>).", None, "authentication_error"
             )
         return token
+
+    def authorize_scrape(self, authorization: str | None) -> None:
+        """/metrics and /pd-path: 401 without the scrape token, when the proxy has one."""
+        if self.scrape_tokens is not None and bearer(authorization, self.scrape_tokens.current()) is None:
+            metrics.child(metrics.REJECTED, "scrape_token").inc()
+            raise ProxyError(
+                401, "Invalid or missing metrics token (Authorization: Bearer <token>).", None, "authentication_error"
+            )
 
     async def _read_body(self, exchange: Exchange) -> bytes:
         limit = self.config.max_body_bytes
@@ -657,14 +667,22 @@ def create_app(config: ProxyConfig) -> ProxyApp:
             return JSONResponse({"status": "ready"})
         return ProxyError(503, "Not ready: no healthy backend for a needed role.").response()
 
+    # Backend addresses and counts, no request content: open unless metrics_token_file is set.
     @api.get("/pd-path")
-    async def pd_path() -> dict[str, Any]:
-        # Like /metrics, open to probes: backend addresses and counts, no request content.
+    async def pd_path(request: Request) -> Response:
+        try:
+            proxy.authorize_scrape(request.headers.get("authorization"))
+        except ProxyError as exc:
+            return exc.response()
         checker = proxy.path_checker
-        return proxy.recent.report(checker.last if checker is not None else None)
+        return JSONResponse(proxy.recent.report(checker.last if checker is not None else None))
 
     @api.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        try:
+            proxy.authorize_scrape(request.headers.get("authorization"))
+        except ProxyError as exc:
+            return exc.response()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return ProxyApp(proxy, api)

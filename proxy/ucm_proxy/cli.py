@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(config.model_dump_json(indent=2))
             return 0
         ApiKeys(config.api_keys, config.api_keys_file)  # unreadable key files are startup errors
+        if config.metrics_token_file is not None and not ApiKeys([], config.metrics_token_file).current():
+            raise ConfigError(f"metrics_token_file: {config.metrics_token_file} holds no token")
         config.backend_key()
     except (ConfigError, OSError) as exc:
         print(f"ucm-proxy: error: {exc}", file=sys.stderr)

@@ -249,6 +249,11 @@ class ProxyConfig(StrictModel):
         description="File with the key the engines require (vLLM's --api-key / VLLM_API_KEY), sent to every "
         "backend; a client's own Authorization is never forwarded",
     )
+    metrics_token_file: Path | None = Field(
+        None,
+        description="File with the bearer token that /metrics and /pd-path then require (a Secret; re-read when it "
+        "changes, one token per line during a rotation); none: they are open to whoever reaches the proxy",
+    )
     cache_salt: Literal["client", "per_key", "none"] = Field(
         "client",
         description="A request's cache_salt: the client's own; per_key: derived from its API key (tenants "

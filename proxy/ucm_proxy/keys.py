@@ -16,6 +16,12 @@ def read_keys(path: Path) -> set[str]:
     return {line.strip() for line in path.read_text().splitlines() if line.strip()}
 
 
+def bearer(authorization: str | None, accepted: set[str]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header when it is one of ``accepted``."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token if scheme.lower() == "bearer" and token in accepted else None
+
+
 class ApiKeys:
     def __init__(self, inline: list[str], path: Path | None, check_every_s: float = 1.0) -> None:
         self._inline, self._path, self._every = set(inline), path, check_every_s

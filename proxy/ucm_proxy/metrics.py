@@ -45,7 +45,8 @@ REJECTED = Counter(
     "Requests refused by a limit that protects the proxy, by reason: header_bytes, header_count (431: the head "
     "over max_header_bytes or max_header_count), header_timeout, body_timeout (408: past timeouts.header_s or "
     "body_s), in_flight, in_flight_bytes (429: the proxy at max_in_flight or max_in_flight_bytes), client_bytes "
-    "(429: the client at its share, max_client_bytes)",
+    "(429: the client at its share, max_client_bytes), scrape_token (401: /metrics or /pd-path without the "
+    "metrics_token_file's token)",
     ["reason"],
 )
 WAITING = Gauge("ucm_proxy_waiting_requests", "Requests waiting for a backend of a pool with none available", ["role"])

@@ -324,15 +324,23 @@ def test_a_restart_with_a_changed_spec_rolls_only_the_pools_it_changes(tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian's prometheus (make dev installs it)")
-def test_the_monitor_scrapes_every_engine_and_the_proxy_with_the_shipped_rules(tmp_path):
-    stack = LocalStack(spec(tmp_path, decode={"replicas": 2}), tmp_path / "run", monitor_port=0)
+@pytest.mark.parametrize("metrics_auth", [False, True])
+def test_the_monitor_scrapes_every_engine_and_the_proxy_with_the_shipped_rules(tmp_path, metrics_auth):
+    s = spec(tmp_path, decode={"replicas": 2}, proxy={"metricsAuth": metrics_auth})
+    stack = LocalStack(s, tmp_path / "run", monitor_port=0)
     stack.write_files()
-    prometheus.write_config(stack.run_dir)
+    token = stack.run_dir / "credentials" / "metrics-token"
+    assert token.exists() == metrics_auth
+    prometheus.write_config(stack.run_dir, token if metrics_auth else None)
     stack._write_scrape_targets()
     check = subprocess.run(
         ["promtool", "check", "config", str(stack.run_dir / prometheus.CONFIG_FILE)], capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr  # the rules file it names included
+    (job,) = yaml.safe_load((stack.run_dir / prometheus.CONFIG_FILE).read_text())["scrape_configs"]
+    assert job.get("authorization") == ({"type": "Bearer", "credentials_file": str(token)} if metrics_auth else None)
+    proxy_config = yaml.safe_load((stack.run_dir / "proxy.yaml").read_text())
+    assert proxy_config.get("metrics_token_file") == (str(token) if metrics_auth else None)
     targets = json.loads((stack.run_dir / prometheus.TARGETS_FILE).read_text())
     scraped = sorted((t["labels"]["ucm_role"], t["targets"][0]) for t in targets)
     expected = sorted(

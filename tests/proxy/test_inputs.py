@@ -125,6 +125,46 @@ def test_api_keys(fakes, make_proxy, tmp_path):
         assert c.get("/health").status_code == 200  # probes need no key
 
 
+def test_metrics_and_the_pd_path_need_the_scrape_token_when_one_is_set(fakes, make_proxy, tmp_path):
+    """A tenant's API key does not open the counters of every tenant; Prometheus' token does."""
+    p, d = fakes.add("p"), fakes.add("d")
+    (tmp_path / "keys").write_text("tenant-key\n")
+    (tmp_path / "token").write_text("scrape-token\n")
+    proxy = make_proxy(
+        prefill=[p.url],
+        decode=[d.url],
+        api_keys_file=str(tmp_path / "keys"),
+        metrics_token_file=str(tmp_path / "token"),
+    )
+    with proxy.client() as c:
+        for path in ("/metrics", "/pd-path"):
+            for auth in (None, "Bearer tenant-key", "Bearer scrape-token-not", "Basic scrape-token"):
+                r = c.get(path, headers={"Authorization": auth} if auth else {})
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, auth)
+            assert c.get(path, headers={"Authorization": "Bearer scrape-token"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/ready").status_code == 200  # probes need none
+        # ... and the token is no API key.
+        assert (
+            c.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer scrape-token"}).status_code
+            == 401
+        )
+        text = c.get("/metrics", headers={"Authorization": "Bearer scrape-token"}).text
+    refused = [
+        line
+        for line in text.splitlines()
+        if line.startswith('ucm_proxy_rejected_requests_total{reason="scrape_token"}')
+    ]
+    assert refused and float(refused[0].split()[-1]) >= 8
+
+
+def test_a_metrics_token_file_without_a_token_is_a_startup_error(tmp_path):
+    (tmp_path / "token").write_text("\n")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(f"decode: [http://d:8000]\nfallback_to_decode: true\nmetrics_token_file: {tmp_path / 'token'}\n")
+    r = subprocess.run([sys.executable, "-m", "ucm_proxy", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "metrics_token_file" in r.stderr and "holds no token" in r.stderr
+
+
 def test_a_revoked_key_stops_working_without_a_restart(fakes, make_proxy, tmp_path):
     """Kubernetes updates a mounted Secret by swapping a directory behind a symlink."""
     p, d = fakes.add("p"), fakes.add("d")

@@ -15,7 +15,17 @@ from typing import Any
 
 from ucm.deploy.autoscaling import Autoscaler, autoscaling
 from ucm.deploy.monitors import Monitors
-from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, STORE_COMPONENTS, Plan, Probe, Role
+from ucm.deploy.roles import (
+    CREDENTIALS,
+    ENGINES,
+    METRICS_TOKEN,
+    STOP_SLACK_S,
+    STORE_COMPONENTS,
+    Plan,
+    Probe,
+    Role,
+    credentials_secret,
+)
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION, Scraper, UCMDeploymentSpec
 
 MANAGED_BY = "ucm-operator"
@@ -131,7 +141,10 @@ def render(
         "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": engines}],
     }
     proxy = {"matchLabels": selector(owner.name, "proxy")}
-    objects += (monitors or Monitors()).render(owner.meta, engine_pods, proxy)
+    token = None
+    if METRICS_TOKEN in plan.credentials:
+        token = {"name": credentials_secret(owner.name), "key": METRICS_TOKEN}
+    objects += (monitors or Monitors()).render(owner.meta, engine_pods, proxy, token)
     for obj in objects:
         obj["metadata"].setdefault("annotations", {})[DESIRED_HASH] = digest(obj)
     return objects

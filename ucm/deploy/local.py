@@ -38,7 +38,18 @@ from pydantic.alias_generators import to_camel
 from ucm.deploy import prometheus
 from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan, kv_events_config
 from ucm.deploy.ports import free_port, port_is_free
-from ucm.deploy.roles import CREDENTIALS, ENGINES, STOP_SLACK_S, Plan, Port, Probe, Role, Site, credentials_secret
+from ucm.deploy.roles import (
+    CREDENTIALS,
+    ENGINES,
+    METRICS_TOKEN,
+    STOP_SLACK_S,
+    Plan,
+    Port,
+    Probe,
+    Role,
+    Site,
+    credentials_secret,
+)
 from ucm.deploy.spec import UCMDeploymentSpec
 from ucm.kv_events import ipc_event_endpoints
 
@@ -346,7 +357,8 @@ class LocalStack:
                     progress(f"starting {p.role.name} on port {p.port} (log: {p.log})", [])
                 self._wait_ready(group, deadline, progress)
             if self.monitor is not None:
-                prometheus.write_config(self.run_dir)
+                token = self.run_dir / CREDENTIALS / METRICS_TOKEN if METRICS_TOKEN in self.credentials else None
+                prometheus.write_config(self.run_dir, token)
                 self._write_scrape_targets()
                 self.monitor.start()
                 self.save_state()
@@ -457,9 +469,14 @@ class LocalStack:
             time.sleep(0.1)
         raise StackError(f"the proxy did not take up {path} within {PROXY_SEES_S:g} s; see {self.proxy.log}")
 
+    def _scrape_auth(self) -> dict[str, str]:
+        token = self.credentials.get(METRICS_TOKEN)
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     def _proxy_backends(self) -> set[str] | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.proxy.port}/metrics", timeout=2) as r:
+            request = urllib.request.Request(f"http://127.0.0.1:{self.proxy.port}/metrics", headers=self._scrape_auth())
+            with urllib.request.urlopen(request, timeout=2) as r:
                 text = r.read().decode()
         except (urllib.error.URLError, OSError):
             return None

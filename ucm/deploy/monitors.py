@@ -34,13 +34,21 @@ class Monitors:
     interval: str = "30s"
 
     def render(
-        self, meta: Callable[[str, str | None], dict[str, Any]], engines: dict[str, Any], proxy: dict[str, Any]
+        self,
+        meta: Callable[[str, str | None], dict[str, Any]],
+        engines: dict[str, Any],
+        proxy: dict[str, Any],
+        proxy_token: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """``meta(suffix, component)``: a child's metadata; ``engines`` and ``proxy``: label
-        selectors of the engine pods and of the proxy's Service."""
+        selectors of the engine pods and of the proxy's Service; ``proxy_token``: the Secret key
+        (``name``, ``key``) of the bearer token the proxy's /metrics requires, if it requires one."""
         if not self.enabled:
             return []
         endpoint = {"port": "http", "path": "/metrics", "interval": self.interval, "relabelings": RELABELINGS}
+        proxy_endpoint = endpoint
+        if proxy_token is not None:
+            proxy_endpoint = {**endpoint, "authorization": {"type": "Bearer", "credentials": proxy_token}}
         return [
             {
                 "apiVersion": API_VERSION,
@@ -52,7 +60,7 @@ class Monitors:
                 "apiVersion": API_VERSION,
                 "kind": "ServiceMonitor",
                 "metadata": self._labelled(meta("proxy", "proxy")),
-                "spec": {"selector": proxy, "endpoints": [endpoint]},
+                "spec": {"selector": proxy, "endpoints": [proxy_endpoint]},
             },
         ]
 

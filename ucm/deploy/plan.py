@@ -24,6 +24,7 @@ from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
     MAC_KEY,
+    METRICS_TOKEN,
     Component,
     Group,
     Plan,
@@ -72,6 +73,7 @@ PROXY_PLANNED = (
     "api_keys",
     "api_keys_file",
     "backend_api_key_file",
+    "metrics_token_file",
 )
 
 
@@ -84,7 +86,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     model_path, model_volumes = _model(spec, site)
     store_volumes = kind.volumes(opts, name, site)
     stage = _file_options(spec, kind.connector(opts, name, site))
-    credentials = [BACKEND_KEY]
+    credentials = [BACKEND_KEY, METRICS_TOKEN] if spec.proxy.metrics_auth else [BACKEND_KEY]
     if store.mac:
         (backend,) = stage
         stage = {backend: {**stage[backend], "mac_key_file": f"{site.credentials_dir}/{MAC_KEY}"}}
@@ -300,7 +302,8 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> 
     p = spec.proxy
     for key in PROXY_PLANNED:
         if key in p.config:
-            raise fail(f"proxy.config.{key}", "set by the deployment (pools, proxy.service, proxy.apiKeySecret)")
+            decided = "pools, proxy.service, proxy.apiKeySecret, proxy.metricsAuth"
+            raise fail(f"proxy.config.{key}", f"set by the deployment ({decided})")
     config: dict[str, Any] = {**p.config, "host": site.bind, "port": port, "mode": "pd"}
     if p.kv_events:
         routing = config.get("routing")
@@ -309,6 +312,8 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> 
         where = {"ipc_name": name} if site.local else {"port": KV_EVENTS_PORT, "replay_port": KV_REPLAY_PORT}
         config["routing"] = {**(routing if isinstance(routing, dict) else {}), "kv_events": where}
     config["backend_api_key_file"] = f"{site.credentials_dir}/{BACKEND_KEY}"
+    if p.metrics_auth:
+        config["metrics_token_file"] = f"{site.credentials_dir}/{METRICS_TOKEN}"
     if site.local:
         config["backends_file"] = f"{site.config_dir}/{BACKENDS_FILE}"
     else:
@@ -324,11 +329,11 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> 
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _credentials_volume(name: str, site: Site, key: str) -> list[Volume]:
-    """One generated key as a file (locally the run directory holds them all already)."""
+def _credentials_volume(name: str, site: Site, *keys: str) -> list[Volume]:
+    """Generated keys as files (locally the run directory holds them all already)."""
     if site.local:
         return []
-    own = {"secretName": credentials_secret(name), "items": [{"key": key, "path": key}]}
+    own = {"secretName": credentials_secret(name), "items": [{"key": key, "path": key} for key in keys]}
     return [Volume(CREDENTIALS, site.credentials_dir, {"secret": own}, True)]
 
 
@@ -348,7 +353,7 @@ def _proxy(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> Role:
             "items": [{"key": p.api_key_secret.key, "path": p.api_key_secret.key}],
         }
         volumes.append(Volume("api-keys", API_KEYS_DIR, {"secret": only}, True))
-    volumes += _credentials_volume(name, site, BACKEND_KEY)
+    volumes += _credentials_volume(name, site, BACKEND_KEY, *([METRICS_TOKEN] if p.metrics_auth else []))
     return Role(
         name="proxy",
         component="proxy",

@@ -42,17 +42,20 @@ def role(run_dir: Path, port: int) -> Role:
     )
 
 
-def write_config(run_dir: Path) -> None:
+def write_config(run_dir: Path, proxy_token: Path | None = None) -> None:
+    """``proxy_token``: the file of the bearer token the proxy's /metrics requires (proxy.metricsAuth);
+    sent to every target (the engines' /metrics ignore it)."""
     (run_dir / RULES_FILE).write_text(rules.render())
+    job: dict[str, Any] = {
+        "job_name": "ucm",
+        "file_sd_configs": [{"files": [str(run_dir / TARGETS_FILE)], "refresh_interval": INTERVAL}],
+    }
+    if proxy_token is not None:
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(proxy_token)}
     config = {
         "global": {"scrape_interval": INTERVAL, "evaluation_interval": INTERVAL},
         "rule_files": [str(run_dir / RULES_FILE)],
-        "scrape_configs": [
-            {
-                "job_name": "ucm",
-                "file_sd_configs": [{"files": [str(run_dir / TARGETS_FILE)], "refresh_interval": INTERVAL}],
-            }
-        ],
+        "scrape_configs": [job],
     }
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
 

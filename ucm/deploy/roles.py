@@ -25,6 +25,7 @@ STORE_COMPONENTS: tuple[Component, ...] = START_ORDER[0]
 CREDENTIALS = "credentials"
 BACKEND_KEY = "backend-api-key"  # engines require it (vLLM --api-key); only the proxy holds it
 MAC_KEY = "kv-mac-key"  # engines sign and check file-store blocks with it (store.mac)
+METRICS_TOKEN = "metrics-token"  # the proxy's /metrics and /pd-path require it (proxy.metricsAuth)
 
 
 def credentials_secret(deployment: str) -> str:

@@ -380,6 +380,11 @@ class ProxySpec(Spec):
         False,
         description="Serve a NodePort or LoadBalancer proxy without apiKeySecret (anyone who reaches it may use it)",
     )
+    metrics_auth: bool = Field(
+        False,
+        description="The proxy's /metrics and /pd-path require a bearer token the deployment generates (key "
+        "metrics-token of its <name>-credentials Secret); the ServiceMonitor the operator renders carries it",
+    )
     kv_events: bool = Field(
         True,
         description="Prefill engines publish their KV cache events (vLLM --kv-events-config) to the proxy, which "
