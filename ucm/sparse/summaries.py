@@ -21,7 +21,9 @@ Three kinds of summary, one per way of scoring a block for a query:
   two averaged: the bound alone overrates blocks whose keys spread widely, the mean alone dilutes a
   single matching key. On SmolLM2's activations (benchmarks/sparse_eval.py) it keeps about the mass
   the bound keeps (0.904 vs 0.912 at 30% of the KV) and more than the mean (0.876), and it makes
-  PSA's adaptive estimate less overconfident; on needles it did no better than the bound.
+  PSA's adaptive estimate less overconfident; on needles it did no better than the bound, and it
+  reads half as many bytes again per block, which is what selection costs at long context: GSA
+  scores by the bound alone unless told otherwise.
 
 Selection (:meth:`select`) is one native call per layer for the whole step: per (request, KV head)
 it scores every block, turns each query head's scores into a softmax over blocks (so that no head
