@@ -38,7 +38,7 @@ NAME = "monitored"
 def monitored(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     spec = {**default_spec(tiny), "sparse": SPARSE}
     spec["store"] = {**spec["store"], "files": {"capacity": "256Mi"}}
-    spec["proxy"] = {"metricsAuth": True}  # Prometheus scrapes the proxy with the generated token
+    spec["proxy"] = {**spec["proxy"], "metricsAuth": True}  # Prometheus scrapes the proxy with the generated token
     args = ("--monitor", "--monitor-port", "0")
     with running(Stack(tmp_path_factory.mktemp("monitored"), spec, name=NAME, args=args)) as s:
         yield s
