@@ -1,0 +1,149 @@
+"""Blend's region prefill with the served model's own modules (vLLM's LlamaForCausalLM, loaded by a
+real in-process CPU engine), against transformers' Llama on the same weights as the reference for
+a plain prefill: at ratio 1 the blended KV is a prefill's; a chunk cached alone and placed later
+gets exact layer-0 keys by re-rotation; recomputing more tokens moves the KV towards the
+prefill's; ratio 0 over KV that is already exact changes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ucm.integration.vllm.blend import Region, blend_region, rerotate
+
+pytestmark = pytest.mark.slow
+# float32 KV from two implementations (vLLM's CPU ops, transformers' eager attention)
+ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from vllm import LLM
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: apply_model runs here
+    try:
+        llm = LLM(
+            model=str(tiny_model),
+            enforce_eager=True,
+            max_model_len=1024,
+            block_size=32,
+            dtype="float32",
+            kv_cache_memory_bytes=256 << 20,
+        )
+        yield llm
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+
+
+def prefill_kv(reference, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer (T, kv_heads, head_dim) keys (RoPE applied) and values of a plain prefill."""
+    with torch.inference_mode():
+        cache = reference(torch.tensor([tokens]), use_cache=True).past_key_values
+    keys = [cache.layers[i].keys[0].transpose(0, 1) for i in range(len(cache.layers))]
+    values = [cache.layers[i].values[0].transpose(0, 1) for i in range(len(cache.layers))]
+    return keys, values
+
+
+def run(engine, region: Region, ratio: float, check_layer: int = 1):
+    (out,) = engine.apply_model(lambda model: blend_region(model, region, ratio, check_layer))
+    return out
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 500, (n,), generator=g).tolist()
+
+
+def fresh_region(prompt: list[int], layers: int, kv_heads: int = 2, dim: int = 64) -> Region:
+    m = len(prompt)
+    empty = [torch.zeros(m, kv_heads, dim) for _ in range(layers)]
+    return Region(torch.tensor(prompt), 0, torch.zeros(m, dtype=torch.bool), empty, [e.clone() for e in empty])
+
+
+def error(a: list[torch.Tensor], b: list[torch.Tensor], rows: slice) -> float:
+    return max((x[rows].float() - y[rows].float()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def mean_error(a: list[torch.Tensor], b: list[torch.Tensor], rows: slice) -> float:
+    return max((x[rows].float() - y[rows].float()).abs().mean().item() for x, y in zip(a, b, strict=True))
+
+
+def test_ratio_one_is_a_plain_prefill(engine, reference):
+    prompt = tokens(150, 0)
+    keys, values = prefill_kv(reference, prompt)
+    out = run(engine, fresh_region(prompt, len(keys)), ratio=1.0)
+    assert error(out.keys, keys, slice(None)) < ATOL
+    assert error(out.values, values, slice(None)) < ATOL
+    assert out.recomputed.tolist() == list(range(150))
+
+
+def test_exact_kv_at_ratio_zero_is_kept(engine, reference):
+    """KV cached from this very prompt (every token reused) blends into itself; with a prefix
+    already computed, only the tokens after it are returned."""
+    prompt = tokens(120, 1)
+    keys, values = prefill_kv(reference, prompt)
+    reused = torch.ones(120, dtype=torch.bool)
+    reused[:40] = False
+    out = run(engine, Region(torch.tensor(prompt), 40, reused, keys, values), ratio=0.0)
+    assert out.keys[0].shape[0] == 80
+    assert error(out.keys, [k[40:] for k in keys], slice(None)) < ATOL
+    assert error(out.values, [v[40:] for v in values], slice(None)) < ATOL
+    assert out.recomputed.numel() == 0
+
+
+def test_a_chunk_cached_alone_blends_towards_the_prefill(engine, reference):
+    """[prefix 64][chunk 96][tail 20]: the chunk's KV was computed alone from position 0. Layer 0
+    needs only re-rotation; at check_layer 0 the next layer's KV of unselected chunk tokens stays the
+    cached one, so the mean error falls as the ratio rises, to a plain prefill's at 1."""
+    prefix, chunk, tail = tokens(64, 2), tokens(96, 3), tokens(20, 4)
+    prompt = prefix + chunk + tail
+    full_k, _ = prefill_kv(reference, prompt)
+    alone_k, alone_v = prefill_kv(reference, chunk)
+    layers = len(full_k)
+    region = fresh_region(prompt, layers)
+    region.reused[64:160] = True
+    errors = []
+    for ratio in (0.0, 0.5, 1.0):
+        for i in range(layers):
+            region.values[i][64:160] = alone_v[i]  # keys: re-rotated in the engine, by its own rotary
+
+        def blend(model, ratio=ratio):
+            for i, layer in enumerate(model.model.layers):
+                region.keys[i][64:160] = rerotate(layer.self_attn.rotary_emb, alone_k[i], 64)
+            return blend_region(model, region, ratio, check_layer=0)
+
+        (out,) = engine.apply_model(blend)
+        assert error(out.keys[:1], full_k[:1], slice(None)) < ATOL  # layer 0: token and position only
+        errors.append(mean_error(out.keys[1:], full_k[1:], slice(64, 160)))
+        n_selected = out.recomputed.numel() - 64 - 20
+        assert n_selected == round(ratio * 96)
+    assert errors[0] > 4 * ATOL, "the cached chunk never saw the prefix: its layer-1 KV must differ"
+    assert errors[0] > 1.5 * errors[1] > 1.5 * errors[2]
+    assert errors[2] < ATOL
+
+
+def test_rerotation_matches_keys_computed_at_the_new_positions(engine, reference):
+    chunk = tokens(70, 5)
+    shifted = tokens(33, 6) + chunk
+    alone, _ = prefill_kv(reference, chunk)
+    there, _ = prefill_kv(reference, shifted)
+
+    def rotate(model):
+        return rerotate(model.model.layers[0].self_attn.rotary_emb, alone[0], 33)
+
+    (moved,) = engine.apply_model(rotate)
+    assert (moved.float() - there[0][33:].float()).abs().max().item() < ATOL
+    assert (alone[0].float() - there[0][33:].float()).abs().max().item() > 10 * ATOL  # unrotated, it is not
