@@ -12,9 +12,9 @@ from ucm.integration.vllm.config import kv_transfer_config
 UCM = str(Path(sys.executable).parent / "ucm")
 
 
-def write_config(tmp_path: Path, store: dict) -> Path:
+def write_config(tmp_path: Path, store: dict, **extra) -> Path:
     path = tmp_path / "kv.json"
-    path.write_text(json.dumps(kv_transfer_config(store)))
+    path.write_text(json.dumps(kv_transfer_config(store, **extra)))
     return path
 
 
@@ -121,3 +121,18 @@ def test_variables_are_expanded_inside_values_only_and_only_the_pods_own(tmp_pat
     r = serve(config, "--model", "m", env={"PATH": "/usr/bin:/bin", "HF_TOKEN": "hf_secret"})
     assert r.returncode == 2 and "hf_secret" not in r.stdout + r.stderr
     assert "local_hostname: ${HF_TOKEN} may not be expanded; only NODE_NAME, POD_IP" in r.stderr
+
+
+def test_an_engine_that_blends_runs_ucms_model_class(tmp_path):
+    (tmp_path / "kv").mkdir()
+    store = {"spec": "posix", "posix": {"roots": [str(tmp_path / "kv")]}}
+    config = write_config(tmp_path, store, blend={"recompute_ratio": 0.2})
+    r = serve(config, "--model", "m")
+    assert r.returncode == 0, r.stderr
+    command = json.loads(r.stdout)
+    assert json.loads(command[command.index("--hf-overrides") + 1]) == {"architectures": ["UCMBlendLlamaForCausalLM"]}
+    r = serve(config, "--model", "m", "--hf-overrides", '{"rope_theta": 5}')
+    assert r.returncode == 2
+    assert "kv_connector_extra_config.blend: ucm serve sets --hf-overrides" in r.stderr
+    r = serve(write_config(tmp_path, store), "--model", "m")
+    assert "--hf-overrides" not in json.loads(r.stdout)  # without blend: vLLM's own class

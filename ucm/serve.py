@@ -20,7 +20,7 @@ from typing import Any
 
 from ucm.config import ConfigError
 from ucm.environment import apply_environment
-from ucm.integration.vllm.config import WHERE, native_config, parse_connector_config
+from ucm.integration.vllm.config import WHERE, blend_overrides, native_config, parse_connector_config
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV, health_files
 from ucm.integration.vllm.identity import pairing_identity
 from ucm.store.factory import validate_store_config
@@ -113,6 +113,8 @@ def check_store_dirs(config: dict[str, Any]) -> None:
 
 def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
     transfer = ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if (config.get("kv_connector_extra_config") or {}).get("blend") is not None:
+        transfer += _blend_model_args(vllm_args)
     if "--headless" in vllm_args:  # a pod of a multi-node engine that holds ranks only: no server
         return [sys.executable, "-m", "ucm.integration.vllm.headless", *vllm_args, *transfer]
     return [
@@ -124,6 +126,16 @@ def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
         MIDDLEWARE,
         *transfer,
     ]
+
+
+def _blend_model_args(vllm_args: list[str]) -> list[str]:
+    """An engine that blends runs UCM's Blend model class (ucm.integration.vllm.blend_model)."""
+    if any(a == "--hf-overrides" or a.startswith(("--hf-overrides=", "--hf_overrides")) for a in vllm_args):
+        raise ConfigError(
+            f"{WHERE}.blend: ucm serve sets --hf-overrides to {json.dumps(blend_overrides())} for blending; "
+            "remove yours (or run vllm serve yourself with both merged)"
+        )
+    return ["--hf-overrides", json.dumps(blend_overrides())]
 
 
 def metrics_dir(environ: dict[str, str] | os._Environ[str]) -> str:

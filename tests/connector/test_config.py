@@ -25,6 +25,9 @@ def test_defaults():
         ({"store": STORE, "pd_wait_timeout_s": "soon"}, r"kv_connector_extra_config\.pd_wait_timeout_s"),
         ({"store": STORE, "load_mode": "async"}, r"kv_connector_extra_config\.load_mode: .*'layer' or 'step'"),
         ({"store": "posix"}, r"kv_connector_extra_config\.store: Input should be a valid dictionary"),
+        ({"store": STORE, "blend": {"recompute_ratio": 2}}, r"kv_connector_extra_config\.blend\.recompute_ratio"),
+        ({"store": STORE, "blend": {"separator": ""}}, r"kv_connector_extra_config\.blend\.separator"),
+        ({"store": STORE, "blend": {"ratio": 0.1}}, r"kv_connector_extra_config\.blend\.ratio: unknown field"),
     ],
 )
 def test_errors_name_the_field(extra, message):

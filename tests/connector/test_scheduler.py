@@ -355,3 +355,75 @@ def test_a_lookup_that_misses_a_block_says_so(store):
     ids = BlockHasher(CTX).block_ids(TOKENS)
     assert present.block_hashes == ids[:1] and present.token_ids == TOKENS[:4] and present.medium == "STORAGE"
     assert missing.block_hashes == [ids[1]]  # evicted, say, since some engine announced it
+
+
+# -- Blend -----------------------------------------------------------------------------------------
+SEP = (7, 7)
+
+
+def blend_side(store, **config) -> SchedulerSide:
+    from ucm.integration.vllm.config import BlendConfig
+    from ucm.integration.vllm.scheduler import BlendSettings
+
+    s = side(store)
+    s._blend = BlendSettings(BlendConfig(**config), SEP)
+    return s
+
+
+def test_split_chunks_cuts_at_every_separator():
+    from ucm.integration.vllm.chunks import split_chunks
+
+    assert split_chunks([1, 2, 7, 7, 3, 7, 7, 4], SEP) == [(0, 2), (4, 5)]
+    assert split_chunks([7, 7, 1, 7, 2, 7, 7], SEP) == [(2, 5)]  # empty chunks left out; a lone 7 is text
+    assert split_chunks([1, 2, 3], SEP) == []
+
+
+def test_blend_claims_up_to_the_last_stored_chunk_block_and_never_saves(store):
+    """[system 6][sep][A 9][sep][B 6][sep][q 3]: A cached alone (2 of its blocks), B not at all."""
+    system, a, b, q = list(range(200, 206)), list(range(300, 309)), list(range(400, 406)), [1, 2, 3]
+    put(store, a, 2)
+    prompt = system + list(SEP) + a + list(SEP) + b + list(SEP) + q
+    s = blend_side(store)
+    req = Req("r", prompt)
+    a_at = len(system) + 2
+    assert s.num_new_matched_tokens(req, 0) == (a_at + 2 * BS, False)
+    blocks = list(range(10, 10 + len(prompt) // BS + 1))
+    s.after_alloc(req, blocks, a_at + 2 * BS)
+    meta = s.build_meta(step(new=[("r", blocks, 0)], scheduled={"r": len(prompt) - a_at - 2 * BS}))
+    (blend,) = meta.blends
+    assert (blend.computed, blend.first_block, len(blend.tokens)) == (0, 0, a_at + 2 * BS)
+    assert blend.tokens == prompt[: a_at + 2 * BS]
+    assert [(start, len(keys)) for start, keys in blend.chunks] == [(a_at, 2)]
+    assert blend.block_ids == blocks[: -(-(a_at + 2 * BS) // BS)]
+    assert meta.saves == [] and meta.loads == []  # blended KV is approximate: never stored as a prefix
+    assert s._stats.take().data["blend_chunks_missed"] == 2  # the system prompt and B
+
+
+def test_blend_loads_the_exact_prefix_first(store):
+    system, a, q = list(range(200, 209)), list(range(300, 309)), [1, 2]
+    put(store, system, 2)
+    put(store, a, 2)
+    prompt = system + list(SEP) + a + list(SEP) + q
+    s = blend_side(store)
+    req = Req("r", prompt)
+    end = len(system) + 2 + 2 * BS
+    assert s.num_new_matched_tokens(req, 0) == (end, False)
+    blocks = list(range(len(prompt) // BS + 1))
+    s.after_alloc(req, blocks, end)
+    meta = s.build_meta(step(new=[("r", blocks, 0)], scheduled={"r": len(prompt) - end}))
+    (load,) = meta.loads
+    assert load.block_ids == blocks[:2]  # the system prompt's exact blocks, loaded as usual
+    assert (meta.blends[0].computed, meta.blends[0].first_block) == (2 * BS, 2)
+
+
+@pytest.mark.parametrize(
+    ("config", "salt"),
+    [({}, "other-tenant"), ({"max_blend_tokens": 4}, ""), ({"max_chunks": 1}, "")],
+)
+def test_no_blend_for_another_tenant_or_past_the_limits(store, config, salt):
+    a, b = list(range(300, 309)), list(range(400, 409))
+    put(store, a, 2)
+    put(store, b, 2)
+    s = blend_side(store, **config)
+    req = Req("r", list(range(200, 206)) + list(SEP) + b + list(SEP) + a + list(SEP) + [1], cache_salt=salt)
+    assert s.num_new_matched_tokens(req, 0) == (0, False)

@@ -18,16 +18,31 @@ of the last cached chunk — in one pass of a Llama-shaped model's layers:
 The result is each layer's K and V for ``[computed, M)``, which the connector writes into the
 request's paged cache; vLLM then prefills the question exactly, over it. At ``ratio`` 1 every
 token is recomputed through every layer: a plain prefill of the region.
+
+:class:`Blender` is the worker's part: it reads the chunks' blocks from the store and the exact
+prefix from the paged cache, blends, and writes the result with vLLM's own cache writer. It runs
+in ``start_load_kv``, before the step's forward pass (vLLM's CPU backend only, for now: the cache
+layout is read the way the sparse backend reads it).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ucm.integration.vllm.config import BlendConfig
+from ucm.integration.vllm.layout import KVLayout
+from ucm.integration.vllm.metadata import BlendTransfer, rank_keys
+from ucm.integration.vllm.stats import StatsRecorder
 from ucm.sparse.blend import select_recompute
+from ucm.store import Store
+
+logger = logging.getLogger(__name__)
 
 # Queries attended at once: bounds the score matrix to QUERY_ROWS x region x heads floats.
 QUERY_ROWS = 512
@@ -146,3 +161,139 @@ def _attend(
         part = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), k, v, attn_mask=mask, scale=scale)
         out[lo:hi] = part.transpose(0, 1)
     return out
+
+
+class Blender:
+    """Blends requests' regions into the paged cache (one worker: its heads of every layer)."""
+
+    def __init__(
+        self,
+        config: BlendConfig,
+        layout: KVLayout,
+        store: Store,
+        *,
+        rank: int,
+        tp_size: int,
+        stats: StatsRecorder,
+        load_timeout_s: float | None,
+        model: Callable[[], torch.nn.Module | None],
+    ) -> None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        from ucm.integration.vllm.attention import learn_layout
+
+        slot = layout.slots[0]
+        if layout.device.type != "cpu" or len(slot.block_shape) != 3:
+            raise ValueError("blend: runs on vLLM's CPU attention backend only (for now)")
+        # vLLM's CPU cache: (blocks, kv_heads, block_size, 2 * head_dim), used as
+        # (blocks, kv_heads, 2 * block_size, head_dim): a head's keys, then its values
+        self.kv_heads, self.block_size, twice_dim = slot.block_shape
+        self.head_dim = twice_dim // 2
+        self.isa = _get_attn_isa(slot.dtype, self.block_size, self.head_dim)
+        self.key_order, self.value_order = (
+            p.long() for p in learn_layout(slot.dtype, self.isa, self.block_size, self.head_dim)
+        )
+        self.config = config
+        self.layout = layout
+        self._store = store
+        self._rank = rank
+        self._tp_size = tp_size
+        self._stats = stats
+        self._timeout = load_timeout_s
+        self._model = model
+
+    def run(self, transfer: BlendTransfer) -> bool:
+        """Blend one region into its blocks; False: nothing written (vLLM must recompute them)."""
+        model = self._model()
+        if model is None:
+            logger.error(
+                "blend: the engine's model is not UCM's Blend class; start it with --hf-overrides "
+                '\'{"architectures": ["UCMBlendLlamaForCausalLM"]}\' (request %s prefilled as usual)',
+                transfer.req_id,
+            )
+            return False
+        if len(model.model.layers) != len(self.layout.slots):
+            logger.error(
+                "blend: %d model layers but %d KV cache layers", len(model.model.layers), len(self.layout.slots)
+            )
+            return False
+        started = time.perf_counter()
+        region = self._region(transfer, model)
+        out = blend_region(model, region, self.config.recompute_ratio, self.config.check_layer)
+        positions = torch.arange(region.computed, region.tokens.shape[0])
+        blocks = torch.tensor(transfer.block_ids, dtype=torch.long)
+        slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        from vllm import _custom_ops as ops
+
+        for layer in range(len(self.layout.slots)):
+            key_cache, value_cache = self._halves(self.layout.blocks_first(layer)).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(out.keys[layer], out.values[layer], key_cache, value_cache, slots, self.isa)
+        recomputed = out.recomputed.numel()
+        self._stats.add("blend_recomputed_tokens", recomputed)
+        self._stats.add("blend_reused_tokens", positions.numel() - recomputed)
+        self._stats.observe("blend_seconds", time.perf_counter() - started)
+        return True
+
+    def _region(self, transfer: BlendTransfer, model: torch.nn.Module) -> Region:
+        end, computed, bs = len(transfer.tokens), transfer.computed, self.block_size
+        dtype = self.layout.slots[0].dtype
+        layers = range(len(self.layout.slots))
+        keys = [torch.zeros(end, self.kv_heads, self.head_dim, dtype=dtype) for _ in layers]
+        values = [torch.zeros_like(k) for k in keys]
+        reused = torch.zeros(end, dtype=torch.bool)
+        if computed:
+            exact = transfer.block_ids[: -(-computed // bs)]
+            for layer in layers:
+                k, v = self._unpack(self.layout.blocks_first(layer)[exact])
+                keys[layer][:computed], values[layer][:computed] = k[:computed], v[:computed]
+        for start, (staging, ok) in zip((c[0] for c in transfer.chunks), self._load_chunks(transfer), strict=True):
+            # the chunk's loaded blocks, and where their tokens go: past the exact prefix, before the end
+            good = [i for i, loaded in enumerate(ok) if loaded]
+            if not good:
+                continue
+            where = (start + torch.tensor(good)[:, None] * bs + torch.arange(bs)).flatten()
+            take = (where >= computed) & (where < end)
+            where = where[take]
+            reused[where] = True
+            for layer in layers:
+                k, v = self._unpack(self.layout.payload_layer(staging[good], layer))
+                k = rerotate(model.model.layers[layer].self_attn.rotary_emb, k, start)
+                keys[layer][where] = k[take]
+                values[layer][where] = v[take]
+        return Region(torch.tensor(transfer.tokens), computed, reused, keys, values)
+
+    def _load_chunks(self, transfer: BlendTransfer) -> list[tuple[torch.Tensor, list[bool]]]:
+        """Each chunk's stored blocks as payload rows, and which of them loaded (a block that did
+        not is computed instead)."""
+        keys = [k for _, chunk_keys in transfer.chunks for k in chunk_keys]
+        staging = self.layout.new_staging(len(keys))
+        task = self._store.load(rank_keys(keys, self._rank, self._tp_size), list(staging.numpy()))
+        try:
+            ok = task.wait(self._timeout)
+        except TimeoutError:
+            logger.warning(
+                "blend: request %s: chunks not loaded in %.1f s; computing them", transfer.req_id, self._timeout
+            )
+            ok = [False] * len(keys)
+        self._stats.add("loaded_blocks", sum(ok))
+        self._stats.add("load_failed_blocks", len(ok) - sum(ok))
+        out, at = [], 0
+        for _, chunk_keys in transfer.chunks:
+            n = len(chunk_keys)
+            out.append((staging[at : at + n], ok[at : at + n]))
+            at += n
+        return out
+
+    def _halves(self, blocks: torch.Tensor) -> torch.Tensor:
+        return blocks.view(blocks.shape[0], self.kv_heads, 2 * self.block_size, self.head_dim)
+
+    def _unpack(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks as the CPU cache holds them (``(n, kv_heads, block_size, 2 * head_dim)``) -> their
+        tokens' keys and values, ``(n * block_size, kv_heads, head_dim)`` each."""
+        n, bs, d = blocks.shape[0], self.block_size, self.head_dim
+        blocks = self._halves(blocks)
+        out = []
+        for half, order in ((blocks[:, :, :bs], self.key_order), (blocks[:, :, bs:], self.value_order)):
+            logical = half.reshape(n, self.kv_heads, bs * d)[..., order]
+            out.append(logical.view(n, self.kv_heads, bs, d).transpose(1, 2).reshape(n * bs, self.kv_heads, d))
+        return out[0], out[1]

@@ -20,6 +20,41 @@ from ucm.store.factory import parse_spec
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper)
 
 WHERE = "kv_connector_extra_config"
+# The model class an engine that blends runs (ucm.integration.vllm.blend_model), named in its
+# --hf-overrides: see blend_overrides.
+BLEND_ARCHITECTURE = "UCMBlendLlamaForCausalLM"
+
+
+def blend_overrides() -> dict[str, list[str]]:
+    """vLLM's ``--hf-overrides`` for an engine that blends (a Llama-shaped model)."""
+    return {"architectures": [BLEND_ARCHITECTURE]}
+
+
+class BlendConfig(StrictModel):
+    """Blend (CacheBlend): reuse the cached KV of text chunks wherever a prompt places them. A prompt is
+    cut into chunks at each occurrence of ``separator``; the part after the last one (the question)
+    is always computed. A chunk's KV is found in the store under the ids its tokens would have as
+    a prompt of their own (so a chunk is cached by prefilling it alone, or as a prompt's start)."""
+
+    separator: str = Field(
+        "\n---\n",
+        min_length=1,
+        description="Text between chunks, matched as the tokens the model's tokenizer makes of it alone: choose "
+        "text whose tokens do not merge with their neighbours' (a line of its own does not)",
+    )
+    recompute_ratio: float = Field(
+        0.15, ge=0, le=1, description="Share of a chunk's reused tokens recomputed: those whose KV deviates most"
+    )
+    check_layer: int = Field(
+        1, ge=0, description="Layer where the deviation is measured: the layers below it run for every token"
+    )
+    max_chunks: int = Field(64, ge=1, description="A prompt with more chunks than this is prefilled as usual")
+    max_blend_tokens: int = Field(
+        16384,
+        ge=1,
+        description="Most tokens one request blends in a step (blending runs outside vLLM's token budget); a longer "
+        "region is prefilled as usual",
+    )
 
 
 class ConnectorConfig(StrictModel):
@@ -86,6 +121,9 @@ class ConnectorConfig(StrictModel):
         "it. null: never skip the store",
     )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
+    blend: BlendConfig | None = Field(
+        None, description="Reuse chunks' KV wherever they appear in a prompt (Blend); null: prefixes only"
+    )
 
 
 def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:

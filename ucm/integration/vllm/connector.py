@@ -29,9 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ucm.config import ConfigError
 from ucm.environment import apply_environment
 from ucm.hashing import HashContext
 from ucm.integration.vllm.config import (
+    WHERE,
+    ConnectorConfig,
     check_parallel_layout,
     check_vllm_version,
     parse_connector_config,
@@ -42,7 +45,7 @@ from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
-from ucm.integration.vllm.scheduler import SchedulerSide
+from ucm.integration.vllm.scheduler import BlendSettings, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import create_store
@@ -79,6 +82,8 @@ class UCMConnector(KVConnectorBase_V1):
         cache = vllm_config.cache_config
         kv_dtype = str(model.dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else str(cache.cache_dtype)
         check_parallel_layout(parallel)
+        if config.blend is not None:
+            _check_blend(kv_role, parallel)
         # Each worker (TP rank x pipeline stage) keeps its own share of a block under its own key.
         self._tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         context = HashContext(
@@ -112,6 +117,7 @@ class UCMConnector(KVConnectorBase_V1):
                 decode_save_blocks=config.decode_save_blocks,
                 health=StoreHealth(config.store_unhealthy_after_s),
                 events=StoreEvents(cache.block_size) if _publishes_events(vllm_config) else None,
+                blend=None if config.blend is None else BlendSettings(config.blend, _separator(vllm_config, config)),
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -132,6 +138,7 @@ class UCMConnector(KVConnectorBase_V1):
                 load_timeout_s=config.load_timeout_s,
                 staging_bytes=int(config.load_staging),
                 pd_save_wait_s=config.pd_save_wait_s,
+                blend=config.blend,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])
@@ -212,6 +219,25 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker.close()
         else:
             self._store.close()
+
+
+def _check_blend(kv_role: str, parallel: Any) -> None:
+    if kv_role == "kv_producer":
+        raise ConfigError(f"{WHERE}.blend: a kv_producer never loads; use kv_both or kv_consumer")
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"{WHERE}.blend: tensor and pipeline parallel engines cannot blend yet; run with both at 1")
+
+
+def _separator(vllm_config: VllmConfig, config: ConnectorConfig) -> tuple[int, ...]:
+    """The blend separator's tokens: what the model's tokenizer makes of the text alone."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    assert config.blend is not None
+    tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
+    ids = tuple(tokenizer.encode(config.blend.separator, add_special_tokens=False))
+    if not ids:
+        raise ConfigError(f"{WHERE}.blend.separator: {config.blend.separator!r} makes no tokens")
+    return ids
 
 
 def _publishes_events(vllm_config: VllmConfig) -> bool:

@@ -59,6 +59,15 @@ class KVLayout:
     def layer_index(self, name: str) -> int:
         return self._index[name]
 
+    def blocks_first(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s cache viewed with blocks as the first dimension."""
+        return self._tensors[self.slots[layer].name]
+
+    def payload_layer(self, staging: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows of ``staging`` (payloads) as layer ``layer``'s blocks: ``(rows, *block_shape)``."""
+        slot = self.slots[layer]
+        return self._part(staging, slot).view(slot.dtype).reshape(staging.shape[0], *slot.block_shape)
+
     @property
     def in_place(self) -> bool:
         """True when every block of every layer is one contiguous range of host memory: a store can

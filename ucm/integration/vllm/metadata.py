@@ -20,9 +20,22 @@ class BlockTransfer:
 
 
 @dataclass
+class BlendTransfer:
+    """Blend one request's region ``[0, len(tokens))`` into its paged cache (see ``.blend``)."""
+
+    req_id: str
+    tokens: list[int]  # the region's token ids
+    computed: int  # leading tokens whose KV is exact and in place once this step's loads are done
+    block_ids: list[int]  # vLLM block ids covering the region
+    first_block: int  # the first of them the blend writes (computed // block size)
+    chunks: list[tuple[int, list[bytes]]]  # (position of a chunk, rank-0 keys of its leading stored blocks)
+
+
+@dataclass
 class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    blends: list[BlendTransfer] = field(default_factory=list)
 
 
 def store_keys(block_ids: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ucm.hashing import BlockHasher, HashContext
+from ucm.integration.vllm.chunks import split_chunks
+from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
-from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys, store_keys
+from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys, store_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import Store
 from ucm.store.deadline import Deadlined
@@ -61,6 +63,22 @@ class _RequestState:
     next_save: int = 0  # first block not yet handed to workers for saving
     wait_started: float | None = None
     announced: bool = False  # its lookup's result went out as KV events
+    blend: _BlendPlan | None = None  # a region to blend once vLLM allocated its blocks
+    blended: bool = False  # its KV is approximate from the first blended block on: never saved
+
+
+@dataclass
+class _BlendPlan:
+    end: int  # the region is [0, end)
+    computed: int  # leading tokens exact once the step's loads are done
+    chunks: list[tuple[int, list[bytes]]]  # (position, rank-0 keys of its leading stored blocks)
+    missed: int  # chunks of a full block or more that the store did not have
+
+
+@dataclass(frozen=True)
+class BlendSettings:
+    config: BlendConfig
+    separator: tuple[int, ...]  # the separator's tokens (the model's tokenizer, the text alone)
 
 
 class SchedulerSide:
@@ -79,6 +97,7 @@ class SchedulerSide:
         decode_save_blocks: int = 0,
         health: StoreHealth | None = None,
         events: StoreEvents | None = None,
+        blend: BlendSettings | None = None,
     ) -> None:
         self._context = context
         self._hashers: dict[str, BlockHasher] = {}
@@ -99,6 +118,7 @@ class SchedulerSide:
         self._decode_save_blocks = decode_save_blocks
         self._saves_failing = False
         self._events = events  # None: vLLM publishes no KV events
+        self._blend = blend
 
     def _hasher(self, salt: str) -> BlockHasher:
         """One hasher per request salt, the most recently used ``HASHERS_KEPT`` kept: clients
@@ -125,6 +145,7 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.load = None
+        state.blend = None
         if not state.ids:
             return 0, False
         state.stored = self._lookup_prefix(state.ids)
@@ -158,6 +179,10 @@ class SchedulerSide:
             self._stats.observe("pd_wait_seconds", self._clock() - state.wait_started)
         state.wait_started = None
         local_blocks = num_computed_tokens // self.block_size
+        if self._blend is not None and not promised:
+            external = self._plan_blend(request, state, num_computed_tokens)
+            if external:
+                return external, False
         if state.stored <= local_blocks:
             return 0, False
         # vLLM must compute at least one token: on a full hit the last token is recomputed
@@ -169,6 +194,39 @@ class SchedulerSide:
         state.load = (local_blocks, state.stored)
         state.load_tokens = external
         return external, False
+
+    def _plan_blend(self, request: RequestLike, state: _RequestState, num_computed_tokens: int) -> int:
+        """Tokens claimed for a blended region (0: none, the request goes the usual way). The region
+        ends where the last chunk's stored blocks end; before it, vLLM's own hit and the store's
+        exact prefix are loaded as usual, everything else is blended by the workers."""
+        assert self._blend is not None
+        config = self._blend.config
+        prompt = list(request.prompt_token_ids or [])
+        chunks = split_chunks(prompt, self._blend.separator)
+        if not chunks or len(chunks) > config.max_chunks:
+            return 0
+        exact = max(num_computed_tokens, min(state.stored * self.block_size, request.num_tokens - 1))
+        hasher = self._hasher(request.cache_salt or "")
+        found: list[tuple[int, list[bytes]]] = []
+        end = 0
+        for start, stop in chunks:
+            if stop - start < self.block_size or stop <= exact:
+                continue  # no full block, or exact already
+            keys = store_keys(hasher.block_ids(prompt[start:stop]), 0, self._tp_size)
+            stored = self._lookup_prefix(keys)
+            if stored:
+                found.append((start, keys[:stored]))
+                end = start + stored * self.block_size
+        end = min(end, request.num_tokens - 1)  # vLLM computes at least one token
+        if end <= exact or end - exact > config.max_blend_tokens:
+            return 0
+        local_blocks = num_computed_tokens // self.block_size
+        if state.stored > local_blocks:
+            state.load = (local_blocks, state.stored)
+            state.load_tokens = exact - num_computed_tokens
+        missed = sum(1 for start, stop in chunks if stop - start >= self.block_size and stop > exact) - len(found)
+        state.blend = _BlendPlan(end, exact, found, missed)
+        return end - num_computed_tokens
 
     def _lookup_prefix(self, ids: list[bytes]) -> int:
         """Leading blocks of ``ids`` in the store, asked within what is left of the step's deadline
@@ -208,6 +266,7 @@ class SchedulerSide:
         state.blocks = list(block_ids)
         if num_external_tokens == 0:
             state.load = None
+            state.blend = None
 
     # -- vLLM: build_connector_meta --------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
@@ -240,7 +299,17 @@ class SchedulerSide:
             self._stats.add("external_hit_tokens", state.load_tokens)
             state.loaded_tokens += state.load_tokens
             state.load = None
-        if not self._can_save:
+        if state.blend is not None:
+            plan, state.blend = state.blend, None
+            n_blocks = -(-plan.end // self.block_size)
+            tokens = list(state.request.all_token_ids[: plan.end])
+            blocks = state.blocks[:n_blocks]
+            first = plan.computed // self.block_size
+            meta.blends.append(BlendTransfer(req_id, tokens, plan.computed, blocks, first, plan.chunks))
+            state.blended = True
+            self._stats.add("blend_chunks_hit", len(plan.chunks))
+            self._stats.add("blend_chunks_missed", plan.missed)
+        if not self._can_save or state.blended:
             return
         full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.ids))
         if computed_after > state.num_prompt_tokens and self._decode_save_blocks and state.ids:

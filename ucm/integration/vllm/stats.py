@@ -33,12 +33,17 @@ COUNTERS: dict[str, str] = {
     "store_corrupt_blocks": "Stored blocks that failed their integrity check in this engine's workers",
     "store_evicted_blocks": "Blocks evicted by this engine's workers to keep stores under capacity",
     "store_skipped_blocks": "Blocks this engine's workers did not load or save because the store was degraded",
+    "blend_chunks_hit": "Prompt chunks whose KV Blend found in the store (at least their first block)",
+    "blend_chunks_missed": "Prompt chunks of a block or more that Blend did not find in the store",
+    "blend_reused_tokens": "Tokens whose cached KV Blend kept past its check layer",
+    "blend_recomputed_tokens": "Tokens Blend computed through every layer (selected, or without a cached KV)",
 }
 HISTOGRAMS: dict[str, str] = {
     "load_seconds": "Time to load one request's blocks in one step",
     "save_seconds": "Time to write one request's blocks in one step",
     "pd_wait_seconds": "Time a consumer request waited for a producer's blocks to become visible",
     "pd_save_wait_seconds": "Time a PD prefill step waited for its saves to be in the store",
+    "blend_seconds": "Time to blend one request's region (loading its chunks included)",
 }
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ucm import metrics
+from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
-from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
+from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.sparse.serving import invalidate_summaries
 from ucm.store import Store, Task, workers
@@ -85,8 +86,11 @@ class WorkerSide:
         staging_bytes: int = 0,
         in_place_loads: bool | None = None,
         pd_save_wait_s: float = 0.0,
+        blend: BlendConfig | None = None,
     ) -> None:
         self._store = store
+        self._blend_config = blend
+        self._blender = None
         self._load_timeout_s = load_timeout_s
         self._pd_save_wait_s = pd_save_wait_s
         self._staging_bytes = staging_bytes
@@ -125,6 +129,20 @@ class WorkerSide:
         self.layout = KVLayout(kv_caches, num_blocks)
         rows = 0 if self._in_place_option or self._load_timeout_s is None else self._staging_rows()
         self._staging = StagingPool(self.layout.new_staging, rows)
+        if self._blend_config is not None:
+            from ucm.integration.vllm.blend import Blender
+            from ucm.integration.vllm.blend_model import built_model
+
+            self._blender = Blender(
+                self._blend_config,
+                self.layout,
+                self._store,
+                rank=self._rank,
+                tp_size=self._tp_size,
+                stats=self._stats,
+                load_timeout_s=self._load_timeout_s,
+                model=built_model,
+            )
         allowed = self.layout.in_place and self._load_timeout_s is None
         self._in_place = allowed if self._in_place_option is None else self._in_place_option and allowed
         logger.info(
@@ -147,10 +165,11 @@ class WorkerSide:
         assert self.layout is not None, "register_kv_caches must run before the first step"
         self._loads = []
         blocks = [b for transfer in meta.loads for b in transfer.block_ids]
-        invalidate_summaries(blocks)
+        blended = [b for blend in meta.blends for b in blend.block_ids[blend.first_block :]]
+        invalidate_summaries(blocks + blended)
         self._abandoned = [t for t in self._abandoned if not t.done()]
-        if self._abandoned and blocks:
-            self._load_errors.update(blocks)  # vLLM recomputes them
+        if self._abandoned and (blocks or blended):
+            self._load_errors.update(blocks + blended)  # vLLM recomputes them
             self._stats.add("load_failed_blocks", len(blocks))
             self._stats.add("store_skipped_blocks", len(blocks))
             return
@@ -164,9 +183,28 @@ class WorkerSide:
             staging = buffer[: len(transfer.block_ids)]
             task = self._store.load(self._keys(transfer), list(staging.numpy()))
             self._loads.append(_Load(transfer, staging, task, started, buffer=buffer))
-        if self._load_mode == "step":
+        if self._load_mode == "step" or meta.blends:  # a blend reads the exact prefix: loaded first
             for layer in range(len(self.layout.slots)):
                 self._scatter_layer(layer)
+        for blend in meta.blends:
+            self._run_blend(blend)
+
+    def _run_blend(self, blend: BlendTransfer) -> None:
+        """Blend one region; if it cannot be (its exact prefix failed to load, no model, an error),
+        its blocks fail as a load does, and vLLM computes them."""
+        first = blend.first_block
+        done = False
+        if self._blender is None:
+            logger.error(
+                "UCM: request %s: a blend was planned but this worker has no blend configuration", blend.req_id
+            )
+        elif not self._load_errors.intersection(blend.block_ids[:first]):
+            try:
+                done = self._blender.run(blend)
+            except Exception:
+                logger.exception("UCM: request %s: blending failed; computing it instead", blend.req_id)
+        if not done:
+            self._load_errors.update(blend.block_ids[first:])
 
     def wait_layer(self, layer_name: str) -> None:
         if self._loads and self._load_mode == "layer":

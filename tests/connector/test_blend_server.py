@@ -1,0 +1,161 @@
+"""Blend inside real vLLM (CPU build) servers: chunks cached alone, then reused at other positions
+in other prompts.
+
+P is plain vLLM (the reference); B blends with the default configuration; S blends with
+``check_layer`` 0 and ratio 0 (every reused token keeps its cached KV in the layers after the
+first). The tiny model has two layers: with the default ``check_layer`` 1 every KV B writes is
+computed fresh (layer 0 for every token, layer 1 at the check), so B's tokens must equal P's —
+this checks what serving adds (the plan, loading, re-rotation, the cache writes, the question
+computed over them); how the ratio trades accuracy is checked on the model's layers in
+test_blend_compute.py. Prompts are token ids, so chunk boundaries are exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ucm.integration.vllm.config import blend_overrides, kv_transfer_config
+from ucm_testing.vllm_server import VLLMServer, cached_tokens
+
+pytestmark = pytest.mark.slow
+BS = 32
+SEPARATOR = "\n---\n"
+OVERRIDE = ["--hf-overrides", json.dumps(blend_overrides())]
+
+
+@pytest.fixture(scope="module")
+def separator(tiny_model) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model)).encode(SEPARATOR, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    store = {"spec": "posix", "posix": {"roots": [str(tmp_path_factory.mktemp("kv-store"))]}}
+    stale = {"separator": SEPARATOR, "check_layer": 0, "recompute_ratio": 0.0}
+    all_servers = {
+        "P": VLLMServer(tiny_model, logs / "plain.log"),
+        "B": VLLMServer(
+            tiny_model,
+            logs / "blend.log",
+            kv_transfer_config=kv_transfer_config(store, blend={"separator": SEPARATOR}),
+            extra_args=OVERRIDE,
+        ),
+        "S": VLLMServer(
+            tiny_model,
+            logs / "stale.log",
+            kv_transfer_config=kv_transfer_config(store, blend=stale),
+            extra_args=OVERRIDE,
+        ),
+    }
+    try:
+        for s in all_servers.values():
+            s.start()
+        for s in all_servers.values():
+            s.wait_ready()
+        yield all_servers
+    finally:
+        for s in all_servers.values():
+            s.stop()
+
+
+def words(n: int, seed: int) -> list[int]:
+    """Token ids that are no separator token (the tiny vocabulary's ids 40..500)."""
+    return [40 + (seed * 7919 + i * 104729) % 460 for i in range(n)]
+
+
+def complete(server: VLLMServer, prompt: list[int], **kw) -> tuple[list[int], int]:
+    r = server.complete(prompt, max_tokens=24, logprobs=0, **kw)
+    choice = r["choices"][0]
+    return choice["logprobs"]["tokens"], cached_tokens(r)
+
+
+def cache_alone(server: VLLMServer, *chunks: list[int], **kw) -> None:
+    for chunk in chunks:
+        server.complete(chunk, max_tokens=1, **kw)
+
+
+def test_chunks_cached_alone_are_reused_in_another_order(servers, separator):
+    P, B = servers["P"], servers["B"]
+    system, first, second, question = words(40, 1), words(100, 2), words(90, 3), words(20, 4)
+    cache_alone(B, first, second)
+    prompt = system + separator + second + separator + first + separator + question
+    reference, _ = complete(P, prompt)
+    before = B.metrics()
+    out, hit = complete(B, prompt)
+    assert out == reference
+    # the region ends where the last cached chunk's stored blocks end: first's 3 full blocks
+    first_at = len(system + separator + second + separator)
+    assert hit == first_at + 3 * BS
+    after = B.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("ucm_connector_blend_chunks_hit_total") == 2
+    assert grew("ucm_connector_blend_chunks_missed_total") == 1  # the system prompt was never cached
+    assert grew("ucm_connector_blend_reused_tokens_total") + grew("ucm_connector_blend_recomputed_tokens_total") == hit
+
+
+def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
+    """The system prompt's full blocks come from the store exactly (loaded before the blend, which
+    reads them back from the paged cache: its queries attend over them)."""
+    P, B = servers["P"], servers["B"]
+    system, first, second, question = words(72, 15), words(80, 16), words(70, 17), words(20, 18)
+    cache_alone(B, system, first, second)
+    prompt = system + separator + second + separator + first + separator + question
+    reference, _ = complete(P, prompt)
+    before = B.metrics()
+    out, hit = complete(B, prompt)
+    assert out == reference
+    first_at = len(system + separator + second + separator)
+    assert hit == first_at + 2 * BS
+    after = B.metrics()
+    blended = sum(
+        after.get(f"ucm_connector_blend_{k}_tokens_total", 0) - before.get(f"ucm_connector_blend_{k}_tokens_total", 0)
+        for k in ("reused", "recomputed")
+    )
+    assert blended == hit - 2 * BS  # the system prompt's 2 full blocks were exact: loaded, not blended
+
+
+def test_reused_kv_is_kept_past_the_check_layer(servers, separator):
+    """At ratio 0 the chunk tokens keep their cached KV after check_layer 0: only the tokens no
+    chunk covers are recomputed, and the answer still comes."""
+    S = servers["S"]
+    system, first, second, question = words(40, 5), words(64, 6), words(64, 7), words(20, 8)
+    cache_alone(S, first, second)
+    before = S.metrics()
+    prompt = system + separator + second + separator + first + separator + question
+    out, hit = complete(S, prompt)
+    assert len(out) == 24
+    assert hit == len(prompt) - len(separator + question)
+    after = S.metrics()
+    reused = after["ucm_connector_blend_reused_tokens_total"] - before.get("ucm_connector_blend_reused_tokens_total", 0)
+    assert reused == 128  # both chunks, every token; the system prompt and separators were recomputed
+
+
+def test_another_tenants_chunks_are_never_used(servers, separator):
+    P, B = servers["P"], servers["B"]
+    system, chunk, question = words(40, 9), words(96, 10), words(20, 11)
+    cache_alone(B, chunk, cache_salt="tenant-a")
+    prompt = system + separator + chunk + separator + question
+    reference, _ = complete(P, prompt)
+    before = B.metrics()
+    out, hit = complete(B, prompt, cache_salt="tenant-b")
+    assert out == reference
+    assert hit == 0
+    after = B.metrics()
+    assert after.get("ucm_connector_blend_chunks_hit_total", 0) == before.get("ucm_connector_blend_chunks_hit_total", 0)
+
+
+def test_a_prompt_without_cached_chunks_is_prefilled_as_usual(servers, separator):
+    P, B = servers["P"], servers["B"]
+    prompt = words(50, 12) + separator + words(70, 13) + separator + words(10, 14)
+    reference, _ = complete(P, prompt)
+    out, hit = complete(B, prompt)
+    assert out == reference
+    assert hit == 0
