@@ -34,7 +34,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+from ucm.integration.vllm.attention import KernelShape, learn_layout
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, rank_keys
@@ -78,10 +81,20 @@ def rerotate(rotary_emb: torch.nn.Module, keys: torch.Tensor, shift: int) -> tor
     return rotated.view_as(keys)
 
 
+# (layer, queries (R, heads, D), the region's keys and values (M, kv_heads, D), the queries'
+# positions (R,) ascending, scale) -> (R, heads, D): causal attention of each query over the keys at
+# or before its position.
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 @torch.inference_mode()
-def blend_region(model: torch.nn.Module, region: Region, ratio: float, check_layer: int = 1) -> Blended:
+def blend_region(
+    model: torch.nn.Module, region: Region, ratio: float, check_layer: int = 1, attend: Attention | None = None
+) -> Blended:
     """Compute ``region`` through ``model`` (vLLM's LlamaForCausalLM, or any model with the same
-    modules) as the module docstring says."""
+    modules) as the module docstring says. ``attend``: plain PyTorch attention unless given (the
+    served path passes vLLM's kernel over the paged cache, :class:`PagedAttention`)."""
+    attend = attend or sdpa_attention
     inner = model.model
     layers = inner.layers
     m = region.tokens.shape[0]
@@ -114,7 +127,7 @@ def blend_region(model: torch.nn.Module, region: Region, ratio: float, check_lay
             keep = _recompute_rows(region.reused[rows], keys[rows], values[rows], k, v, ratio)
         keys[rows] = k
         values[rows] = v
-        out = _attend(q.view(-1, attn.num_heads, attn.head_dim), keys, values, rows, attn.scaling)
+        out = attend(index, q.view(-1, attn.num_heads, attn.head_dim), keys, values, rows, attn.scaling)
         out, _ = attn.o_proj(out.reshape(out.shape[0], -1))
         hidden, residual = layer.post_attention_layernorm(out, residual)
         hidden = layer.mlp(hidden)
@@ -145,11 +158,11 @@ def _recompute_rows(
     return keep.nonzero().squeeze(1)
 
 
-def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+def sdpa_attention(
+    layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Causal attention of queries at ``positions`` (R, heads, D) over the region's KV (M, kv_heads,
-    D): a query sees the keys at or before its position."""
+    """:data:`Attention` with PyTorch's scaled_dot_product_attention and an explicit mask (any
+    device; on the CPU ~4x slower than vLLM's kernel, which skips what the mask hides)."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, M, D)
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -178,10 +191,6 @@ class Blender:
         load_timeout_s: float | None,
         model: Callable[[], torch.nn.Module | None],
     ) -> None:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        from ucm.integration.vllm.attention import learn_layout
-
         slot = layout.slots[0]
         if layout.device.type != "cpu" or len(slot.block_shape) != 3:
             raise ValueError("blend: runs on vLLM's CPU attention backend only (for now)")
@@ -203,7 +212,7 @@ class Blender:
         self._model = model
 
     def run(self, transfer: BlendTransfer) -> bool:
-        """Blend one region into its blocks; False: nothing written (vLLM must recompute them)."""
+        """Blend one region into its blocks; False: not blended (vLLM must compute them)."""
         model = self._model()
         if model is None:
             logger.error(
@@ -219,15 +228,9 @@ class Blender:
             return False
         started = time.perf_counter()
         region = self._region(transfer, model)
-        out = blend_region(model, region, self.config.recompute_ratio, self.config.check_layer)
+        attention = PagedAttention(self, transfer.block_ids, region.computed, region.tokens.shape[0])
+        out = blend_region(model, region, self.config.recompute_ratio, self.config.check_layer, attention)
         positions = torch.arange(region.computed, region.tokens.shape[0])
-        blocks = torch.tensor(transfer.block_ids, dtype=torch.long)
-        slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-        from vllm import _custom_ops as ops
-
-        for layer in range(len(self.layout.slots)):
-            key_cache, value_cache = self._halves(self.layout.blocks_first(layer)).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(out.keys[layer], out.values[layer], key_cache, value_cache, slots, self.isa)
         recomputed = out.recomputed.numel()
         self._stats.add("blend_recomputed_tokens", recomputed)
         self._stats.add("blend_reused_tokens", positions.numel() - recomputed)
@@ -247,19 +250,18 @@ class Blender:
                 k, v = self._unpack(self.layout.blocks_first(layer)[exact])
                 keys[layer][:computed], values[layer][:computed] = k[:computed], v[:computed]
         for start, (staging, ok) in zip((c[0] for c in transfer.chunks), self._load_chunks(transfer), strict=True):
-            # the chunk's loaded blocks, and where their tokens go: past the exact prefix, before the end
-            good = [i for i, loaded in enumerate(ok) if loaded]
-            if not good:
-                continue
-            where = (start + torch.tensor(good)[:, None] * bs + torch.arange(bs)).flatten()
-            take = (where >= computed) & (where < end)
-            where = where[take]
-            reused[where] = True
-            for layer in layers:
-                k, v = self._unpack(self.layout.payload_layer(staging[good], layer))
-                k = rerotate(model.model.layers[layer].self_attn.rotary_emb, k, start)
-                keys[layer][where] = k[take]
-                values[layer][where] = v[take]
+            for first, last in _spans(ok):  # consecutive loaded blocks: one copy per layer
+                lo = max(start + first * bs, computed)
+                hi = min(start + last * bs, end)
+                if lo >= hi:
+                    continue
+                skip = lo - (start + first * bs)
+                reused[lo:hi] = True
+                for layer in layers:
+                    k, v = self._unpack(self.layout.payload_layer(staging[first:last], layer))
+                    k = rerotate(model.model.layers[layer].self_attn.rotary_emb, k, start)
+                    keys[layer][lo:hi] = k[skip : skip + hi - lo]
+                    values[layer][lo:hi] = v[skip : skip + hi - lo]
         return Region(torch.tensor(transfer.tokens), computed, reused, keys, values)
 
     def _load_chunks(self, transfer: BlendTransfer) -> list[tuple[torch.Tensor, list[bool]]]:
@@ -284,6 +286,10 @@ class Blender:
             at += n
         return out
 
+    def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value caches, as vLLM's CPU backend passes them to its ops."""
+        return self._halves(self.layout.blocks_first(layer)).chunk(2, dim=2)
+
     def _halves(self, blocks: torch.Tensor) -> torch.Tensor:
         return blocks.view(blocks.shape[0], self.kv_heads, 2 * self.block_size, self.head_dim)
 
@@ -297,3 +303,76 @@ class Blender:
             logical = half.reshape(n, self.kv_heads, bs * d)[..., order]
             out.append(logical.view(n, self.kv_heads, bs, d).transpose(1, 2).reshape(n * bs, self.kv_heads, d))
         return out[0], out[1]
+
+
+class PagedAttention:
+    """:data:`Attention` for one request's region with vLLM's CPU kernel over its paged cache. Each
+    layer's region KV is written into the cache first (the blend's output: what vLLM's prefill of
+    the question then reads), then the running queries attend: one kernel row per contiguous run of
+    positions, since the kernel aligns a row's queries with the end of its sequence."""
+
+    def __init__(self, blender: Blender, block_ids: list[int], computed: int, end: int) -> None:
+        self.blender = blender
+        bs = blender.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        positions = torch.arange(computed, end)
+        self.slots = blocks[positions // bs] * bs + positions % bs
+        self.computed = computed
+        self.table = blocks.to(torch.int32)[None, :]
+        self.shape: KernelShape | None = None
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        b = self.blender
+        key_cache, value_cache = b.caches(layer)
+        c = self.computed
+        ops.cpu_attn_reshape_and_cache(keys[c:], values[c:], key_cache, value_cache, self.slots, b.isa)
+        if self.shape is None:
+            self.shape = KernelShape(q.shape[1], keys.shape[1], q.shape[2], q.dtype, b.isa, "auto")
+        breaks = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
+        bounds = torch.cat([positions.new_zeros(1), breaks, positions.new_tensor([positions.numel()])])
+        starts = bounds.to(torch.int32)
+        seq_lens = (positions[bounds[1:] - 1] + 1).to(torch.int32)
+        runs = seq_lens.numel()
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=self.table.expand(runs, -1).contiguous(),
+            softcap=0,
+            scheduler_metadata=self.shape.schedule(seq_lens, starts, q.shape[1], keys.shape[1]),
+            s_aux=None,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
+        return out
+
+
+def _spans(ok: list[bool]) -> list[tuple[int, int]]:
+    """``[first, last)`` of each run of True in ``ok``."""
+    spans = []
+    first = None
+    for i, good in enumerate([*ok, False]):
+        if good and first is None:
+            first = i
+        elif not good and first is not None:
+            spans.append((first, i))
+            first = None
+    return spans
