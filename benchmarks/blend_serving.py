@@ -210,6 +210,7 @@ def row(name: str, out: Outcome, reference: Outcome | None, recompute_ttft: list
         ),
         "accuracy": round(sum(out.correct) / len(out.correct), 4),
         "accuracy_95": [round(lo, 4), round(hi, 4)],
+        "ttft_s": [round(t, 4) for t in out.ttft],
     }
     if reference is not None:
         n = len(out.correct)

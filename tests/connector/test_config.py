@@ -76,3 +76,32 @@ def test_kv_transfer_config_is_validated_and_needs_no_vllm():
     # deployment tooling builds it without importing vLLM
     code = "import sys, ucm.integration.vllm.config; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ucms_blend_section_becomes_ours():
+    ucm = {"Blend": {"compute_meta": {"model.layers.2.self_attn": {"ratio": 0.1}}, "separator": "\n##\n"}}
+    c = parse_connector_config({"store": STORE, "ucm_sparse_config": ucm})
+    assert c.blend is not None and c.sparse is None
+    assert (c.blend.check_layer, c.blend.recompute_ratio, c.blend.separator) == (2, 0.1, "\n##\n")
+    c = parse_connector_config({"store": STORE, "ucm_sparse_config": {"sparse_type": "Blend", "Blend": {}}})
+    assert c.blend is not None and c.blend.recompute_ratio == 0.15
+
+
+@pytest.mark.parametrize(
+    ("blend", "message"),
+    [
+        (
+            {"compute_meta": {"model.layers.0.self_attn": {"ratio": 0.1}, "model.layers.9.self_attn": {"ratio": 0.05}}},
+            r"ucm_sparse_config\.Blend\.compute_meta: give one layer",
+        ),
+        ({"compute_meta": {"layers.0": {"ratio": 0.1}}}, r"compute_meta\.layers\.0: expected a layer named"),
+        ({"compute_meta": {"model.layers.0.self_attn": {"r": 1}}}, r"expected \{ratio: <share recomputed>\}"),
+        (
+            {"compute_meta": {"model.layers.0.self_attn": {"ratio": 3}}},
+            r"kv_connector_extra_config\.blend\.recompute_ratio",
+        ),
+    ],
+)
+def test_ucms_blend_errors_name_the_field(blend, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_connector_config({"store": STORE, "ucm_sparse_config": {"Blend": blend}})

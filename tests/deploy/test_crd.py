@@ -85,6 +85,13 @@ def test_there_is_an_example_per_store_type():
     assert types == {"posix", "nfs", "ds3fs", "mooncake"}
 
 
+def test_a_bad_blend_section_fails_the_schema():
+    for bad in ({"recompute_ratio": 1.5}, {"separator": ""}, {"ratio": 0.1}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("blend", bad)})
+    jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("blend", {"recompute_ratio": 0.2, "check_layer": 2})})
+
+
 def test_a_bad_sparse_section_fails_the_schema():
     for bad in ({"algorithm": "quest"}, {"algorithm": "esa", "esa": {"sparse_ratio": 1.5}}, {"esa": {}}):
         with pytest.raises(jsonschema.ValidationError):

@@ -118,6 +118,21 @@ def test_sparse_attention_reaches_the_decode_engines_only():
     assert KV_DECODE_CONFIG_FILE not in plan_for({}).files
 
 
+def test_blend_reaches_the_prefill_engines_only():
+    plan = plan_for({"blend": {"recompute_ratio": 0.2}})
+    assert "blend" not in kv(plan_for({}))
+    assert parse_connector_config(kv(plan)).blend.recompute_ratio == 0.2
+    decode = json.loads(plan.files[KV_DECODE_CONFIG_FILE])["kv_connector_extra_config"]
+    assert "blend" not in decode
+    assert plan.role("decode").command[3].endswith(KV_DECODE_CONFIG_FILE)
+
+
+def test_blend_is_refused_for_engines_split_over_ranks():
+    parallel = {"parallel": {"tensor": 2}, "resources": {"gpus": 0}}
+    with pytest.raises(ValueError, match=r"blend: .*tensor and pipeline"):
+        UCMDeploymentSpec.model_validate({**BASE, "blend": {}, "prefill": parallel, "decode": parallel})
+
+
 def test_an_open_proxy_outside_the_cluster_is_an_explicit_choice():
     plan_for({"proxy": {"service": {"type": "NodePort"}, "allowAnonymous": True}})
     plan_for({"proxy": {"service": {"type": "LoadBalancer"}, "apiKeySecret": {"name": "keys"}}})

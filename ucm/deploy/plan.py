@@ -44,7 +44,7 @@ from ucm.kv_events import KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT, ipc_e
 
 PROXY_IMAGE = "ucm/proxy"  # runtime/Dockerfile.proxy; `make images` tags it with the release
 KV_CONFIG_FILE = "kv-transfer-config.json"
-KV_DECODE_CONFIG_FILE = "kv-transfer-config-decode.json"  # with spec.sparse: what decode engines read
+KV_DECODE_CONFIG_FILE = "kv-transfer-config-decode.json"  # with spec.sparse or blend: what decode engines read
 PROXY_CONFIG_FILE = "proxy.yaml"
 BACKENDS_FILE = "backends.json"  # locally: the proxy's backends, rewritten by `ucm restart`
 API_KEYS_DIR = "/etc/ucm/api-keys"
@@ -92,9 +92,10 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         stage = {backend: {**stage[backend], "mac_key_file": f"{site.credentials_dir}/{MAC_KEY}"}}
         credentials.append(MAC_KEY)
         store_volumes = [*store_volumes, *_credentials_volume(name, site, MAC_KEY)]
-    files[KV_CONFIG_FILE] = _json(_kv_config(spec, stage))
+    # Prefill is where Blend pays, decoding where sparse attention does: each pool its own settings.
+    files[KV_CONFIG_FILE] = _json(_kv_config(spec, stage, blend=True))
     kv_files = {"prefill": KV_CONFIG_FILE, "decode": KV_CONFIG_FILE}
-    if spec.sparse is not None:  # decoding is where sparse attention pays; prefill stays dense
+    if spec.sparse is not None or spec.blend is not None:
         files[KV_DECODE_CONFIG_FILE] = _json(_kv_config(spec, stage, sparse=True))
         kv_files["decode"] = KV_DECODE_CONFIG_FILE
     engines: dict[str, list[str]] = {}
@@ -149,9 +150,11 @@ def _json(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any], sparse: bool = False) -> dict[str, Any]:
+def _kv_config(
+    spec: UCMDeploymentSpec, stage: dict[str, Any], sparse: bool = False, blend: bool = False
+) -> dict[str, Any]:
     """The connector's kv-transfer-config: the kind's store stage, behind a DRAM tier if asked;
-    with ``sparse``, the deployment's sparse attention settings too."""
+    with ``sparse`` or ``blend``, the deployment's sparse attention or Blend settings too."""
     (backend,) = stage
     store: dict[str, Any] = {"spec": backend, **stage}
     if spec.store.cache_size is not None:
@@ -160,6 +163,8 @@ def _kv_config(spec: UCMDeploymentSpec, stage: dict[str, Any], sparse: bool = Fa
     extra: dict[str, Any] = spec.connector.model_dump(exclude_unset=True)
     if sparse and spec.sparse is not None:
         extra["sparse"] = spec.sparse.model_dump(mode="json", exclude_unset=True)
+    if blend and spec.blend is not None:
+        extra["blend"] = spec.blend.model_dump(mode="json", exclude_unset=True)
     try:
         return kv_transfer_config(
             store,

@@ -16,6 +16,7 @@ from ucm import __version__
 from ucm.deploy.schema import Quantity, Spec, cel, one_of
 from ucm.deploy.stores import KINDS, StoreKind
 from ucm.hashing import HashAlgorithm
+from ucm.integration.vllm.config import BlendConfig
 from ucm.sparse.config import OPTIONS, SparseConfig
 
 GROUP = "ucm.io"
@@ -412,6 +413,12 @@ class SparseSpec(SparseConfig):
     )
 
 
+class BlendSpec(BlendConfig):
+    """Blend for the engines that prefill: a prompt's chunks (between separators) reuse their cached KV
+    wherever they appear, the tokens that deviate most recomputed. A chunk is cached when prefilled
+    alone or as a prompt's start. Engines run UCM's Blend model class (Llama-shaped models)."""
+
+
 class Scraper(Spec):
     """Pods that may scrape the engines' and the proxy's ``/metrics`` (a Prometheus), as a
     NetworkPolicy peer: pods matching ``podSelector`` in namespaces matching ``namespaceSelector``."""
@@ -456,7 +463,20 @@ class UCMDeploymentSpec(Spec):
     connector: ConnectorSpec = ConnectorSpec()
     proxy: ProxySpec = ProxySpec()
     sparse: SparseSpec | None = Field(None, description="Sparse attention for long decodes (decode engines)")
+    blend: BlendSpec | None = Field(
+        None, description="Reuse retrieved chunks' KV wherever a prompt places them (prefill engines)"
+    )
     monitoring: MonitoringSpec = MonitoringSpec()
+
+    @model_validator(mode="after")
+    def _blend_on_one_rank(self) -> UCMDeploymentSpec:
+        p = self.prefill.parallel
+        if self.blend is not None and p.tensor * p.pipeline > 1:
+            raise ValueError(
+                f"blend: engines split over ranks (tensor and pipeline {p.tensor} x {p.pipeline}) cannot blend "
+                "yet; run prefill with both at 1 or leave blend out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _same_split(self) -> UCMDeploymentSpec:

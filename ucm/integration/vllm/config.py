@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -140,13 +141,50 @@ def native_config(extra: Mapping[str, Any], where: str = WHERE) -> dict[str, Any
 
 
 def with_sparse_translated(options: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``options`` with UCM's ``ucm_sparse_config`` (if any) turned into our ``sparse`` section."""
+    """``options`` with UCM's ``ucm_sparse_config`` (if any) turned into our ``sparse`` section, or
+    into ``blend`` when it chooses UCM's Blend."""
     out = dict(options)
     if "ucm_sparse_config" in out:
-        if "sparse" in out:
-            raise ConfigError(f"{where}: give sparse or ucm_sparse_config, not both")
-        out["sparse"] = from_ucm(out.pop("ucm_sparse_config"), f"{where}.ucm_sparse_config")
+        ucm = out.pop("ucm_sparse_config")
+        section = "blend" if _chooses_blend(ucm) else "sparse"
+        if section in out:
+            raise ConfigError(f"{where}: give {section} or ucm_sparse_config, not both")
+        where = f"{where}.ucm_sparse_config"
+        out[section] = blend_from_ucm(ucm, where) if section == "blend" else from_ucm(ucm, where)
     return out
+
+
+def _chooses_blend(ucm: Any) -> bool:
+    if not isinstance(ucm, Mapping):
+        return False
+    return ucm.get("sparse_type") == "Blend" or set(ucm) - {"sparse_type"} == {"Blend"}
+
+
+def blend_from_ucm(ucm: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """UCM's ``{"Blend": {"compute_meta": {"model.layers.N.self_attn": {"ratio": r}}}}`` as our
+    ``blend`` section: layer N measures the deviation, ``r`` is the share recomputed. Our own keys
+    (``separator``, ...) may sit beside ``compute_meta``. One layer only: UCM lets later layers
+    narrow the selection again, which this Blend does not do."""
+    section = ucm.get("Blend") or {}
+    where = f"{where}.Blend"
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{where}: expected a mapping such as {{compute_meta: {{...}}}}")
+    out = {k: v for k, v in section.items() if k != "compute_meta"}
+    meta = section.get("compute_meta")
+    if meta is None:
+        return out
+    if not isinstance(meta, Mapping) or len(meta) != 1:
+        raise ConfigError(
+            f"{where}.compute_meta: give one layer, e.g. {{'model.layers.1.self_attn': {{'ratio': 0.15}}}} "
+            "(a selection narrowed again at later layers is not supported)"
+        )
+    ((layer, options),) = meta.items()
+    found = re.fullmatch(r"model\.layers\.(\d+)\.self_attn", str(layer))
+    if found is None:
+        raise ConfigError(f"{where}.compute_meta.{layer}: expected a layer named model.layers.<N>.self_attn")
+    if not isinstance(options, Mapping) or set(options) != {"ratio"}:
+        raise ConfigError(f"{where}.compute_meta.{layer}: expected {{ratio: <share recomputed>}}")
+    return {**out, "check_layer": int(found.group(1)), "recompute_ratio": options["ratio"]}
 
 
 def sparse_config(options: Mapping[str, Any] | None, where: str) -> SparseConfig | None:
