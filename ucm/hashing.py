@@ -57,6 +57,9 @@ class HashContext:
     algorithm: HashAlgorithm = "sha256"
     weights: str = ""  # a fingerprint of the weights (ucm.integration.vllm.identity): same name, other weights
     pp_size: int = 1  # pipeline stages: each holds other layers, so the layout differs
+    # KV not made by a plain prefill: Blend's settings (ucm.integration.vllm.blend). Its own field, so
+    # that no salt a client picks can name blended blocks as exact ones.
+    blend: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -71,8 +74,8 @@ class HashContext:
             raise ValueError(f"pp_size: must be a positive integer, got {self.pp_size}")
         _digest_fn(self.algorithm)  # validates the name (and blake3's availability) early
 
-    def with_request_salt(self, request_salt: str) -> HashContext:
-        return replace(self, request_salt=request_salt)
+    def with_request_salt(self, request_salt: str, blend: str = "") -> HashContext:
+        return replace(self, request_salt=request_salt, blend=blend)
 
 
 class BlockHasher:
@@ -92,8 +95,9 @@ class BlockHasher:
                 "tenant's blocks collide with another's. Use it only for trusted single-tenant setups."
             )
         fields = asdict(context)
-        if not context.request_salt:
-            del fields["request_salt"]  # ids of unsalted requests stay what they were before the field
+        for name in ("request_salt", "blend"):  # ids stay what they were before these fields, when unset
+            if not fields[name]:
+                del fields[name]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         self.seed: bytes = self._digest(b"ucm-block-seed/v1\x00" + canonical.encode())
 

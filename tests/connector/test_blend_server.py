@@ -3,7 +3,8 @@ in other prompts.
 
 P is plain vLLM (the reference); B blends with the default configuration; S blends with
 ``check_layer`` 0 and ratio 0 (every reused token keeps its cached KV in the layers after the
-first). The tiny model has two layers: with the default ``check_layer`` 1 every KV B writes is
+first); D decodes what B prefilled (PD through the store), without a blend configuration of its
+own. The tiny model has two layers: with the default ``check_layer`` 1 every KV B writes is
 computed fresh (layer 0 for every token, layer 1 at the check), so B's tokens must equal P's —
 this checks what serving adds (the plan, loading, re-rotation, the cache writes, the question
 computed over them); how the ratio trades accuracy is checked on the model's layers in
@@ -51,6 +52,7 @@ def servers(tiny_model, tmp_path_factory):
             kv_transfer_config=kv_transfer_config(store, blend=stale),
             extra_args=OVERRIDE,
         ),
+        "D": VLLMServer(tiny_model, logs / "decode.log", kv_transfer_config=kv_transfer_config(store)),
     }
     try:
         for s in all_servers.values():
@@ -120,6 +122,24 @@ def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
         for k in ("reused", "recomputed")
     )
     assert blended == hit - 2 * BS  # the system prompt's 2 full blocks were exact: loaded, not blended
+
+
+def test_pd_decode_loads_the_blended_prompt(servers, separator):
+    """B prefills (blending) for a remote decode: its blocks past the exact prefix are stored under
+    the blend's ids and its answer names them; D loads every prompt block and continues as plain
+    vLLM would (the tiny model's blend is exact, see above)."""
+    P, B, D = servers["P"], servers["B"], servers["D"]
+    system, first, second, question = words(40, 19), words(96, 20), words(70, 21), words(30, 22)
+    cache_alone(B, first, second)
+    prompt = system + separator + second + separator + first + separator + question
+    prefill = B.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = prefill["kv_transfer_params"]
+    full_blocks = len(prompt) // BS
+    assert params["ucm_blocks"] == full_blocks and params["ucm_blend"][1] == 0
+    reference, _ = complete(P, prompt)
+    r = D.complete(prompt, max_tokens=24, logprobs=0, kv_transfer_params=params)
+    assert r["choices"][0]["logprobs"]["tokens"] == reference
+    assert r["kv_transfer_params"]["ucm_loaded_tokens"] == full_blocks * BS
 
 
 def test_reused_kv_is_kept_past_the_check_layer(servers, separator):

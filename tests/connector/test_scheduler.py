@@ -7,7 +7,7 @@ import pytest
 
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.metadata import rank_keys, store_keys
-from ucm.integration.vllm.scheduler import HASHERS_KEPT, PARAM_BLOCKS, PARAM_LOADED, SchedulerSide
+from ucm.integration.vllm.scheduler import HASHERS_KEPT, PARAM_BLEND, PARAM_BLOCKS, PARAM_LOADED, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import create_store
 
@@ -378,7 +378,7 @@ def test_split_chunks_cuts_at_every_separator():
     assert split_chunks([1, 2, 3], SEP) == []
 
 
-def test_blend_claims_up_to_the_last_stored_chunk_block_and_never_saves(store):
+def test_blend_claims_up_to_the_last_stored_chunk_block(store):
     """[system 6][sep][A 9][sep][B 6][sep][q 3]: A cached alone (2 of its blocks), B not at all."""
     system, a, b, q = list(range(200, 206)), list(range(300, 309)), list(range(400, 406)), [1, 2, 3]
     put(store, a, 2)
@@ -389,13 +389,18 @@ def test_blend_claims_up_to_the_last_stored_chunk_block_and_never_saves(store):
     assert s.num_new_matched_tokens(req, 0) == (a_at + 2 * BS, False)
     blocks = list(range(10, 10 + len(prompt) // BS + 1))
     s.after_alloc(req, blocks, a_at + 2 * BS)
-    meta = s.build_meta(step(new=[("r", blocks, 0)], scheduled={"r": len(prompt) - a_at - 2 * BS}))
+    meta = s.build_meta(step(new=[("r", blocks, a_at + 2 * BS)], scheduled={"r": len(prompt) - a_at - 2 * BS}))
     (blend,) = meta.blends
     assert (blend.computed, blend.first_block, len(blend.tokens)) == (0, 0, a_at + 2 * BS)
     assert blend.tokens == prompt[: a_at + 2 * BS]
     assert [(start, len(keys)) for start, keys in blend.chunks] == [(a_at, 2)]
     assert blend.block_ids == blocks[: -(-(a_at + 2 * BS) // BS)]
-    assert meta.saves == [] and meta.loads == []  # blended KV is approximate: never stored as a prefix
+    # blended KV is approximate: stored under the blend's ids, never as the prompt's exact blocks
+    (save,) = meta.saves
+    exact = BlockHasher(CTX).block_ids(prompt)
+    blended = BlockHasher(CTX.with_request_salt("", s._blend.fingerprint)).block_ids(prompt)
+    assert save.store_ids == blended[: len(save.store_ids)] and not set(save.store_ids) & set(exact)
+    assert meta.loads == []
     assert s._stats.take().data["blend_chunks_missed"] == 2  # the system prompt and B
 
 
@@ -427,3 +432,39 @@ def test_no_blend_for_another_tenant_or_past_the_limits(store, config, salt):
     s = blend_side(store, **config)
     req = Req("r", list(range(200, 206)) + list(SEP) + b + list(SEP) + a + list(SEP) + [1], cache_salt=salt)
     assert s.num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_pd_consumer_loads_what_its_producer_blended(store):
+    """The producer blends after an exact prefix of 2 blocks, saves every prompt block and names the
+    blend in its answer; the consumer looks up the exact blocks, then the blend's, and loads them."""
+    system, a, q = list(range(200, 209)), list(range(300, 309)), [1, 2, 3, 4, 5]
+    put(store, system, 2)
+    put(store, a, 2)
+    prompt = system + list(SEP) + a + list(SEP) + q
+    producer = blend_side(store)
+    req = Req("p", prompt, kv_transfer_params={"do_remote_decode": True})
+    external, _ = producer.num_new_matched_tokens(req, 0)
+    blocks = list(range(len(prompt) // BS + 1))
+    producer.after_alloc(req, blocks, external)
+    meta = producer.build_meta(step(new=[("p", blocks, external)], scheduled={"p": len(prompt) - external}))
+    store.wait(store.dump(meta.saves[0].store_ids, [b"x"] * len(meta.saves[0].store_ids)))  # as the workers do
+    answer = producer.finished(req)
+    n_blocks = len(prompt) // BS
+    assert answer == {"do_remote_prefill": True, PARAM_BLOCKS: n_blocks, PARAM_BLEND: [producer._blend.fingerprint, 2]}
+    consumer = side(store)
+    creq = Req("c", prompt, kv_transfer_params=answer)
+    assert consumer.num_new_matched_tokens(creq, 0) == (n_blocks * BS, False)
+    consumer.after_alloc(creq, blocks, n_blocks * BS)
+    cmeta = consumer.build_meta(step(new=[("c", blocks, n_blocks * BS)], scheduled={"c": len(prompt) - n_blocks * BS}))
+    exact = BlockHasher(CTX).block_ids(prompt)[:2]  # the system prompt's, stored before
+    assert meta.saves[0].block_ids == blocks[2:n_blocks]
+    assert cmeta.loads[0].store_ids == exact + meta.saves[0].store_ids
+
+
+@pytest.mark.parametrize("bad", ["x", ["fp"], ["fp", -1], ["fp", True], [7, 1], ["f" * 65, 1]])
+def test_a_malformed_blend_parameter_is_ignored(store, bad):
+    prompt = list(range(100, 118))
+    put(store, prompt, 4)
+    s = side(store)
+    req = Req("r", prompt, kv_transfer_params={PARAM_BLEND: bad})
+    assert s.num_new_matched_tokens(req, 0) == (16, False)  # the exact blocks, as without it

@@ -12,6 +12,8 @@ it has passed, the step's remaining requests count as misses at once and are rec
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -36,6 +38,9 @@ HASHERS_KEPT = 256
 # reads it: vLLM's usage reports the *prefill's* cached tokens on a decode).
 PARAM_BLOCKS = "ucm_blocks"
 PARAM_LOADED = "ucm_loaded_tokens"
+# A producer that blended the prompt answers with [Blend's settings fingerprint, first blended block]:
+# its blocks from there on are stored under ids of that blend, and the consumer loads those.
+PARAM_BLEND = "ucm_blend"
 
 
 class RequestLike(Protocol):
@@ -64,7 +69,7 @@ class _RequestState:
     wait_started: float | None = None
     announced: bool = False  # its lookup's result went out as KV events
     blend: _BlendPlan | None = None  # a region to blend once vLLM allocated its blocks
-    blended: bool = False  # its KV is approximate from the first blended block on: never saved
+    blend_from: int | None = None  # first block of approximate KV (blended): named by the blend's ids
 
 
 @dataclass
@@ -79,6 +84,12 @@ class _BlendPlan:
 class BlendSettings:
     config: BlendConfig
     separator: tuple[int, ...]  # the separator's tokens (the model's tokenizer, the text alone)
+
+    @property
+    def fingerprint(self) -> str:
+        """Names blocks this blend made (``HashContext.blend``): another ratio makes other KV."""
+        settings = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 
 class SchedulerSide:
@@ -100,7 +111,7 @@ class SchedulerSide:
         blend: BlendSettings | None = None,
     ) -> None:
         self._context = context
-        self._hashers: dict[str, BlockHasher] = {}
+        self._hashers: dict[tuple[str, str], BlockHasher] = {}
         self._store = store
         self._can_load = can_load
         self._can_save = can_save
@@ -120,11 +131,12 @@ class SchedulerSide:
         self._events = events  # None: vLLM publishes no KV events
         self._blend = blend
 
-    def _hasher(self, salt: str) -> BlockHasher:
-        """One hasher per request salt, the most recently used ``HASHERS_KEPT`` kept: clients
-        choose salts, so the cache must not grow with them."""
-        hasher = self._hashers.pop(salt, None) or BlockHasher(self._context.with_request_salt(salt))
-        self._hashers[salt] = hasher  # most recent last
+    def _hasher(self, salt: str, blend: str = "") -> BlockHasher:
+        """One hasher per request salt (and blend), the most recently used ``HASHERS_KEPT`` kept:
+        clients choose salts, so the cache must not grow with them."""
+        key = (salt, blend)
+        hasher = self._hashers.pop(key, None) or BlockHasher(self._context.with_request_salt(salt, blend))
+        self._hashers[key] = hasher  # most recent last
         if len(self._hashers) > HASHERS_KEPT:
             del self._hashers[next(iter(self._hashers))]
         return hasher
@@ -137,6 +149,10 @@ class SchedulerSide:
             # blocks are not named by its tokens, so it bypasses the store entirely.
             multimodal = bool(getattr(request, "mm_features", None))
             ids = [] if multimodal else self._hasher(request.cache_salt or "").block_ids(prompt)
+            blended = _blended_params(request)
+            if blended is not None and ids:  # a PD consumer of a prompt its producer blended
+                fingerprint, first = blended
+                ids = ids[:first] + self._hasher(request.cache_salt or "", fingerprint).block_ids(prompt)[first:]
             state = _RequestState(request, ids, store_keys(ids, 0, self._tp_size), len(prompt))
             self._requests[request.request_id] = state
         return state
@@ -306,10 +322,10 @@ class SchedulerSide:
             blocks = state.blocks[:n_blocks]
             first = plan.computed // self.block_size
             meta.blends.append(BlendTransfer(req_id, tokens, plan.computed, blocks, first, plan.chunks))
-            state.blended = True
+            self._name_blended(state, first)
             self._stats.add("blend_chunks_hit", len(plan.chunks))
             self._stats.add("blend_chunks_missed", plan.missed)
-        if not self._can_save or state.blended:
+        if not self._can_save:
             return
         full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.ids))
         if computed_after > state.num_prompt_tokens and self._decode_save_blocks and state.ids:
@@ -320,8 +336,20 @@ class SchedulerSide:
             pd = bool((state.request.kv_transfer_params or {}).get("do_remote_decode"))
             meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full], wait=pd))
             state.next_save = full
-            if self._events is not None:
+            if self._events is not None and state.blend_from is None:  # blended blocks match no prompt
                 self._events.present(state.ids, state.request.all_token_ids, lo, full, state.request.cache_salt)
+
+    def _name_blended(self, state: _RequestState, first: int) -> None:
+        """From block ``first`` on the request's KV is blended, not exact: its blocks (and the
+        decoded ones chained after them) are saved under ids of this blend, which no exact prompt
+        has, so only a consumer told of the blend (PARAM_BLEND) loads them."""
+        assert self._blend is not None
+        prompt = list(state.request.prompt_token_ids or [])
+        fingerprint = self._blend.fingerprint
+        blended = self._hasher(state.request.cache_salt or "", fingerprint).block_ids(prompt)
+        state.hashes = state.hashes[:first] + blended[first:]
+        state.ids = state.ids[:first] + store_keys(blended[first:], 0, self._tp_size)
+        state.blend_from = first
 
     def _decoded_blocks(self, state: _RequestState, computed_after: int) -> int:
         """Full blocks so far, blocks filled while decoding included (up to ``decode_save_blocks``
@@ -348,7 +376,10 @@ class SchedulerSide:
         # A consumer given these waits until this many leading blocks are visible in the store.
         prompt_blocks = state.num_prompt_tokens // self.block_size
         promised = 0 if self._saves_failing else min(state.next_save, prompt_blocks)
-        return {"do_remote_prefill": True, PARAM_BLOCKS: promised}
+        answer: dict[str, Any] = {"do_remote_prefill": True, PARAM_BLOCKS: promised}
+        if state.blend_from is not None and self._blend is not None:
+            answer[PARAM_BLEND] = [self._blend.fingerprint, state.blend_from]
+        return answer
 
     # -- vLLM: take_events -----------------------------------------------------------------------
     def take_events(self) -> list[Any]:
@@ -368,3 +399,24 @@ class SchedulerSide:
         elif data.get("saved_blocks") and self._saves_failing:
             logger.warning("saves to the store succeed again")
             self._saves_failing = False
+
+
+def _blended_params(request: RequestLike) -> tuple[str, int] | None:
+    """PARAM_BLEND from a producer, if well formed (anything else is ignored: the prompt's exact
+    blocks are looked up as usual)."""
+    value = (request.kv_transfer_params or {}).get(PARAM_BLEND)
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and 0 < len(value[0]) <= 64
+        and isinstance(value[1], int)
+        and not isinstance(value[1], bool)
+        and value[1] >= 0
+    )
+    if not ok:
+        logger.warning("request %s: ignoring malformed %s %r", request.request_id, PARAM_BLEND, value)
+        return None
+    return value[0], value[1]

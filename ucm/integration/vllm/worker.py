@@ -209,7 +209,9 @@ class WorkerSide:
     def wait_layer(self, layer_name: str) -> None:
         if self._loads and self._load_mode == "layer":
             assert self.layout is not None
-            self._scatter_layer(self.layout.layer_index(layer_name))
+            layer = self.layout.layer_index(layer_name)
+            if layer not in self._scattered:  # a step with a blend scattered every layer up front
+                self._scatter_layer(layer)
 
     def _scatter_layer(self, layer: int) -> None:
         assert self.layout is not None
