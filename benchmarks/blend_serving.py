@@ -47,7 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
+from e2e_serving import percentile  # benchmarks/ is on sys.path when run as a script
+from real_model import essays, smollm2
+from sparse_serving import agreement
 
 from ucm.integration.vllm.config import BlendConfig, blend_overrides, kv_transfer_config
 from ucm_testing.stats import paired, wilson
@@ -181,20 +183,6 @@ def warm(server: VLLMServer, chunks: list[list[int]]) -> None:
     """Each chunk prefilled alone: its blocks land in the store under the ids Blend looks up."""
     for c in chunks:
         server.post("/v1/completions", {"model": server.model, "prompt": c, "max_tokens": 1}, timeout=900)
-
-
-def agreement(texts: list[list[str]], reference: list[list[str]]) -> float:
-    same = total = 0
-    for a, b in zip(texts, reference, strict=True):
-        n = min(len(a), len(b))
-        same += sum(x == y for x, y in zip(a[:n], b[:n], strict=True))
-        total += max(len(a), len(b))
-    return same / max(1, total)
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def row(name: str, out: Outcome, reference: Outcome | None, recompute_ttft: list[float]) -> dict[str, Any]:

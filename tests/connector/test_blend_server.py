@@ -17,7 +17,9 @@ import json
 
 import pytest
 
+from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import blend_overrides, kv_transfer_config
+from ucm.integration.vllm.identity import weights_fingerprint
 from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
 pytestmark = pytest.mark.slow
@@ -34,9 +36,14 @@ def separator(tiny_model) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory):
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv-store")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, store_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    store = {"spec": "posix", "posix": {"roots": [str(tmp_path_factory.mktemp("kv-store"))]}}
+    store = {"spec": "posix", "posix": {"roots": [str(store_dir)]}}
     stale = {"separator": SEPARATOR, "check_layer": 0, "recompute_ratio": 0.0}
     all_servers = {
         "P": VLLMServer(tiny_model, logs / "plain.log"),
@@ -179,3 +186,30 @@ def test_a_prompt_without_cached_chunks_is_prefilled_as_usual(servers, separator
     out, hit = complete(B, prompt)
     assert out == reference
     assert hit == 0
+
+
+def test_a_corrupt_chunk_block_is_computed_not_reused(servers, separator, tiny_model, store_dir):
+    """S keeps cached KV past its check layer: a chunk block that fails its integrity check must not
+    be among it (it is computed with the tokens no chunk covers)."""
+    S = servers["S"]
+    system, chunk, question = words(40, 23), words(96, 24), words(20, 25)
+    cache_alone(S, chunk)
+    context = HashContext(
+        model=str(tiny_model), dtype="float32", block_size=BS, weights=weights_fingerprint(str(tiny_model))
+    )
+    victim = BlockHasher(context).block_ids(chunk)[1].hex()
+    path = store_dir / victim[:2] / victim
+    data = bytearray(path.read_bytes())
+    data[1000] ^= 0xFF
+    path.write_bytes(data)
+    before = S.metrics()
+    out, hit = complete(S, system + separator + chunk + separator + question)
+    assert len(out) == 24
+    after = S.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert hit == len(system + separator) + 3 * BS  # the region still ends after the chunk's blocks
+    assert grew("ucm_connector_store_corrupt_blocks_total") == 1
+    assert grew("ucm_connector_blend_reused_tokens_total") == 2 * BS  # blocks 0 and 2, not block 1
