@@ -151,7 +151,7 @@ def test_pd_decode_loads_the_blended_prompt(servers, separator):
 
 def test_reused_kv_is_kept_past_the_check_layer(servers, separator):
     """At ratio 0 the chunk tokens keep their cached KV after check_layer 0: only the tokens no
-    chunk covers are recomputed, and the answer still comes."""
+    chunk covers and each chunk's first tokens are recomputed, and the answer still comes."""
     S = servers["S"]
     system, first, second, question = words(40, 5), words(64, 6), words(64, 7), words(20, 8)
     cache_alone(S, first, second)
@@ -162,7 +162,9 @@ def test_reused_kv_is_kept_past_the_check_layer(servers, separator):
     assert hit == len(prompt) - len(separator + question)
     after = S.metrics()
     reused = after["ucm_connector_blend_reused_tokens_total"] - before.get("ucm_connector_blend_reused_tokens_total", 0)
-    assert reused == 128  # both chunks, every token; the system prompt and separators were recomputed
+    # both chunks but their first recompute_chunk_start (16) tokens; the system prompt and separators
+    # were recomputed
+    assert reused == 2 * (64 - 16)
 
 
 def test_another_tenants_chunks_are_never_used(servers, separator):
@@ -212,4 +214,5 @@ def test_a_corrupt_chunk_block_is_computed_not_reused(servers, separator, tiny_m
 
     assert hit == len(system + separator) + 3 * BS  # the region still ends after the chunk's blocks
     assert grew("ucm_connector_store_corrupt_blocks_total") == 1
-    assert grew("ucm_connector_blend_reused_tokens_total") == 2 * BS  # blocks 0 and 2, not block 1
+    # blocks 0 (but its first 16 tokens, a chunk's start) and 2; not block 1
+    assert grew("ucm_connector_blend_reused_tokens_total") == 2 * BS - 16

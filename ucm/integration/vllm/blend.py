@@ -262,6 +262,8 @@ class Blender:
                     k = rerotate(model.model.layers[layer].self_attn.rotary_emb, k, start)
                     keys[layer][lo:hi] = k[skip : skip + hi - lo]
                     values[layer][lo:hi] = v[skip : skip + hi - lo]
+            if start:  # computed alone, a chunk's first tokens are an attention sink: not kept mid-prompt
+                reused[start : start + self.config.recompute_chunk_start] = False
         return Region(torch.tensor(transfer.tokens), computed, reused, keys, values)
 
     def _load_chunks(self, transfer: BlendTransfer) -> list[tuple[torch.Tensor, list[bool]]]:

@@ -49,6 +49,12 @@ class BlendConfig(StrictModel):
     check_layer: int = Field(
         1, ge=0, description="Layer where the deviation is measured: the layers below it run for every token"
     )
+    recompute_chunk_start: int = Field(
+        16,
+        ge=0,
+        description="Tokens at the start of each chunk always recomputed: computed alone, a chunk's first tokens "
+        "drew the attention a prompt's first tokens draw (a sink), which they must not keep mid-prompt",
+    )
     max_chunks: int = Field(64, ge=1, description="A prompt with more chunks than this is prefilled as usual")
     max_blend_tokens: int = Field(
         16384,
