@@ -8,7 +8,9 @@ of the last cached chunk — in one pass of a Llama-shaped model's layers:
   KV is read, never recomputed;
 - every other token of the region starts from its cached KV when a chunk gave it one (keys
   re-rotated to the token's new position, exact for RoPE), or from nothing (separators, the
-  partial block at a chunk's end, a chunk the store did not have: always recomputed);
+  partial block at a chunk's end, a chunk the store did not have, and each chunk's first
+  ``recompute_chunk_start`` tokens, which computed alone were the prompt's attention sink: always
+  recomputed);
 - layers below ``check_layer`` run for every token (layer 0's K and V depend only on the token
   and its position, so they equal the cache's); at ``check_layer`` the fresh KV of every reused
   token is compared with its cached KV and the ``ratio`` share that deviates most joins the
