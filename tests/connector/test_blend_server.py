@@ -83,6 +83,18 @@ def complete(server: VLLMServer, prompt: list[int], **kw) -> tuple[list[int], in
     return choice["logprobs"]["tokens"], cached_tokens(r)
 
 
+def rag(separator: list[int], *parts: list[int]) -> list[int]:
+    """``parts`` joined by the separator: chunks, then the question."""
+    out = list(parts[0])
+    for part in parts[1:]:
+        out += separator + part
+    return out
+
+
+def grew(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0) - before.get(name, 0)
+
+
 def cache_alone(server: VLLMServer, *chunks: list[int], **kw) -> None:
     for chunk in chunks:
         server.complete(chunk, max_tokens=1, **kw)
@@ -92,7 +104,7 @@ def test_chunks_cached_alone_are_reused_in_another_order(servers, separator):
     P, B = servers["P"], servers["B"]
     system, first, second, question = words(40, 1), words(100, 2), words(90, 3), words(20, 4)
     cache_alone(B, first, second)
-    prompt = system + separator + second + separator + first + separator + question
+    prompt = rag(separator, system, second, first, question)
     reference, _ = complete(P, prompt)
     before = B.metrics()
     out, hit = complete(B, prompt)
@@ -101,13 +113,10 @@ def test_chunks_cached_alone_are_reused_in_another_order(servers, separator):
     first_at = len(system + separator + second + separator)
     assert hit == first_at + 3 * BS
     after = B.metrics()
-
-    def grew(name: str) -> float:
-        return after.get(name, 0) - before.get(name, 0)
-
-    assert grew("ucm_connector_blend_chunks_hit_total") == 2
-    assert grew("ucm_connector_blend_chunks_missed_total") == 1  # the system prompt was never cached
-    assert grew("ucm_connector_blend_reused_tokens_total") + grew("ucm_connector_blend_recomputed_tokens_total") == hit
+    assert grew(before, after, "ucm_connector_blend_chunks_hit_total") == 2
+    assert grew(before, after, "ucm_connector_blend_chunks_missed_total") == 1  # the system prompt was never cached
+    blended = sum(grew(before, after, f"ucm_connector_blend_{k}_tokens_total") for k in ("reused", "recomputed"))
+    assert blended == hit
 
 
 def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
@@ -116,7 +125,7 @@ def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
     P, B = servers["P"], servers["B"]
     system, first, second, question = words(72, 15), words(80, 16), words(70, 17), words(20, 18)
     cache_alone(B, system, first, second)
-    prompt = system + separator + second + separator + first + separator + question
+    prompt = rag(separator, system, second, first, question)
     reference, _ = complete(P, prompt)
     before = B.metrics()
     out, hit = complete(B, prompt)
@@ -124,10 +133,7 @@ def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
     first_at = len(system + separator + second + separator)
     assert hit == first_at + 2 * BS
     after = B.metrics()
-    blended = sum(
-        after.get(f"ucm_connector_blend_{k}_tokens_total", 0) - before.get(f"ucm_connector_blend_{k}_tokens_total", 0)
-        for k in ("reused", "recomputed")
-    )
+    blended = sum(grew(before, after, f"ucm_connector_blend_{k}_tokens_total") for k in ("reused", "recomputed"))
     assert blended == hit - 2 * BS  # the system prompt's 2 full blocks were exact: loaded, not blended
 
 
@@ -138,7 +144,7 @@ def test_pd_decode_loads_the_blended_prompt(servers, separator):
     P, B, D = servers["P"], servers["B"], servers["D"]
     system, first, second, question = words(40, 19), words(96, 20), words(70, 21), words(30, 22)
     cache_alone(B, first, second)
-    prompt = system + separator + second + separator + first + separator + question
+    prompt = rag(separator, system, second, first, question)
     prefill = B.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params = prefill["kv_transfer_params"]
     full_blocks = len(prompt) // BS
@@ -156,12 +162,12 @@ def test_reused_kv_is_kept_past_the_check_layer(servers, separator):
     system, first, second, question = words(40, 5), words(64, 6), words(64, 7), words(20, 8)
     cache_alone(S, first, second)
     before = S.metrics()
-    prompt = system + separator + second + separator + first + separator + question
+    prompt = rag(separator, system, second, first, question)
     out, hit = complete(S, prompt)
     assert len(out) == 24
     assert hit == len(prompt) - len(separator + question)
     after = S.metrics()
-    reused = after["ucm_connector_blend_reused_tokens_total"] - before.get("ucm_connector_blend_reused_tokens_total", 0)
+    reused = grew(before, after, "ucm_connector_blend_reused_tokens_total")
     # both chunks but their first recompute_chunk_start (16) tokens; the system prompt and separators
     # were recomputed
     assert reused == 2 * (64 - 16)
@@ -171,19 +177,19 @@ def test_another_tenants_chunks_are_never_used(servers, separator):
     P, B = servers["P"], servers["B"]
     system, chunk, question = words(40, 9), words(96, 10), words(20, 11)
     cache_alone(B, chunk, cache_salt="tenant-a")
-    prompt = system + separator + chunk + separator + question
+    prompt = rag(separator, system, chunk, question)
     reference, _ = complete(P, prompt)
     before = B.metrics()
     out, hit = complete(B, prompt, cache_salt="tenant-b")
     assert out == reference
     assert hit == 0
     after = B.metrics()
-    assert after.get("ucm_connector_blend_chunks_hit_total", 0) == before.get("ucm_connector_blend_chunks_hit_total", 0)
+    assert grew(before, after, "ucm_connector_blend_chunks_hit_total") == 0
 
 
 def test_a_prompt_without_cached_chunks_is_prefilled_as_usual(servers, separator):
     P, B = servers["P"], servers["B"]
-    prompt = words(50, 12) + separator + words(70, 13) + separator + words(10, 14)
+    prompt = rag(separator, words(50, 12), words(70, 13), words(10, 14))
     reference, _ = complete(P, prompt)
     out, hit = complete(B, prompt)
     assert out == reference
@@ -205,14 +211,10 @@ def test_a_corrupt_chunk_block_is_computed_not_reused(servers, separator, tiny_m
     data[1000] ^= 0xFF
     path.write_bytes(data)
     before = S.metrics()
-    out, hit = complete(S, system + separator + chunk + separator + question)
+    out, hit = complete(S, rag(separator, system, chunk, question))
     assert len(out) == 24
     after = S.metrics()
-
-    def grew(name: str) -> float:
-        return after.get(name, 0) - before.get(name, 0)
-
     assert hit == len(system + separator) + 3 * BS  # the region still ends after the chunk's blocks
-    assert grew("ucm_connector_store_corrupt_blocks_total") == 1
+    assert grew(before, after, "ucm_connector_store_corrupt_blocks_total") == 1
     # blocks 0 (but its first 16 tokens, a chunk's start) and 2; not block 1
-    assert grew("ucm_connector_blend_reused_tokens_total") == 2 * BS - 16
+    assert grew(before, after, "ucm_connector_blend_reused_tokens_total") == 2 * BS - 16
