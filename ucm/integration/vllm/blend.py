@@ -232,10 +232,9 @@ class Blender:
         region = self._region(transfer, model)
         attention = PagedAttention(self, transfer.block_ids, region.computed, region.tokens.shape[0])
         out = blend_region(model, region, self.config.recompute_ratio, self.config.check_layer, attention)
-        positions = torch.arange(region.computed, region.tokens.shape[0])
         recomputed = out.recomputed.numel()
         self._stats.add("blend_recomputed_tokens", recomputed)
-        self._stats.add("blend_reused_tokens", positions.numel() - recomputed)
+        self._stats.add("blend_reused_tokens", region.tokens.shape[0] - region.computed - recomputed)
         self._stats.observe("blend_seconds", time.perf_counter() - started)
         return True
 
