@@ -2,10 +2,12 @@
 
 vLLM publishes ``(topic, sequence number, msgpack batch)`` on a PUB socket and, when it has a
 replay endpoint (a ROUTER), answers ``sequence number`` with every batch it still buffers from
-there on, then an end marker. One task per engine subscribes; whenever its stream cannot be trusted
-— the first batch after connecting (what came before was missed), a sequence gap, a sequence that
-starts over (the engine restarted), a batch that does not decode — the engine's entries are cleared
-and rebuilt from its replay buffer, so a proxy that restarts knows what the engines hold at once.
+there on, then an end marker. One task per engine subscribes. As soon as its connection is up, the
+engine's entries are rebuilt from the replay buffer, so a proxy that restarts knows what the engines
+hold at once, not only after their next event (live batches the replay already gave are skipped).
+Whenever the stream cannot be trusted afterwards — the first batch after connecting to an engine
+without a replay endpoint (what came before was missed), a sequence gap, a sequence that starts over
+(the engine restarted), a batch that does not decode — the entries are cleared and rebuilt again.
 
 A hostile or broken publisher cannot grow this proxy's memory past ``max_message_bytes`` per
 message (ZMQ drops larger ones and the connection) and ``max_blocks_per_engine`` per engine.
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ucm_proxy import metrics
 from ucm_proxy.config import EventEndpoint, KVEventsConfig
@@ -41,20 +44,28 @@ class Followers:
         self.config = config
         self.index = BlockIndex(config.max_blocks_per_engine)
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._followers: dict[str, Follower] = {}
         self._ctx: zmq.asyncio.Context | None = None
+
+    def connected(self, url: str) -> bool:
+        """Whether ``url``'s stream is up and its replay (if any) applied: what it publishes from now
+        on reaches the index."""
+        follower = self._followers.get(url)
+        return follower is not None and follower.connected
 
     def follow(self, urls: Iterable[str]) -> None:
         """Follow exactly the engines at ``urls`` (call from the event loop)."""
         wanted = {u: e for u in dict.fromkeys(urls) if (e := self.config.endpoint(u)) is not None}
         for url in set(self._tasks) - set(wanted):
             self._tasks.pop(url).cancel()
+            del self._followers[url]
             self.index.forget(url)
         if self._ctx is None and wanted:
             self._ctx = zmq.asyncio.Context()
         for url, endpoint in wanted.items():
             if url not in self._tasks:
                 assert self._ctx is not None
-                follower = Follower(self._ctx, self.index, url, endpoint, self.config)
+                follower = self._followers[url] = Follower(self._ctx, self.index, url, endpoint, self.config)
                 self._tasks[url] = asyncio.create_task(follower.run(), name=f"kv-events {url}")
 
     async def close(self) -> None:
@@ -64,6 +75,7 @@ class Followers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._followers.clear()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -79,6 +91,11 @@ class Follower:
         self.endpoint = endpoint
         self.config = config
         self.expected: int | None = None  # the next sequence number; None: resync on the next batch
+        # After a replay on connecting: live batches below this were in the replay (the subscription
+        # was up before the replay was asked for), not an engine that started over.
+        self.replayed_below: int | None = None
+        self.connected = False
+        self._up = metrics.KV_EVENT_STREAM_UP.labels(url)  # a child: once the backend's series go, setting it is moot
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(kind)
@@ -97,17 +114,21 @@ class Follower:
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 10_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         sub.connect(self.endpoint.events)
-        self.expected = None  # what was sent while no connection was up is unknown
+        self.expected = self.replayed_below = None  # what was sent while no connection was up is unknown
         try:
             while True:
                 ready = dict(await poller.poll())
                 if monitor in ready:
-                    return
+                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        return
+                    await self._connected()
+                    continue
                 frames = await sub.recv_multipart()
                 try:
                     await self.receive(frames)
@@ -115,9 +136,21 @@ class Follower:
                     logger.exception("KV events from %s", self.url)
                     self.expected = None
         finally:
+            self.connected = False
+            self._up.set(0)
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _connected(self) -> None:
+        """The subscription is up: rebuild from the replay now rather than at the next live batch."""
+        if self.endpoint.replay is not None:
+            metrics.child(metrics.KV_RESYNCS, "connect").inc()
+            self.index.engine(self.url).clear()
+            last = await self._replay(until=None)
+            self.expected = self.replayed_below = None if last is None else last + 1
+        self.connected = True
+        self._up.set(1)
 
     async def receive(self, frames: list[bytes]) -> None:
         """One live message: resync first when the stream cannot be trusted, then apply it."""
@@ -125,6 +158,10 @@ class Follower:
             self._malformed()
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
+        if self.replayed_below is not None:
+            if seq < self.replayed_below:
+                return
+            self.replayed_below = None
         if self.expected is None or seq != self.expected:
             reason = "start" if self.expected is None else ("restart" if seq < self.expected else "gap")
             metrics.child(metrics.KV_RESYNCS, reason).inc()
@@ -147,27 +184,30 @@ class Follower:
         metrics.child(metrics.KV_EVENTS, "malformed").inc()
         metrics.child(metrics.KV_RESYNCS, "malformed").inc()
         self.index.engine(self.url).clear()
-        self.expected = None
+        self.expected = self.replayed_below = None
 
-    async def _replay(self, until: int) -> None:
-        """Apply the engine's buffered batches before ``until`` (the live one about to be applied)."""
+    async def _replay(self, until: int | None) -> int | None:
+        """Apply the engine's buffered batches before ``until`` (the live one about to be applied; None:
+        all of them); the last sequence number applied, None when none was."""
         assert self.endpoint.replay is not None
         sock = self._socket(zmq.DEALER)
         sock.connect(self.endpoint.replay)
+        last = None
         try:
             await sock.send_multipart([b"", (0).to_bytes(8, "big")])
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
                     logger.warning("KV event replay from %s did not finish", self.endpoint.replay)
-                    return
+                    return None  # what it gave may have holes: the next live batch resyncs
                 frames = await sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     self._malformed()
-                    return
+                    return None
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == _END:
-                    return
-                if seq < until:
+                    return last
+                if until is None or seq < until:
                     self._apply(frames[3])
+                    last = seq
         finally:
             sock.close(linger=0)

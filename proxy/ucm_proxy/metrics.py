@@ -83,10 +83,11 @@ def forget_backend(url: str, role: str) -> None:
             metric.remove(url, role)
         except KeyError:
             pass  # it never had that series
-    try:
-        KV_INDEX_BLOCKS.remove(url)
-    except KeyError:
-        pass
+    for metric in (KV_INDEX_BLOCKS, KV_EVENT_STREAM_UP):
+        try:
+            metric.remove(url)
+        except KeyError:
+            pass
 
 
 DISAGGREGATION = Counter(
@@ -96,6 +97,11 @@ DISAGGREGATION = Counter(
 )
 KV_INDEX_BLOCKS = Gauge(
     "ucm_proxy_kv_index_blocks", "Blocks the KV index holds per engine (from its KV events)", ["backend"]
+)
+KV_EVENT_STREAM_UP = Gauge(
+    "ucm_proxy_kv_event_stream_up",
+    "1 while the proxy's subscription to an engine's KV events is connected (and its replay applied)",
+    ["backend"],
 )
 KV_EVENTS = Counter(
     "ucm_proxy_kv_events_total",
@@ -107,7 +113,8 @@ KV_EVENTS = Counter(
 KV_RESYNCS = Counter(
     "ucm_proxy_kv_event_resyncs_total",
     "Times an engine's index entries were cleared and rebuilt (from its replay endpoint when it has one), by "
-    "reason: start (first batch after connecting), gap (a lost batch), restart (its sequence started over), "
+    "reason: connect (the subscription came up: rebuilt from the replay), start (first batch after connecting "
+    "to an engine without a replay endpoint), gap (a lost batch), restart (its sequence started over), "
     "malformed",
     ["reason"],
 )

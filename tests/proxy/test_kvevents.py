@@ -72,7 +72,8 @@ async def test_a_proxy_that_starts_late_rebuilds_from_vllms_replay_buffer(transp
             publisher.publish(vllm_stored(i))
         await asyncio.sleep(0.3)
         followers.follow([URL])
-        await asyncio.sleep(0.3)  # the subscription is in place (ZMQ drops what a late subscriber misses)
+        await until(lambda: held(followers) == 5)  # at once: no need to wait for the engine's next event
+        await until(lambda: followers.connected(URL))
         publisher.publish(vllm_stored(5))
         await until(lambda: held(followers) == 6)
     finally:
@@ -85,12 +86,23 @@ class HandPublisher:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUB)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.replay = self.ctx.socket(zmq.ROUTER)  # answered by hand, when a test says so
+        self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
 
     def send(self, seq: int, payload: bytes) -> None:
         self.sock.send_multipart([b"kv-events", seq.to_bytes(8, "big", signed=True), payload])
 
+    def answer_replay(self, batches: dict[int, bytes]) -> None:
+        """Wait for one replay request and answer it with ``batches``, then vLLM's end marker."""
+        assert self.replay.poll(5000), "no replay was asked for"
+        peer, _, _ = self.replay.recv_multipart()
+        for seq, payload in batches.items():
+            self.replay.send_multipart([peer, b"", b"kv-events", seq.to_bytes(8, "big", signed=True), payload])
+        self.replay.send_multipart([peer, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
     def close(self) -> None:
         self.sock.close(0)
+        self.replay.close(0)
         self.ctx.term()
 
 
@@ -186,3 +198,30 @@ async def test_following_stays_in_step_with_the_pools_members():
         assert "http://10.0.0.2:8000" not in followers.index.engines  # what the one that left held is gone
     finally:
         await followers.close()
+
+
+@pytest.mark.asyncio
+async def test_live_batches_the_connect_replay_already_gave_are_not_a_restart():
+    pub = HandPublisher()
+    followers = Followers(
+        KVEventsConfig(
+            endpoints={URL: {"events": f"tcp://127.0.0.1:{pub.port}", "replay": f"tcp://127.0.0.1:{pub.replay_port}"}}
+        )
+    )
+    try:
+        followers.follow([URL])
+        # The subscription is up when the follower asks for the replay; a batch published now
+        # reaches it both live and in the replay.
+        request = asyncio.to_thread(pub.replay.poll, 5000)
+        assert await request, "no replay was asked for on connecting"
+        await asyncio.sleep(0.1)  # the PUB side has taken the subscription
+        pub.send(3, encoded(3))
+        restarts = resyncs("restart")
+        await asyncio.to_thread(pub.answer_replay, {i: encoded(i) for i in range(4)})
+        await until(lambda: followers.connected(URL))
+        pub.send(4, encoded(4))
+        await until(lambda: held(followers) == 5)
+        assert resyncs("restart") == restarts  # seq 3 came twice: once was enough
+    finally:
+        await followers.close()
+        pub.close()
