@@ -58,11 +58,11 @@ from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
 from ucm_proxy.relay import Upstream, relay_chunks
 from ucm_proxy.requests import (
     affinity_key,
+    engine_body,
     parse_body,
     prefill_body,
     with_cache_salt,
     with_params,
-    without_params,
 )
 
 logger = logging.getLogger("ucm_proxy")
@@ -273,7 +273,7 @@ class Proxy:
         started: float,
         trace: Trace,
     ) -> Answer | Stream:
-        decode_body, promised, pair, chunks = without_params(raw, body), 0, None, []
+        decode_body, promised, pair, chunks = engine_body(raw, body), 0, None, []
         trace.path = "decode_only"
         if self.config.mode == "pd":
             decision, chunks = self.decider.decide(body, route, self._pools_gap)

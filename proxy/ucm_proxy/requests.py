@@ -8,7 +8,13 @@ import json
 import re
 from typing import Any
 
+from ucm.integration.vllm.chunks import explicit_chunks
 from ucm_proxy.errors import ProxyError
+
+# Where the client's prompt chunks are, for Blend (token offsets into a token-id prompt): the proxy
+# checks it and hands it to the engine as kv_transfer_params.ucm_chunks, where the connector reads it.
+CHUNKS = "ucm_chunks"
+MAX_CHUNKS = 1024
 
 # A \uD800-\uDFFF escape: valid JSON, but alone it is no character and cannot be encoded.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -56,7 +62,29 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
         raise ProxyError(400, "'stream_options' must be an object.", "stream_options")
     if "kv_transfer_params" in body and not isinstance(body["kv_transfer_params"], (dict, type(None))):
         raise ProxyError(400, "'kv_transfer_params' must be an object.", "kv_transfer_params")
+    if body.get(CHUNKS) is not None:
+        _check_chunks(body, route)
     return body
+
+
+def _check_chunks(body: dict[str, Any], route: str) -> None:
+    prompt = body.get("prompt")
+    token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if route.endswith("/chat/completions") or not token_ids:
+        raise ProxyError(
+            400, f"'{CHUNKS}' gives token offsets: it needs a prompt of token ids (/v1/completions).", CHUNKS
+        )
+    if isinstance(body[CHUNKS], list) and len(body[CHUNKS]) > MAX_CHUNKS:
+        raise ProxyError(400, f"'{CHUNKS}': at most {MAX_CHUNKS} chunks, got {len(body[CHUNKS])}.", CHUNKS)
+    try:
+        explicit_chunks(body[CHUNKS], len(prompt), CHUNKS)
+    except ValueError as exc:
+        raise ProxyError(400, f"{exc}.", CHUNKS) from None
+
+
+def _engine_params(body: dict[str, Any]) -> dict[str, Any]:
+    """What of the client's request the engine's connector reads: its chunk boundaries, if any."""
+    return {CHUNKS: body[CHUNKS]} if body.get(CHUNKS) is not None else {}
 
 
 def _check_content(content: Any, field: str) -> None:
@@ -131,13 +159,17 @@ def prefill_body(body: dict[str, Any], route: str) -> bytes:
     if chat:
         pbody["max_completion_tokens"] = 1  # what vLLM's chat reads first (max_tokens is deprecated there)
     pbody["stream"] = False
-    pbody["kv_transfer_params"] = {"do_remote_decode": True}
+    pbody["kv_transfer_params"] = {"do_remote_decode": True, **_engine_params(body)}
     return json.dumps(pbody).encode()
 
 
-def without_params(raw: bytes, body: dict[str, Any]) -> bytes:
-    """The client's body, minus any ``kv_transfer_params`` it carried: only a prefill's answer may
-    tell decode where KV comes from (a client's would make decode wait for blocks nobody writes)."""
+def engine_body(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The client's body as an engine that computes the prompt gets it: any ``kv_transfer_params`` it
+    carried dropped (only a prefill's answer may tell decode where KV comes from: a client's would
+    make decode wait for blocks nobody writes), its ``ucm_chunks`` moved into them."""
+    params = _engine_params(body)
+    if params:
+        return with_params(raw, body, params)
     if "kv_transfer_params" not in body:
         return raw
     return json.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"}).encode()
@@ -147,8 +179,9 @@ def with_params(raw: bytes, body: dict[str, Any], params: Any) -> bytes:
     """The client's body plus kv_transfer_params, spliced in without re-encoding the rest."""
     encoded = json.dumps(params).encode()
     stripped = raw.rstrip()
-    if "kv_transfer_params" in body or not stripped.endswith(b"}") or len(body) == 0:
-        return json.dumps({**body, "kv_transfer_params": params}).encode()
+    if "kv_transfer_params" in body or CHUNKS in body or not stripped.endswith(b"}") or len(body) == 0:
+        kept = {k: v for k, v in body.items() if k != CHUNKS}
+        return json.dumps({**kept, "kv_transfer_params": params}).encode()
     return stripped[:-1] + b',"kv_transfer_params":' + encoded + b"}"
 
 

@@ -119,6 +119,27 @@ def test_chunks_cached_alone_are_reused_in_another_order(servers, separator):
     assert blended == hit
 
 
+def test_a_clients_chunk_boundaries_work_without_separators(servers):
+    """kv_transfer_params.ucm_chunks (what the proxy sends for its ucm_chunks field): token offsets."""
+    P, B = servers["P"], servers["B"]
+    system, first, second, question = words(40, 31), words(100, 32), words(90, 33), words(20, 34)
+    cache_alone(B, first, second)
+    prompt = system + second + first + question
+    first_at = len(system + second)
+    chunks = [[0, len(system)], [len(system), first_at], [first_at, first_at + len(first)]]
+    reference, _ = complete(P, prompt)
+    before = B.metrics()
+    out, hit = complete(B, prompt, kv_transfer_params={"ucm_chunks": chunks})
+    assert out == reference
+    assert hit == first_at + 3 * BS
+    other = words(40, 35) + second + first + question  # not in vLLM's own prefix cache
+    out, hit = complete(B, other, kv_transfer_params={"ucm_chunks": [[0, 10], [5, 20]]})  # overlapping
+    assert (out, hit) == (complete(P, other)[0], 0)  # refused: prefilled as usual
+    after = B.metrics()
+    assert grew(before, after, "ucm_connector_blend_chunks_hit_total") == 2
+    assert grew(before, after, "ucm_connector_blend_chunk_lists_refused_total") == 1
+
+
 def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
     """The system prompt's full blocks come from the store exactly (loaded before the blend, which
     reads them back from the paged cache: its queries attend over them)."""

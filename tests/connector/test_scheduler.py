@@ -7,7 +7,14 @@ import pytest
 
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.metadata import rank_keys, store_keys
-from ucm.integration.vllm.scheduler import HASHERS_KEPT, PARAM_BLEND, PARAM_BLOCKS, PARAM_LOADED, SchedulerSide
+from ucm.integration.vllm.scheduler import (
+    HASHERS_KEPT,
+    PARAM_BLEND,
+    PARAM_BLOCKS,
+    PARAM_CHUNKS,
+    PARAM_LOADED,
+    SchedulerSide,
+)
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import create_store
 
@@ -468,3 +475,40 @@ def test_a_malformed_blend_parameter_is_ignored(store, bad):
     s = side(store)
     req = Req("r", prompt, kv_transfer_params={PARAM_BLEND: bad})
     assert s.num_new_matched_tokens(req, 0) == (16, False)  # the exact blocks, as without it
+
+
+def test_a_clients_chunk_boundaries_replace_the_separators(store):
+    """[system 6][A 9][B 6][q 3] without separators: the client says where A and B are."""
+    system, a, b, q = list(range(200, 206)), list(range(300, 309)), list(range(400, 406)), [1, 2, 3]
+    put(store, a, 2)
+    prompt = system + a + b + q
+    s = blend_side(store)
+    at = len(system)
+    chunks = [[0, at], [at, at + len(a)], [at + len(a), at + len(a) + len(b)]]
+    req = Req("r", prompt, kv_transfer_params={PARAM_CHUNKS: chunks})
+    assert s.num_new_matched_tokens(req, 0) == (at + 2 * BS, False)
+    assert s.num_new_matched_tokens(Req("plain", prompt), 0) == (0, False)  # no separator: no chunk
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("0-6", "expected a list"),
+        ([[0, 6, 9]], "[0]: expected [start, end]"),
+        ([[0, True]], "[0]: expected [start, end]"),
+        ([[0, 6], [5, 9]], "[1]: [5, 9] must satisfy 6 <= start"),  # overlapping
+        ([[3, 3]], "[0]: [3, 3]"),  # empty
+        ([[0, 99]], "end <= 24"),  # past the prompt
+    ],
+)
+def test_a_malformed_chunk_list_is_refused_once_and_the_prompt_prefilled(store, caplog, bad, says):
+    a = list(range(300, 309))
+    put(store, a, 2)
+    prompt = list(range(200, 206)) + a + list(range(400, 409))
+    s = blend_side(store)
+    req = Req("r", prompt, kv_transfer_params={PARAM_CHUNKS: bad})
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    assert "kv_transfer_params.ucm_chunks" in caplog.text and says in caplog.text
+    assert caplog.text.count("prefilled without Blend") == 1
+    assert s._stats.take().data["blend_chunk_lists_refused"] == 1

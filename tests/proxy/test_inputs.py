@@ -53,6 +53,11 @@ def proxy(fakes, make_proxy):
             400,
             "max_completion_tokens",
         ),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "ucm_chunks": [[0, 1]]}, 400, "ucm_chunks"),  # text
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{}], "ucm_chunks": [[0, 1]]}, 400, "ucm_chunks"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "ucm_chunks": [[0, 4]]}, 400, "ucm_chunks"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "ucm_chunks": [[1, 2], [0, 1]]}, 400, "ucm_chunks"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "ucm_chunks": {"0": 1}}, 400, "ucm_chunks"),
         ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
         ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, 413, None),
         ("/v1/completions", b'{"model": "fake-model", "prompt": "\\ud800 hello"}', 400, None),
@@ -66,6 +71,13 @@ def test_bad_requests(proxy, route, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["code"] == status and error["message"]
+
+
+def test_a_chunk_list_past_the_limit_is_refused():
+    body = {"model": MODEL, "prompt": [1] * 2000, "ucm_chunks": [[i, i + 1] for i in range(1025)]}
+    with pytest.raises(ProxyError, match="at most 1024 chunks") as caught:
+        parse_body(json.dumps(body).encode(), "/v1/completions")
+    assert caught.value.param == "ucm_chunks"
 
 
 @pytest.mark.parametrize(

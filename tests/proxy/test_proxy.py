@@ -184,6 +184,25 @@ def test_pd_replaces_a_clients_kv_transfer_params_with_the_prefills(pd):
     assert dec["body"]["kv_transfer_params"]["prefilled_by"] in ("p1", "p2")
 
 
+def test_a_clients_chunk_boundaries_reach_the_engine_that_computes_the_prompt(pd, fakes, make_proxy):
+    """Blend's explicit chunks: the proxy checks ``ucm_chunks`` and hands them to the engine in
+    kv_transfer_params, where the connector reads them (a client cannot send those through it)."""
+    chunks = [[0, 2], [3, 5]]
+    body = {**COMPLETION, "prompt": [5, 6, 7, 8, 9, 10], "ucm_chunks": chunks}
+    proxy, prefills, decodes = pd
+    m = fakes.add("m")
+    mixed = make_proxy(mode="mixed", decode=[m.url])
+    for running in (proxy, mixed):
+        with running.client() as c:
+            assert c.post("/v1/completions", json=body).status_code == 200
+    [pre], [dec] = all_requests(prefills), all_requests(decodes)
+    assert pre["body"]["kv_transfer_params"] == {"do_remote_decode": True, "ucm_chunks": chunks}
+    assert "ucm_chunks" not in dec["body"]["kv_transfer_params"]  # decode loads what prefill blended
+    [plain] = m.requests
+    assert plain["body"]["kv_transfer_params"] == {"ucm_chunks": chunks}
+    assert all("ucm_chunks" not in r["body"] for r in (pre, dec, plain))
+
+
 def test_non_streamed_answers_say_they_are_json(pd):
     proxy, _, _ = pd
     with proxy.client() as c:

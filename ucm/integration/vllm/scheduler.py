@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ucm.hashing import BlockHasher, HashContext
-from ucm.integration.vllm.chunks import split_chunks
+from ucm.integration.vllm.chunks import explicit_chunks, split_chunks
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
@@ -41,6 +41,8 @@ PARAM_LOADED = "ucm_loaded_tokens"
 # A producer that blended the prompt answers with [Blend's settings fingerprint, first blended block]:
 # its blocks from there on are stored under ids of that blend, and the consumer loads those.
 PARAM_BLEND = "ucm_blend"
+# A client's chunk boundaries for Blend (token offsets; see chunks.explicit_chunks), instead of separators.
+PARAM_CHUNKS = "ucm_chunks"
 
 
 class RequestLike(Protocol):
@@ -70,6 +72,7 @@ class _RequestState:
     announced: bool = False  # its lookup's result went out as KV events
     blend: _BlendPlan | None = None  # a region to blend once vLLM allocated its blocks
     blend_from: int | None = None  # first block of approximate KV (blended): named by the blend's ids
+    chunks_refused: bool = False  # its ucm_chunks was malformed (refused once)
 
 
 @dataclass
@@ -218,7 +221,7 @@ class SchedulerSide:
         assert self._blend is not None
         config = self._blend.config
         prompt = list(request.prompt_token_ids or [])
-        chunks = split_chunks(prompt, self._blend.separator)
+        chunks = self._chunks(request, prompt, state)
         if not chunks or len(chunks) > config.max_chunks:
             return 0
         exact = max(num_computed_tokens, min(state.stored * self.block_size, request.num_tokens - 1))
@@ -243,6 +246,22 @@ class SchedulerSide:
         missed = sum(1 for start, stop in chunks if stop - start >= self.block_size and stop > exact) - len(found)
         state.blend = _BlendPlan(end, exact, found, missed)
         return end - num_computed_tokens
+
+    def _chunks(self, request: RequestLike, prompt: list[int], state: _RequestState) -> list[tuple[int, int]]:
+        """The client's chunk boundaries when it gave them, else the prompt cut at the separators. A
+        malformed list is refused once (logged, counted) and the request prefilled without Blend."""
+        assert self._blend is not None
+        given = (request.kv_transfer_params or {}).get(PARAM_CHUNKS)
+        if given is None:
+            return split_chunks(prompt, self._blend.separator)
+        try:
+            return explicit_chunks(given, len(prompt))
+        except ValueError as exc:
+            if not state.chunks_refused:
+                state.chunks_refused = True
+                self._stats.add("blend_chunk_lists_refused", 1)
+                logger.warning("request %s: %s; prefilled without Blend", request.request_id, exc)
+            return []
 
     def _lookup_prefix(self, ids: list[bytes]) -> int:
         """Leading blocks of ``ids`` in the store, asked within what is left of the step's deadline
