@@ -20,10 +20,10 @@ runs every arm in turn, seconds apart, the order reversed every question):
                 prefix hit — what a Blend costing nothing would reach
   blend         UCMConnector with Blend at --ratio
 
-Per arm: TTFT p50/p99 (first streamed token), answer accuracy (Wilson 95%), and against recompute:
-exact McNemar p, the 95% interval of the paired difference, greedy agreement of the first 32
-tokens. A sweep of ``--sweep`` ratios follows (``--sweep-trials`` questions each, an engine per
-ratio beside recompute), for the quality/speed curve.
+Per arm: TTFT p50/p99 (first streamed token), answer accuracy (Wilson 95%; and by the needle's
+passage), and against recompute: exact McNemar p, the 95% interval of the paired difference,
+greedy agreement of the first 32 tokens. A sweep of ``--sweep`` ratios follows (``--sweep-trials``
+questions each, an engine per ratio beside recompute), for the quality/speed curve.
 
 JSON summary keys, at the default ratio: ttft_speedup_vs_recompute, ttft_speedup_vs_prefix_cache,
 ttft_speedup_bound_vs_recompute, paired_trials, accuracy_diff_lower_95, token_agreement_vs_recompute.
@@ -94,6 +94,7 @@ class Corpus:
 class Question:
     passages: list[list[int]]  # in prompt order, the needle's among them
     number: int
+    needle_at: int  # which passage holds the needle (0: the first, farthest from the question)
 
     def prompt(self, corpus: Corpus) -> list[int]:
         out = list(corpus.head)
@@ -113,9 +114,10 @@ def questions(corpus: Corpus, n: int, k: int, seed: int) -> list[Question]:
         start = (q * 7919) % max(1, len(corpus.unused) - n_words)
         words = corpus.unused[start : start + n_words]
         at = rng.randrange(len(words) + 1)
-        chosen = [*rng.sample(corpus.pool, k - 1), words[:at] + needle + words[at:]]
+        haystack = words[:at] + needle + words[at:]
+        chosen = [*rng.sample(corpus.pool, k - 1), haystack]
         rng.shuffle(chosen)
-        out.append(Question(chosen, number))
+        out.append(Question(chosen, number, next(i for i, p in enumerate(chosen) if p is haystack)))
     return out
 
 
@@ -185,8 +187,14 @@ def warm(server: VLLMServer, chunks: list[list[int]]) -> None:
         server.post("/v1/completions", {"model": server.model, "prompt": c, "max_tokens": 1}, timeout=900)
 
 
-def row(name: str, out: Outcome, reference: Outcome | None, recompute_ttft: list[float]) -> dict[str, Any]:
+def row(
+    name: str, out: Outcome, reference: Outcome | None, recompute_ttft: list[float], needle_at: list[int]
+) -> dict[str, Any]:
     lo, hi = wilson(sum(out.correct), len(out.correct))
+    by_passage = [[0, 0] for _ in range(max(needle_at) + 1)]  # [correct, trials] per needle passage
+    for at, ok in zip(needle_at, out.correct, strict=False):
+        by_passage[at][0] += ok
+        by_passage[at][1] += 1
     r: dict[str, Any] = {
         "arm": name,
         "trials": len(out.correct),
@@ -198,6 +206,7 @@ def row(name: str, out: Outcome, reference: Outcome | None, recompute_ttft: list
         ),
         "accuracy": round(sum(out.correct) / len(out.correct), 4),
         "accuracy_95": [round(lo, 4), round(hi, 4)],
+        "accuracy_by_needle_passage": by_passage,
         "ttft_s": [round(t, 4) for t in out.ttft],
     }
     if reference is not None:
@@ -274,7 +283,10 @@ def main() -> int:
         after = blend_counters(servers["blend"])
         report["blend_counters"] = {k: after[k] - before.get(k, 0) for k in after}
         ref = out["recompute"]
-        report["arms"] = [row(name, o, None if name == "recompute" else ref, ref.ttft) for name, o in out.items()]
+        needle_at = [q.needle_at for q in qs]
+        report["arms"] = [
+            row(name, o, None if name == "recompute" else ref, ref.ttft, needle_at) for name, o in out.items()
+        ]
         for s in ("prefix", "blend"):
             servers[s].stop()
         report["sweep"] = []
@@ -287,7 +299,7 @@ def main() -> int:
                 for q in qs[: args.sweep_trials]:
                     record(sweep, q, run(server, q.prompt(corpus)))
                     recompute.append(run(servers["recompute"], q.prompt(corpus))[0])
-                report["sweep"].append({"ratio": ratio, **row(name, sweep, ref, recompute)})
+                report["sweep"].append({"ratio": ratio, **row(name, sweep, ref, recompute, needle_at)})
             finally:
                 server.stop()
     finally:
@@ -323,6 +335,9 @@ def show(report: dict[str, Any]) -> None:
             f"{r['arm']:<12} {r['ttft_p50_s']:>8.3f}s {r['ttft_p99_s']:>6.3f}s {r['ttft_speedup_vs_recompute']:>8.2f} "
             f"{acc:>22} {diff:>26} {agree:>6}"
         )
+    print("\naccuracy by the needle's passage (0: the first, farthest from the question), correct/trials:")
+    for r in report["arms"]:
+        print(f"  {r['arm']:<12}", "  ".join(f"{c}/{n}" for c, n in r["accuracy_by_needle_passage"]))
     print("\nblend counters:", report.get("blend_counters"))
     print("summary:", json.dumps(report["summary"]))
 
