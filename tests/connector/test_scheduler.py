@@ -488,6 +488,10 @@ def test_a_clients_chunk_boundaries_replace_the_separators(store):
     req = Req("r", prompt, kv_transfer_params={PARAM_CHUNKS: chunks})
     assert s.num_new_matched_tokens(req, 0) == (at + 2 * BS, False)
     assert s.num_new_matched_tokens(Req("plain", prompt), 0) == (0, False)  # no separator: no chunk
+    s._stats.take()  # what the requests above recorded
+    many = Req("many", prompt, kv_transfer_params={PARAM_CHUNKS: [[0, 1]] * 100_000})
+    assert s.num_new_matched_tokens(many, 0) == (0, False)  # past max_chunks (64): prefilled as usual
+    assert s._stats.take() is None  # not read entry by entry (so not refused either)
 
 
 @pytest.mark.parametrize(
