@@ -48,8 +48,8 @@ class Followers:
         self._ctx: zmq.asyncio.Context | None = None
 
     def connected(self, url: str) -> bool:
-        """Whether ``url``'s stream is up and its replay (if any) applied: what it publishes from now
-        on reaches the index."""
+        """Whether ``url``'s stream is up and its replay (if any) was asked for and applied as far as
+        it answered: what the engine publishes from now on reaches the index."""
         follower = self._followers.get(url)
         return follower is not None and follower.connected
 
@@ -127,14 +127,14 @@ class Follower:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event == zmq.EVENT_DISCONNECTED:
                         return
-                    await self._connected()
-                    continue
-                frames = await sub.recv_multipart()
                 try:
-                    await self.receive(frames)
+                    if monitor in ready:
+                        await self._connected()
+                    else:
+                        await self.receive(await sub.recv_multipart())
                 except Exception:  # never let one engine's stream stop its following
                     logger.exception("KV events from %s", self.url)
-                    self.expected = None
+                    self.expected = self.replayed_below = None
         finally:
             self.connected = False
             self._up.set(0)
@@ -171,14 +171,16 @@ class Follower:
         self.expected = seq + 1
         self._apply(frames[2])
 
-    def _apply(self, payload: bytes) -> None:
+    def _apply(self, payload: bytes) -> bool:
+        """Apply one batch; False when it does not decode (the engine's entries are cleared)."""
         try:
             batch: EventBatch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._malformed()
-            return
+            return False
         self.index.apply(self.url, batch)
         metrics.KV_EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
+        return True
 
     def _malformed(self) -> None:
         metrics.child(metrics.KV_EVENTS, "malformed").inc()
@@ -207,7 +209,8 @@ class Follower:
                 if seq == _END:
                     return last
                 if until is None or seq < until:
-                    self._apply(frames[3])
+                    if not self._apply(frames[3]):
+                        return None  # entries cleared: the next live batch resyncs
                     last = seq
         finally:
             sock.close(linger=0)

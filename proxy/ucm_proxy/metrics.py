@@ -100,7 +100,8 @@ KV_INDEX_BLOCKS = Gauge(
 )
 KV_EVENT_STREAM_UP = Gauge(
     "ucm_proxy_kv_event_stream_up",
-    "1 while the proxy's subscription to an engine's KV events is connected (and its replay applied)",
+    "1 while the proxy's subscription to an engine's KV events is connected (its replay, when it has one, asked "
+    "for and applied as far as it answered)",
     ["backend"],
 )
 KV_EVENTS = Counter(

@@ -74,10 +74,8 @@ def _check_chunks(body: dict[str, Any], route: str) -> None:
         raise ProxyError(
             400, f"'{CHUNKS}' gives token offsets: it needs a prompt of token ids (/v1/completions).", CHUNKS
         )
-    if isinstance(body[CHUNKS], list) and len(body[CHUNKS]) > MAX_CHUNKS:
-        raise ProxyError(400, f"'{CHUNKS}': at most {MAX_CHUNKS} chunks, got {len(body[CHUNKS])}.", CHUNKS)
     try:
-        explicit_chunks(body[CHUNKS], len(prompt), CHUNKS)
+        explicit_chunks(body[CHUNKS], len(prompt), MAX_CHUNKS, CHUNKS)
     except ValueError as exc:
         raise ProxyError(400, f"{exc}.", CHUNKS) from None
 
@@ -170,9 +168,9 @@ def engine_body(raw: bytes, body: dict[str, Any]) -> bytes:
     params = _engine_params(body)
     if params:
         return with_params(raw, body, params)
-    if "kv_transfer_params" not in body:
+    if "kv_transfer_params" not in body and CHUNKS not in body:
         return raw
-    return json.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"}).encode()
+    return json.dumps({k: v for k, v in body.items() if k not in ("kv_transfer_params", CHUNKS)}).encode()
 
 
 def with_params(raw: bytes, body: dict[str, Any], params: Any) -> bytes:

@@ -489,9 +489,9 @@ def test_a_clients_chunk_boundaries_replace_the_separators(store):
     assert s.num_new_matched_tokens(req, 0) == (at + 2 * BS, False)
     assert s.num_new_matched_tokens(Req("plain", prompt), 0) == (0, False)  # no separator: no chunk
     s._stats.take()  # what the requests above recorded
-    many = Req("many", prompt, kv_transfer_params={PARAM_CHUNKS: [[0, 1]] * 100_000})
+    many = Req("many", prompt, kv_transfer_params={PARAM_CHUNKS: [[i, i + 1] for i in range(65)]})
     assert s.num_new_matched_tokens(many, 0) == (0, False)  # past max_chunks (64): prefilled as usual
-    assert s._stats.take() is None  # not read entry by entry (so not refused either)
+    assert s._stats.take().data["blend_chunk_lists_refused"] == 1
 
 
 @pytest.mark.parametrize(
@@ -503,6 +503,7 @@ def test_a_clients_chunk_boundaries_replace_the_separators(store):
         ([[0, 6], [5, 9]], "[1]: [5, 9] must satisfy 6 <= start"),  # overlapping
         ([[3, 3]], "[0]: [3, 3]"),  # empty
         ([[0, 99]], "end <= 24"),  # past the prompt
+        ([[0, 1]] * 100_000, ": at most 64 chunks"),  # blend.max_chunks; not read entry by entry
     ],
 )
 def test_a_malformed_chunk_list_is_refused_once_and_the_prompt_prefilled(store, caplog, bad, says):

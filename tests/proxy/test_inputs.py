@@ -54,7 +54,12 @@ def proxy(fakes, make_proxy):
             "max_completion_tokens",
         ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "ucm_chunks": [[0, 1]]}, 400, "ucm_chunks"),  # text
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{}], "ucm_chunks": [[0, 1]]}, 400, "ucm_chunks"),
+        (
+            "/v1/chat/completions",  # token offsets mean nothing in a chat: even with a token-id prompt beside
+            {"model": MODEL, "messages": [{}], "prompt": [1, 2], "ucm_chunks": [[0, 1]]},
+            400,
+            "ucm_chunks",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "ucm_chunks": [[0, 4]]}, 400, "ucm_chunks"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "ucm_chunks": [[1, 2], [0, 1]]}, 400, "ucm_chunks"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "ucm_chunks": {"0": 1}}, 400, "ucm_chunks"),

@@ -214,7 +214,7 @@ async def test_live_batches_the_connect_replay_already_gave_are_not_a_restart():
         # reaches it both live and in the replay.
         request = asyncio.to_thread(pub.replay.poll, 5000)
         assert await request, "no replay was asked for on connecting"
-        await asyncio.sleep(0.1)  # the PUB side has taken the subscription
+        await asyncio.sleep(0.3)  # the PUB side has taken the subscription
         pub.send(3, encoded(3))
         restarts = resyncs("restart")
         await asyncio.to_thread(pub.answer_replay, {i: encoded(i) for i in range(4)})
@@ -222,6 +222,32 @@ async def test_live_batches_the_connect_replay_already_gave_are_not_a_restart():
         pub.send(4, encoded(4))
         await until(lambda: held(followers) == 5)
         assert resyncs("restart") == restarts  # seq 3 came twice: once was enough
+    finally:
+        await followers.close()
+        pub.close()
+
+
+@pytest.mark.asyncio
+async def test_a_replay_that_breaks_off_leaves_the_engine_to_resync():
+    """A batch in the replay that does not decode: what came after it is not applied as if the
+    replay were whole; the next live batch resyncs (and asks the replay again)."""
+    pub = HandPublisher()
+    followers = Followers(
+        KVEventsConfig(
+            endpoints={URL: {"events": f"tcp://127.0.0.1:{pub.port}", "replay": f"tcp://127.0.0.1:{pub.replay_port}"}}
+        )
+    )
+    try:
+        followers.follow([URL])
+        await asyncio.to_thread(pub.answer_replay, {0: encoded(0), 1: b"\x93garbage", 2: encoded(1)})
+        await until(lambda: followers.connected(URL))
+        assert held(followers) == 0
+        await asyncio.sleep(0.3)  # the PUB side has taken the subscription
+        starts = resyncs("start")
+        pub.send(3, encoded(0))
+        await asyncio.to_thread(pub.answer_replay, {i: encoded(i) for i in range(3)})
+        await until(lambda: held(followers) == 3)
+        assert resyncs("start") == starts + 1
     finally:
         await followers.close()
         pub.close()

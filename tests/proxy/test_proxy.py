@@ -201,6 +201,15 @@ def test_a_clients_chunk_boundaries_reach_the_engine_that_computes_the_prompt(pd
     [plain] = m.requests
     assert plain["body"]["kv_transfer_params"] == {"ucm_chunks": chunks}
     assert all("ucm_chunks" not in r["body"] for r in (pre, dec, plain))
+    # a PD request that decode computes itself (no prefill left), and a client's own params beside
+    d = fakes.add("d")
+    fallback = make_proxy(prefill=[], decode=[d.url], fallback_to_decode=True)
+    with fallback.client() as c:
+        assert c.post("/v1/completions", json={**body, "kv_transfer_params": FORGED}).status_code == 200
+        assert c.post("/v1/completions", json={**body, "ucm_chunks": None}).status_code == 200
+    with_chunks, without = (r["body"] for r in d.requests)
+    assert with_chunks["kv_transfer_params"] == {"ucm_chunks": chunks}
+    assert "kv_transfer_params" not in without and "ucm_chunks" not in without
 
 
 def test_non_streamed_answers_say_they_are_json(pd):

@@ -39,12 +39,14 @@ def split_chunks(prompt: Sequence[int], separator: Sequence[int]) -> list[tuple[
     return bounds
 
 
-def explicit_chunks(value: Any, num_tokens: int, field: str = FIELD) -> list[tuple[int, int]]:
+def explicit_chunks(value: Any, num_tokens: int, limit: int, field: str = FIELD) -> list[tuple[int, int]]:
     """A client's ``[[start, end], ...]`` (token offsets into a prompt of ``num_tokens``, in order, not
-    overlapping, none empty) as :func:`split_chunks` gives chunks; ValueError naming the entry (the
-    proxy checks its own ``ucm_chunks`` field with this too)."""
+    overlapping, none empty, at most ``limit`` of them) as :func:`split_chunks` gives chunks;
+    ValueError naming the entry (the proxy checks its own ``ucm_chunks`` field with this too)."""
     if not isinstance(value, list):
         raise ValueError(f"{field}: expected a list of [start, end] token offsets, got {type(value).__name__}")
+    if len(value) > limit:  # before reading entries: the scheduler checks on every lookup
+        raise ValueError(f"{field}: at most {limit} chunks, got {len(value)}")
     bounds: list[tuple[int, int]] = []
     previous = 0
     for i, pair in enumerate(value):

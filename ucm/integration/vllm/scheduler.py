@@ -254,10 +254,8 @@ class SchedulerSide:
         given = (request.kv_transfer_params or {}).get(PARAM_CHUNKS)
         if given is None:
             return split_chunks(prompt, self._blend.separator)
-        if isinstance(given, list) and len(given) > self._blend.config.max_chunks:
-            return []  # prefilled as usual, as a prompt with more separated chunks is (not read each step)
         try:
-            return explicit_chunks(given, len(prompt))
+            return explicit_chunks(given, len(prompt), self._blend.config.max_chunks)
         except ValueError as exc:
             if not state.chunks_refused:
                 state.chunks_refused = True

@@ -37,7 +37,8 @@ COUNTERS: dict[str, str] = {
     "blend_chunks_missed": "Prompt chunks of a block or more that Blend did not find in the store",
     "blend_reused_tokens": "Tokens whose cached KV Blend kept past its check layer",
     "blend_recomputed_tokens": "Tokens Blend computed through every layer (selected, or without a cached KV)",
-    "blend_chunk_lists_refused": "Requests whose kv_transfer_params.ucm_chunks was malformed: prefilled without Blend",
+    "blend_chunk_lists_refused": "Requests whose kv_transfer_params.ucm_chunks was malformed or longer than "
+    "blend.max_chunks: prefilled without Blend",
 }
 HISTOGRAMS: dict[str, str] = {
     "load_seconds": "Time to load one request's blocks in one step",
