@@ -106,6 +106,14 @@ class HandPublisher:
         self.ctx.term()
 
 
+def replaying(pub: HandPublisher) -> Followers:
+    """Followers of ``pub``'s stream and its hand-answered replay, following it already."""
+    endpoints = {URL: {"events": f"tcp://127.0.0.1:{pub.port}", "replay": f"tcp://127.0.0.1:{pub.replay_port}"}}
+    followers = Followers(KVEventsConfig(endpoints=endpoints))
+    followers.follow([URL])
+    return followers
+
+
 @pytest_asyncio.fixture
 async def hand():
     pub = HandPublisher()
@@ -203,13 +211,8 @@ async def test_following_stays_in_step_with_the_pools_members():
 @pytest.mark.asyncio
 async def test_live_batches_the_connect_replay_already_gave_are_not_a_restart():
     pub = HandPublisher()
-    followers = Followers(
-        KVEventsConfig(
-            endpoints={URL: {"events": f"tcp://127.0.0.1:{pub.port}", "replay": f"tcp://127.0.0.1:{pub.replay_port}"}}
-        )
-    )
+    followers = replaying(pub)
     try:
-        followers.follow([URL])
         # The subscription is up when the follower asks for the replay; a batch published now
         # reaches it both live and in the replay.
         request = asyncio.to_thread(pub.replay.poll, 5000)
@@ -232,13 +235,8 @@ async def test_a_replay_that_breaks_off_leaves_the_engine_to_resync():
     """A batch in the replay that does not decode: what came after it is not applied as if the
     replay were whole; the next live batch resyncs (and asks the replay again)."""
     pub = HandPublisher()
-    followers = Followers(
-        KVEventsConfig(
-            endpoints={URL: {"events": f"tcp://127.0.0.1:{pub.port}", "replay": f"tcp://127.0.0.1:{pub.replay_port}"}}
-        )
-    )
+    followers = replaying(pub)
     try:
-        followers.follow([URL])
         await asyncio.to_thread(pub.answer_replay, {0: encoded(0), 1: b"\x93garbage", 2: encoded(1)})
         await until(lambda: followers.connected(URL))
         assert held(followers) == 0
