@@ -235,6 +235,12 @@ def main() -> int:
     ap.add_argument("--passages", type=int, default=6, help="Passages per question")
     ap.add_argument("--pool", type=int, default=24, help="Passages to draw from")
     ap.add_argument("--ratio", type=float, default=BlendConfig().recompute_ratio, help="Blend's recompute_ratio")
+    ap.add_argument(
+        "--selection",
+        choices=["deviation", "attention"],
+        default=BlendConfig().selection,
+        help="Which reused tokens Blend recomputes (its 'selection'; every Blend engine of the run)",
+    )
     ap.add_argument("--sweep", default="0,0.05,0.3,1.0", help="Other ratios, for the curve ('' for none)")
     ap.add_argument("--sweep-trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
@@ -249,7 +255,7 @@ def main() -> int:
     qs = questions(corpus, args.trials, args.passages, args.seed)
     chunks = [corpus.head, *corpus.pool, *(q.passages[i] for q in qs for i in range(len(q.passages)))]
     chunks = list({tuple(c): c for c in chunks}.values())
-    blend = {"recompute_ratio": args.ratio}
+    blend = {"recompute_ratio": args.ratio, "selection": args.selection}
     work = Path(tempfile.mkdtemp(prefix="blend-serving-"))
     store, logs = work / "store", work / "logs"
     store.mkdir()
@@ -260,7 +266,12 @@ def main() -> int:
         "prefix": engine(model, "prefix", store, logs, None),
         "blend": engine(model, "blend", store, logs, blend),
     }
-    report: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "passages": args.passages, "ratio": args.ratio}
+    report: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct",
+        "passages": args.passages,
+        "ratio": args.ratio,
+        "selection": args.selection,
+    }
     try:
         for s in servers.values():
             s.start()
@@ -292,7 +303,7 @@ def main() -> int:
         report["sweep"] = []
         for ratio in [float(r) for r in args.sweep.split(",") if r]:
             name = f"blend-{ratio:g}"
-            server = engine(model, name, store, logs, {"recompute_ratio": ratio}).start().wait_ready(600)
+            server = engine(model, name, store, logs, {**blend, "recompute_ratio": ratio}).start().wait_ready(600)
             try:
                 sweep = new_outcome()
                 recompute = []

@@ -147,3 +147,70 @@ def test_rerotation_matches_keys_computed_at_the_new_positions(engine, reference
     (moved,) = engine.apply_model(rotate)
     assert (moved.float() - there[0][33:].float()).abs().max().item() < ATOL
     assert (alone[0].float() - there[0][33:].float()).abs().max().item() > 10 * ATOL  # unrotated, it is not
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_model):
+    """The reference with eager attention: it can return its attention probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32, attn_implementation="eager")
+
+
+def attention_to(model, tokens: list[int], layer: int, queries: slice) -> torch.Tensor:
+    """(T,) the attention the ``queries`` pay each token in ``layer``, summed over them and the heads."""
+    with torch.inference_mode():
+        out = model.eval()(torch.tensor([tokens]), output_attentions=True)
+    return out.attentions[layer][0, :, queries, :].sum((0, 1))
+
+
+def test_attention_selection_recomputes_what_the_question_reads(engine, reference, eager):
+    """KV cached from this very prompt is exact, so the look-ahead's attention is the true one: the
+    ratio share of reused tokens it recomputes is the share the question (the tokens after the last
+    reused one) attends to most in the layers after the check layer."""
+    prompt = tokens(160, 7)
+    keys, values = prefill_kv(reference, prompt)
+    reused = torch.zeros(160, dtype=torch.bool)
+    reused[16:140] = True  # [head 16][reused 54][separator 5][reused 65][question 20]
+    reused[70:75] = False  # the separator runs ahead too, but only the question's attention counts
+    where = reused.nonzero().squeeze(1)
+    region = Region(torch.tensor(prompt), 0, reused, keys, values)
+    (out,) = engine.apply_model(lambda model: blend_region(model, region, 0.25, 0, selection="attention"))
+    picked = torch.tensor(sorted(set(out.recomputed.tolist()) & set(where.tolist())))
+    assert len(picked) == round(0.25 * where.numel())
+    mass = attention_to(eager, prompt, 1, slice(140, 160))
+    best = where[torch.topk(mass[where], len(picked)).indices]
+    assert mass[picked].sum() >= mass[best].sum() - 1e-4
+    assert mass[picked].sum() > 1.5 * mass[where].sort().values[: len(picked)].sum()
+    # the first pass's KV is not kept: the result is still exact
+    assert error(out.keys, keys, slice(None)) < ATOL
+    assert error(out.values, values, slice(None)) < ATOL
+
+
+def test_attention_selection_without_a_question_falls_back_to_the_deviation(engine, reference):
+    prompt = tokens(100, 8)
+    full_k, _ = prefill_kv(reference, prompt)
+    alone_k, alone_v = prefill_kv(reference, prompt[40:])
+    region = fresh_region(prompt, len(full_k))
+    region.reused[40:] = True  # nothing after the last reused token
+
+    def blend(model, selection):
+        for i, layer in enumerate(model.model.layers):
+            region.keys[i][40:] = rerotate(layer.self_attn.rotary_emb, alone_k[i], 40)
+            region.values[i][40:] = alone_v[i]
+        return blend_region(model, region, 0.3, 0, selection=selection)
+
+    (deviation,) = engine.apply_model(lambda model: blend(model, "deviation"))
+    (attention,) = engine.apply_model(lambda model: blend(model, "attention"))
+    assert attention.recomputed.tolist() == deviation.recomputed.tolist()
+
+
+def test_attention_selection_at_ratio_one_is_a_plain_prefill(engine, reference):
+    prompt = tokens(120, 9)
+    keys, values = prefill_kv(reference, prompt)
+    region = fresh_region(prompt, len(keys))
+    region.reused[20:100] = True  # stale (zero) KV: every reused token is recomputed at ratio 1
+    (out,) = engine.apply_model(lambda model: blend_region(model, region, 1.0, 0, selection="attention"))
+    assert out.recomputed.tolist() == list(range(120))
+    assert error(out.keys, keys, slice(None)) < ATOL
+    assert error(out.values, values, slice(None)) < ATOL

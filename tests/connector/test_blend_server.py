@@ -1,14 +1,15 @@
-"""Blend inside real vLLM (CPU build) servers: chunks cached alone, then reused at other positions
-in other prompts.
+"""Blend inside real vLLM (CPU build) servers: chunks cached alone, then reused at other positions in
+other prompts.
 
 P is plain vLLM (the reference); B blends with the default configuration; S blends with
 ``check_layer`` 0 and ratio 0 (every reused token keeps its cached KV in the layers after the
-first); D decodes what B prefilled (PD through the store), without a blend configuration of its
-own. The tiny model has two layers: with the default ``check_layer`` 1 every KV B writes is
-computed fresh (layer 0 for every token, layer 1 at the check), so B's tokens must equal P's —
-this checks what serving adds (the plan, loading, re-rotation, the cache writes, the question
-computed over them); how the ratio trades accuracy is checked on the model's layers in
-test_blend_compute.py. Prompts are token ids, so chunk boundaries are exact.
+first); A is S with half the reused tokens recomputed, chosen by the question's attention; D
+decodes what B prefilled (PD through the store), without a blend configuration of its own. The tiny
+model has two layers: with the default ``check_layer`` 1 every KV B writes is computed fresh (layer
+0 for every token, layer 1 at the check), so B's tokens must equal P's — this checks what serving
+adds (the plan, loading, re-rotation, the cache writes, the question computed over them); how the
+ratio trades accuracy is checked on the model's layers in test_blend_compute.py. Prompts are token
+ids, so chunk boundaries are exact.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def servers(tiny_model, store_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     store = {"spec": "posix", "posix": {"roots": [str(store_dir)]}}
     stale = {"separator": SEPARATOR, "check_layer": 0, "recompute_ratio": 0.0}
+    attention = {**stale, "recompute_ratio": 0.5, "selection": "attention"}
     all_servers = {
         "P": VLLMServer(tiny_model, logs / "plain.log"),
         "B": VLLMServer(
@@ -57,6 +59,12 @@ def servers(tiny_model, store_dir, tmp_path_factory):
             tiny_model,
             logs / "stale.log",
             kv_transfer_config=kv_transfer_config(store, blend=stale),
+            extra_args=OVERRIDE,
+        ),
+        "A": VLLMServer(
+            tiny_model,
+            logs / "attention.log",
+            kv_transfer_config=kv_transfer_config(store, blend=attention),
             extra_args=OVERRIDE,
         ),
         "D": VLLMServer(tiny_model, logs / "decode.log", kv_transfer_config=kv_transfer_config(store)),
@@ -192,6 +200,24 @@ def test_reused_kv_is_kept_past_the_check_layer(servers, separator):
     # both chunks but their first recompute_chunk_start (16) tokens; the system prompt and separators
     # were recomputed
     assert reused == 2 * (64 - 16)
+
+
+def test_attention_selection_blends_the_question_too(servers, separator):
+    """With selection 'attention' the region runs to the prompt's last token (the question picks what
+    to recompute): half of the reused tokens are recomputed, the other half keep their cached KV."""
+    A = servers["A"]
+    system, first, second, question = words(40, 26), words(64, 27), words(64, 28), words(20, 29)
+    cache_alone(A, first, second)
+    before = A.metrics()
+    prompt = rag(separator, system, second, first, question)
+    out, hit = complete(A, prompt)
+    assert len(out) == 24
+    assert hit == len(prompt) - 1
+    after = A.metrics()
+    reused = grew(before, after, "ucm_connector_blend_reused_tokens_total")
+    recomputed = grew(before, after, "ucm_connector_blend_recomputed_tokens_total")
+    assert reused + recomputed == hit
+    assert reused == 2 * (64 - 16) // 2
 
 
 def test_another_tenants_chunks_are_never_used(servers, separator):

@@ -14,7 +14,10 @@ import torch
 
 def select_recompute(reused: torch.Tensor, fresh: torch.Tensor, ratio: float) -> torch.Tensor:
     """Indices of the ``ratio`` share of tokens whose reused KV deviates most from ``fresh``: (r,)."""
-    t = reused.shape[0]
-    r = min(t, max(0, round(ratio * t)))
-    deviation = (reused.float() - fresh.float()).flatten(1).norm(dim=-1)
-    return torch.topk(deviation, r).indices.sort().values
+    return top_share((reused.float() - fresh.float()).flatten(1).norm(dim=-1), ratio)
+
+
+def top_share(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Indices of the ``ratio`` share of ``scores`` (T,) that are largest, ascending: (r,)."""
+    t = scores.shape[0]
+    return torch.topk(scores, min(t, max(0, round(ratio * t)))).indices.sort().values

@@ -2,7 +2,8 @@
 
 A prompt ``[prefix][chunk A][chunk B]...[question]`` whose chunks' KV was cached elsewhere (each
 computed from position 0, alone) is blended over its region ``[0, M)`` — everything up to the end
-of the last cached chunk — in one pass of a Llama-shaped model's layers:
+of the last cached chunk, or with the ``attention`` selection the whole prompt but its last token —
+through a Llama-shaped model's layers:
 
 - tokens ``[0, computed)`` are exact already (vLLM's prefix cache or an exact store load): their
   KV is read, never recomputed;
@@ -11,15 +12,17 @@ of the last cached chunk — in one pass of a Llama-shaped model's layers:
   partial block at a chunk's end, a chunk the store did not have, and each chunk's first
   ``recompute_chunk_start`` tokens, which computed alone were the prompt's attention sink: always
   recomputed);
-- layers below ``check_layer`` run for every token (layer 0's K and V depend only on the token
-  and its position, so they equal the cache's); at ``check_layer`` the fresh KV of every reused
-  token is compared with its cached KV and the ``ratio`` share that deviates most joins the
-  recomputed tokens (CacheBlend's selection); from there on only those tokens run, attending over
-  the cached KV of the others.
+- layers up to ``check_layer`` run for every token (layer 0's K and V depend only on the token
+  and its position, so they equal the cache's); there the ``ratio`` share of reused tokens to
+  recompute is chosen — ``deviation`` (CacheBlend's): those whose fresh KV at ``check_layer``
+  deviates most from their cached KV; ``attention``: those the question attends to most in the
+  later layers, found by a first pass of the tokens without a cached KV over the others' cached KV
+  (:func:`_attended_rows`) —; from there on only the recomputed tokens and those without a cached
+  KV run, attending over the cached KV of the others.
 
 The result is each layer's K and V for ``[computed, M)``, which the connector writes into the
-request's paged cache; vLLM then prefills the question exactly, over it. At ``ratio`` 1 every
-token is recomputed through every layer: a plain prefill of the region.
+request's paged cache; vLLM then prefills the rest exactly, over it. At ``ratio`` 1 every token
+is recomputed through every layer: a plain prefill of the region.
 
 :class:`Blender` is the worker's part: it reads the chunks' blocks from the store and the exact
 prefix from the paged cache, blends, and writes the result with vLLM's own cache writer. It runs
@@ -44,7 +47,7 @@ from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
-from ucm.sparse.blend import select_recompute
+from ucm.sparse.blend import select_recompute, top_share
 from ucm.store import Store
 
 logger = logging.getLogger(__name__)
@@ -89,13 +92,63 @@ def rerotate(rotary_emb: torch.nn.Module, keys: torch.Tensor, shift: int) -> tor
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
+@dataclass
+class _LayerOut:
+    hidden: torch.Tensor
+    residual: torch.Tensor
+    q: torch.Tensor  # (R, heads, D): the running rows' queries
+    k: torch.Tensor  # (R, kv_heads, D): their fresh keys and values
+    v: torch.Tensor
+    keys: torch.Tensor  # (M, kv_heads, D): the region's, the running rows' fresh
+    values: torch.Tensor
+
+
+def _forward(
+    layer: torch.nn.Module,
+    index: int,
+    rows: torch.Tensor,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    region: Region,
+    attend: Attention,
+) -> _LayerOut:
+    """One decoder layer over the running ``rows``, which attend over the region's KV with their own
+    fresh K and V in place of what the region holds for them."""
+    if residual is None:
+        residual = hidden
+        x = layer.input_layernorm(hidden)
+    else:
+        x, residual = layer.input_layernorm(hidden, residual)
+    attn = layer.self_attn
+    qkv, _ = attn.qkv_proj(x)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = attn.rotary_emb(rows, q, k)
+    q = q.view(-1, attn.num_heads, attn.head_dim)
+    k = k.view(-1, attn.num_kv_heads, attn.head_dim)
+    v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+    keys = region.keys[index].clone()
+    values = region.values[index].clone()
+    keys[rows] = k
+    values[rows] = v
+    out = attend(index, q, keys, values, rows, attn.scaling)
+    out, _ = attn.o_proj(out.reshape(out.shape[0], -1))
+    hidden, residual = layer.post_attention_layernorm(out, residual)
+    return _LayerOut(layer.mlp(hidden), residual, q, k, v, keys, values)
+
+
 @torch.inference_mode()
 def blend_region(
-    model: torch.nn.Module, region: Region, ratio: float, check_layer: int = 1, attend: Attention | None = None
+    model: torch.nn.Module,
+    region: Region,
+    ratio: float,
+    check_layer: int = 1,
+    attend: Attention | None = None,
+    selection: str = "deviation",
 ) -> Blended:
     """Compute ``region`` through ``model`` (vLLM's LlamaForCausalLM, or any model with the same
     modules) as the module docstring says. ``attend``: plain PyTorch attention unless given (the
-    served path passes vLLM's kernel over the paged cache, :class:`PagedAttention`)."""
+    served path passes vLLM's kernel over the paged cache, :class:`PagedAttention`). ``selection``:
+    ``deviation`` (CacheBlend's) or ``attention`` (see :func:`_attended_rows`)."""
     attend = attend or sdpa_attention
     inner = model.model
     layers = inner.layers
@@ -103,6 +156,8 @@ def blend_region(
     c = region.computed
     if not 0 <= c < m:
         raise ValueError(f"blend: computed={c} must be in [0, {m}) (at least one token to blend)")
+    if selection not in ("deviation", "attention"):
+        raise ValueError(f"blend: selection={selection!r}: 'deviation' or 'attention'")
     device = region.keys[0].device
     rows = torch.arange(c, m, device=device)  # positions of the tokens still running
     hidden = inner.embed_input_ids(region.tokens[c:])
@@ -111,33 +166,70 @@ def blend_region(
     values_out: list[torch.Tensor] = []
     check = min(check_layer, len(layers) - 1)
     for index, layer in enumerate(layers):
-        if residual is None:
-            residual = hidden
-            x = layer.input_layernorm(hidden)
-        else:
-            x, residual = layer.input_layernorm(hidden, residual)
-        attn = layer.self_attn
-        qkv, _ = attn.qkv_proj(x)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(rows, q, k)
-        k = k.view(-1, attn.num_kv_heads, attn.head_dim)
-        v = v.view(-1, attn.num_kv_heads, attn.head_dim)
-        keys = region.keys[index].clone()
-        values = region.values[index].clone()
-        keep: torch.Tensor | None = None
-        if index == check:
-            keep = _recompute_rows(region.reused[rows], keys[rows], values[rows], k, v, ratio)
-        keys[rows] = k
-        values[rows] = v
-        out = attend(index, q.view(-1, attn.num_heads, attn.head_dim), keys, values, rows, attn.scaling)
-        out, _ = attn.o_proj(out.reshape(out.shape[0], -1))
-        hidden, residual = layer.post_attention_layernorm(out, residual)
-        hidden = layer.mlp(hidden)
-        keys_out.append(keys[c:])
-        values_out.append(values[c:])
-        if keep is not None:
-            rows, hidden, residual = rows[keep], hidden[keep], residual[keep]
+        out = _forward(layer, index, rows, hidden, residual, region, attend)
+        hidden, residual = out.hidden, out.residual
+        keys_out.append(out.keys[c:])
+        values_out.append(out.values[c:])
+        if index != check:
+            continue
+        reused = region.reused[rows]
+        keep = None
+        if selection == "attention":
+            keep = _attended_rows(layers, check, rows, hidden, residual, region, attend, ratio)
+        if keep is None:
+            keep = _recompute_rows(reused, region.keys[index][rows], region.values[index][rows], out.k, out.v, ratio)
+        rows, hidden, residual = rows[keep], hidden[keep], residual[keep]
     return Blended(keys_out, values_out, rows)
+
+
+# The question's queries whose attention ranks reused tokens (its last ones, nearest the answer): bounds
+# the score matrix to QUESTION_ROWS x heads x region floats per layer.
+QUESTION_ROWS = 128
+
+
+def _attended_rows(
+    layers: torch.nn.ModuleList,
+    check: int,
+    rows: torch.Tensor,
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    region: Region,
+    attend: Attention,
+    ratio: float,
+) -> torch.Tensor | None:
+    """Indices (into the running rows) that run past the check layer, chosen by the question: the
+    tokens without a cached KV run ahead through the remaining layers over the others' cached KV
+    (a first pass, its KV discarded), and the ``ratio`` share of reused tokens the question's queries
+    attend to most there (summed over layers, heads and queries) joins them. CacheBlend's deviation
+    at one early layer cannot see what matters far from a chunk: which of the stale tokens the
+    answer reads. None when the region holds no question (no token after the last reused one)."""
+    reused = region.reused[rows]
+    where = reused.nonzero().squeeze(1)
+    if where.numel() == 0:
+        return torch.arange(rows.numel(), device=rows.device)
+    ahead = (~reused).nonzero().squeeze(1)
+    question = (rows[ahead] > rows[where[-1]]).nonzero().squeeze(1)[-QUESTION_ROWS:]
+    if question.numel() == 0:
+        return None
+    run, h, r = rows[ahead], hidden[ahead], residual[ahead]
+    mass = torch.zeros(region.tokens.shape[0], device=rows.device)
+    for index in range(check + 1, len(layers)):
+        out = _forward(layers[index], index, run, h, r, region, attend)
+        h, r = out.hidden, out.residual
+        mass += _attention_mass(out.q[question], out.keys, run[question], layers[index].self_attn.scaling)
+    return _with_picked(reused, where[top_share(mass[rows[where]], ratio)])
+
+
+def _attention_mass(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """(M,) attention the queries ``q`` (R, heads, D) at ``positions`` pay each of ``keys``
+    (M, kv_heads, D), causally, summed over queries and heads."""
+    kv_heads, dim = keys.shape[1], keys.shape[2]
+    group = q.shape[1] // kv_heads
+    grouped = q.float().view(-1, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    scores = torch.bmm(grouped, keys.float().permute(1, 2, 0)) * scale  # (kv_heads, R * group, M)
+    span = torch.arange(keys.shape[0], device=keys.device)
+    scores.masked_fill_(span[None, None, :] > positions.repeat_interleave(group)[None, :, None], float("-inf"))
+    return scores.softmax(-1).sum((0, 1))
 
 
 def _recompute_rows(
@@ -153,10 +245,13 @@ def _recompute_rows(
     where = reused.nonzero().squeeze(1)
     cached = torch.stack([cached_k[where], cached_v[where]], dim=1)
     fresh = torch.stack([fresh_k[where], fresh_v[where]], dim=1)
-    picked = where[select_recompute(cached, fresh, ratio)]
-    keep = torch.zeros_like(reused)
+    return _with_picked(reused, where[select_recompute(cached, fresh, ratio)])
+
+
+def _with_picked(reused: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """Indices of the rows without a cached KV and of the ``picked`` reused ones, ascending."""
+    keep = ~reused
     keep[picked] = True
-    keep |= ~reused
     return keep.nonzero().squeeze(1)
 
 
@@ -231,7 +326,8 @@ class Blender:
         started = time.perf_counter()
         region = self._region(transfer, model)
         attention = PagedAttention(self, transfer.block_ids, region.computed, region.tokens.shape[0])
-        out = blend_region(model, region, self.config.recompute_ratio, self.config.check_layer, attention)
+        config = self.config
+        out = blend_region(model, region, config.recompute_ratio, config.check_layer, attention, config.selection)
         recomputed = out.recomputed.numel()
         self._stats.add("blend_recomputed_tokens", recomputed)
         self._stats.add("blend_reused_tokens", region.tokens.shape[0] - region.computed - recomputed)

@@ -49,6 +49,13 @@ class BlendConfig(StrictModel):
     check_layer: int = Field(
         1, ge=0, description="Layer where the deviation is measured: the layers below it run for every token"
     )
+    selection: Literal["deviation", "attention"] = Field(
+        "deviation",
+        description="Which reused tokens are recomputed: 'deviation' (CacheBlend's: their KV at check_layer "
+        "deviates most from a fresh computation) or 'attention' (the question's: the tokens without a cached KV "
+        "run ahead through the later layers first, and those the question attends to most there are recomputed; "
+        "the blend then covers the question too)",
+    )
     recompute_chunk_start: int = Field(
         16,
         ge=0,

@@ -236,6 +236,8 @@ class SchedulerSide:
             if stored:
                 found.append((start, keys[:stored]))
                 end = start + stored * self.block_size
+        if end and config.selection == "attention":
+            end = request.num_tokens  # the question is blended too: it picks what to recompute
         end = min(end, request.num_tokens - 1)  # vLLM computes at least one token
         if end <= exact or end - exact > config.max_blend_tokens:
             return 0
