@@ -428,6 +428,17 @@ def test_blend_loads_the_exact_prefix_first(store):
     assert (meta.blends[0].computed, meta.blends[0].first_block) == (2 * BS, 2)
 
 
+def test_the_attention_selection_blends_up_to_the_last_token(store):
+    """The question picks what to recompute, so the region runs over it: vLLM computes one token."""
+    system, a, q = list(range(200, 206)), list(range(300, 309)), [1, 2, 3]
+    put(store, a, 2)
+    prompt = system + list(SEP) + a + list(SEP) + q
+    assert blend_side(store).num_new_matched_tokens(Req("r", prompt), 0) == (len(system) + 2 + 2 * BS, False)
+    s = blend_side(store, selection="attention")
+    assert s.num_new_matched_tokens(Req("r", prompt), 0) == (len(prompt) - 1, False)
+    assert s.num_new_matched_tokens(Req("r2", system + list(SEP) + q), 0) == (0, False)  # no chunk cached
+
+
 @pytest.mark.parametrize(
     ("config", "salt"),
     [({}, "other-tenant"), ({"max_blend_tokens": 4}, ""), ({"max_chunks": 1}, "")],
