@@ -84,7 +84,7 @@ def test_ucms_blend_section_becomes_ours():
     assert c.blend is not None and c.sparse is None
     assert (c.blend.check_layer, c.blend.recompute_ratio, c.blend.separator) == (2, 0.1, "\n##\n")
     c = parse_connector_config({"store": STORE, "ucm_sparse_config": {"sparse_type": "Blend", "Blend": {}}})
-    assert c.blend is not None and c.blend.recompute_ratio == 0.15
+    assert c.blend is not None and (c.blend.recompute_ratio, c.blend.selection) == (0.3, "attention")
 
 
 @pytest.mark.parametrize(

@@ -390,7 +390,7 @@ def test_blend_claims_up_to_the_last_stored_chunk_block(store):
     system, a, b, q = list(range(200, 206)), list(range(300, 309)), list(range(400, 406)), [1, 2, 3]
     put(store, a, 2)
     prompt = system + list(SEP) + a + list(SEP) + b + list(SEP) + q
-    s = blend_side(store)
+    s = blend_side(store, selection="deviation")  # the region ends at the last chunk
     req = Req("r", prompt)
     a_at = len(system) + 2
     assert s.num_new_matched_tokens(req, 0) == (a_at + 2 * BS, False)
@@ -416,7 +416,7 @@ def test_blend_loads_the_exact_prefix_first(store):
     put(store, system, 2)
     put(store, a, 2)
     prompt = system + list(SEP) + a + list(SEP) + q
-    s = blend_side(store)
+    s = blend_side(store, selection="deviation")  # the region ends at the last chunk
     req = Req("r", prompt)
     end = len(system) + 2 + 2 * BS
     assert s.num_new_matched_tokens(req, 0) == (end, False)
@@ -433,8 +433,9 @@ def test_the_attention_selection_blends_up_to_the_last_token(store):
     system, a, q = list(range(200, 206)), list(range(300, 309)), [1, 2, 3]
     put(store, a, 2)
     prompt = system + list(SEP) + a + list(SEP) + q
-    assert blend_side(store).num_new_matched_tokens(Req("r", prompt), 0) == (len(system) + 2 + 2 * BS, False)
-    s = blend_side(store, selection="attention")
+    deviation = blend_side(store, selection="deviation")
+    assert deviation.num_new_matched_tokens(Req("r", prompt), 0) == (len(system) + 2 + 2 * BS, False)
+    s = blend_side(store)  # the default
     assert s.num_new_matched_tokens(Req("r", prompt), 0) == (len(prompt) - 1, False)
     assert s.num_new_matched_tokens(Req("r2", system + list(SEP) + q), 0) == (0, False)  # no chunk cached
 
@@ -493,7 +494,7 @@ def test_a_clients_chunk_boundaries_replace_the_separators(store):
     system, a, b, q = list(range(200, 206)), list(range(300, 309)), list(range(400, 406)), [1, 2, 3]
     put(store, a, 2)
     prompt = system + a + b + q
-    s = blend_side(store)
+    s = blend_side(store, selection="deviation")  # the region ends at the last chunk
     at = len(system)
     chunks = [[0, at], [at, at + len(a)], [at + len(a), at + len(a) + len(b)]]
     req = Req("r", prompt, kv_transfer_params={PARAM_CHUNKS: chunks})

@@ -44,13 +44,13 @@ class BlendConfig(StrictModel):
         "text whose tokens do not merge with their neighbours' (a line of its own does not)",
     )
     recompute_ratio: float = Field(
-        0.15, ge=0, le=1, description="Share of a chunk's reused tokens recomputed: those whose KV deviates most"
+        0.3, ge=0, le=1, description="Share of the reused tokens recomputed (which ones: see selection)"
     )
     check_layer: int = Field(
         1, ge=0, description="Layer where the deviation is measured: the layers below it run for every token"
     )
     selection: Literal["deviation", "attention"] = Field(
-        "deviation",
+        "attention",
         description="Which reused tokens are recomputed: 'deviation' (CacheBlend's: their KV at check_layer "
         "deviates most from a fresh computation) or 'attention' (the question's: the tokens without a cached KV "
         "run ahead through the later layers first, and those the question attends to most there are recomputed; "
