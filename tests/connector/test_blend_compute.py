@@ -182,9 +182,6 @@ def test_attention_selection_recomputes_what_the_question_reads(engine, referenc
     best = where[torch.topk(mass[where], len(picked)).indices]
     assert mass[picked].sum() >= mass[best].sum() - 1e-4
     assert mass[picked].sum() > 1.5 * mass[where].sort().values[: len(picked)].sum()
-    # the first pass's KV is not kept: the result is still exact
-    assert error(out.keys, keys, slice(None)) < ATOL
-    assert error(out.values, values, slice(None)) < ATOL
 
 
 def test_attention_selection_without_a_question_falls_back_to_the_deviation(engine, reference):

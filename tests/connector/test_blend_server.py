@@ -4,7 +4,7 @@ other prompts.
 P is plain vLLM (the reference); B blends with the default configuration (the question's attention
 picks what to recompute, so the blend runs to the prompt's last token); S blends with
 ``check_layer`` 0 and ratio 0 (every reused token keeps its cached KV in the layers after the
-first); A is S with half the reused tokens recomputed, chosen by the question's attention; D
+first); A is S recomputing every reused token after the attention selection's first pass; D
 decodes what B prefilled (PD through the store), without a blend configuration of its own. The tiny
 model has two layers: with the default ``check_layer`` 1 every KV B writes is computed fresh (layer
 0 for every token, layer 1 at the check), so B's tokens must equal P's — this checks what serving
@@ -47,7 +47,7 @@ def servers(tiny_model, store_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     store = {"spec": "posix", "posix": {"roots": [str(store_dir)]}}
     stale = {"separator": SEPARATOR, "check_layer": 0, "recompute_ratio": 0.0, "selection": "deviation"}
-    attention = {**stale, "recompute_ratio": 0.5, "selection": "attention"}
+    attention = {**stale, "recompute_ratio": 1.0, "selection": "attention"}
     all_servers = {
         "P": VLLMServer(tiny_model, logs / "plain.log"),
         "B": VLLMServer(
@@ -200,22 +200,22 @@ def test_reused_kv_is_kept_past_the_check_layer(servers, separator):
     assert reused == 2 * (64 - 16)
 
 
-def test_attention_selection_blends_the_question_too(servers, separator):
-    """With selection 'attention' the region runs to the prompt's last token (the question picks what
-    to recompute): half of the reused tokens are recomputed, the other half keep their cached KV."""
-    A = servers["A"]
+def test_the_attention_selections_first_pass_leaves_nothing_behind(servers, separator):
+    """A's first pass runs layer 1 for the tokens without a cached KV over the chunks' stale layer-1 KV
+    and writes what it computes into the paged cache; at ratio 1 the second pass recomputes every
+    token, so nothing of the first may remain: the answer is plain vLLM's, token for token."""
+    P, A = servers["P"], servers["A"]
     system, first, second, question = words(40, 26), words(64, 27), words(64, 28), words(20, 29)
     cache_alone(A, first, second)
-    before = A.metrics()
     prompt = rag(separator, system, second, first, question)
+    reference, _ = complete(P, prompt)
+    before = A.metrics()
     out, hit = complete(A, prompt)
-    assert len(out) == 24
-    assert hit == len(prompt) - 1
+    assert out == reference
+    assert hit == len(prompt) - 1  # the region runs to the last token: the question picks
     after = A.metrics()
-    reused = grew(before, after, "ucm_connector_blend_reused_tokens_total")
-    recomputed = grew(before, after, "ucm_connector_blend_recomputed_tokens_total")
-    assert reused + recomputed == hit
-    assert reused == 2 * (64 - 16) // 2
+    assert grew(before, after, "ucm_connector_blend_reused_tokens_total") == 0
+    assert grew(before, after, "ucm_connector_blend_recomputed_tokens_total") == hit
 
 
 def test_another_tenants_chunks_are_never_used(servers, separator):

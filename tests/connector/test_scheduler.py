@@ -440,6 +440,25 @@ def test_the_attention_selection_blends_up_to_the_last_token(store):
     assert s.num_new_matched_tokens(Req("r2", system + list(SEP) + q), 0) == (0, False)  # no chunk cached
 
 
+def test_the_attention_selection_blends_nothing_the_exact_prefix_holds(store):
+    """A prompt whose only cached chunk is its start: the store's exact prefix is loaded as usual,
+    with no blend over the rest (there is nothing to reuse in it)."""
+    a = list(range(300, 309))
+    put(store, a, 2)
+    s = blend_side(store)
+    assert s.num_new_matched_tokens(Req("r", a + list(SEP) + [1, 2, 3]), 0) == (2 * BS, False)
+    assert s._requests["r"].blend is None
+
+
+def test_a_question_past_max_blend_tokens_leaves_the_region_at_the_chunks(store):
+    system, a, q = list(range(200, 206)), list(range(300, 309)), list(range(1, 30))
+    put(store, a, 2)
+    prompt = system + list(SEP) + a + list(SEP) + q
+    chunk_end = len(system) + 2 + 2 * BS
+    s = blend_side(store, max_blend_tokens=chunk_end)
+    assert s.num_new_matched_tokens(Req("r", prompt), 0) == (chunk_end, False)
+
+
 @pytest.mark.parametrize(
     ("config", "salt"),
     [({}, "other-tenant"), ({"max_blend_tokens": 4}, ""), ({"max_chunks": 1}, "")],

@@ -19,5 +19,9 @@ def select_recompute(reused: torch.Tensor, fresh: torch.Tensor, ratio: float) ->
 
 def top_share(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     """Indices of the ``ratio`` share of ``scores`` (T,) that are largest, ascending: (r,)."""
-    t = scores.shape[0]
-    return torch.topk(scores, min(t, max(0, round(ratio * t)))).indices.sort().values
+    return torch.topk(scores, share(scores.shape[0], ratio)).indices.sort().values
+
+
+def share(total: int, ratio: float) -> int:
+    """How many of ``total`` tokens the ``ratio`` share recomputes."""
+    return min(total, max(0, round(ratio * total)))

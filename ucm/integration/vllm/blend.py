@@ -17,8 +17,8 @@ through a Llama-shaped model's layers:
   recompute is chosen — ``deviation`` (CacheBlend's): those whose fresh KV at ``check_layer``
   deviates most from their cached KV; ``attention``: those the question attends to most in the
   later layers, found by a first pass of the tokens without a cached KV over the others' cached KV
-  (:func:`_attended_rows`) —; from there on only the recomputed tokens and those without a cached
-  KV run, attending over the cached KV of the others.
+  (:func:`_attended_rows`); from there on only the recomputed tokens and those without a cached KV
+  run, attending over the cached KV of the others.
 
 The result is each layer's K and V for ``[computed, M)``, which the connector writes into the
 request's paged cache; vLLM then prefills the rest exactly, over it. At ``ratio`` 1 every token
@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +44,11 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ucm.integration.vllm.attention import KernelShape, learn_layout
-from ucm.integration.vllm.config import BlendConfig
+from ucm.integration.vllm.config import BlendConfig, Selection
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
-from ucm.sparse.blend import select_recompute, top_share
+from ucm.sparse.blend import select_recompute, share, top_share
 from ucm.store import Store
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def blend_region(
     ratio: float,
     check_layer: int = 1,
     attend: Attention | None = None,
-    selection: str = "deviation",
+    selection: Selection = "deviation",
 ) -> Blended:
     """Compute ``region`` through ``model`` (vLLM's LlamaForCausalLM, or any model with the same
     modules) as the module docstring says. ``attend``: plain PyTorch attention unless given (the
@@ -156,8 +157,8 @@ def blend_region(
     c = region.computed
     if not 0 <= c < m:
         raise ValueError(f"blend: computed={c} must be in [0, {m}) (at least one token to blend)")
-    if selection not in ("deviation", "attention"):
-        raise ValueError(f"blend: selection={selection!r}: 'deviation' or 'attention'")
+    if selection not in get_args(Selection):
+        raise ValueError(f"blend: selection={selection!r}: one of {get_args(Selection)}")
     device = region.keys[0].device
     rows = torch.arange(c, m, device=device)  # positions of the tokens still running
     hidden = inner.embed_input_ids(region.tokens[c:])
@@ -172,12 +173,12 @@ def blend_region(
         values_out.append(out.values[c:])
         if index != check:
             continue
-        reused = region.reused[rows]
         keep = None
         if selection == "attention":
             keep = _attended_rows(layers, check, rows, hidden, residual, region, attend, ratio)
         if keep is None:
-            keep = _recompute_rows(reused, region.keys[index][rows], region.values[index][rows], out.k, out.v, ratio)
+            cached_k, cached_v = region.keys[index][rows], region.values[index][rows]
+            keep = _recompute_rows(region.reused[rows], cached_k, cached_v, out.k, out.v, ratio)
         rows, hidden, residual = rows[keep], hidden[keep], residual[keep]
     return Blended(keys_out, values_out, rows)
 
@@ -211,6 +212,9 @@ def _attended_rows(
     question = (rows[ahead] > rows[where[-1]]).nonzero().squeeze(1)[-QUESTION_ROWS:]
     if question.numel() == 0:
         return None
+    n = share(where.numel(), ratio)
+    if n == 0 or check + 1 == len(layers):
+        return _with_picked(reused, where[:n])  # no choice to make, or no later layer to make it in
     run, h, r = rows[ahead], hidden[ahead], residual[ahead]
     mass = torch.zeros(region.tokens.shape[0], device=rows.device)
     for index in range(check + 1, len(layers)):

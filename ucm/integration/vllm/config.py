@@ -31,6 +31,10 @@ def blend_overrides() -> dict[str, list[str]]:
     return {"architectures": [BLEND_ARCHITECTURE]}
 
 
+# Which reused tokens Blend recomputes (BlendConfig.selection).
+Selection = Literal["deviation", "attention"]
+
+
 class BlendConfig(StrictModel):
     """Blend (CacheBlend): reuse the cached KV of text chunks wherever a prompt places them. A prompt is
     cut into chunks at each occurrence of ``separator``; the part after the last one (the question)
@@ -47,9 +51,9 @@ class BlendConfig(StrictModel):
         0.3, ge=0, le=1, description="Share of the reused tokens recomputed (which ones: see selection)"
     )
     check_layer: int = Field(
-        1, ge=0, description="Layer where the deviation is measured: the layers below it run for every token"
+        1, ge=0, description="Layer where the tokens to recompute are chosen: it and those below run for every token"
     )
-    selection: Literal["deviation", "attention"] = Field(
+    selection: Selection = Field(
         "attention",
         description="Which reused tokens are recomputed: 'deviation' (CacheBlend's: their KV at check_layer "
         "deviates most from a fresh computation) or 'attention' (the question's: the tokens without a cached KV "
@@ -67,7 +71,8 @@ class BlendConfig(StrictModel):
         16384,
         ge=1,
         description="Most tokens one request blends in a step (blending runs outside vLLM's token budget); a longer "
-        "region is prefilled as usual",
+        "region is prefilled as usual (with the attention selection, one whose question would pass it ends at the "
+        "chunks and selects by deviation)",
     )
 
 

@@ -236,10 +236,14 @@ class SchedulerSide:
             if stored:
                 found.append((start, keys[:stored]))
                 end = start + stored * self.block_size
-        if end and config.selection == "attention":
-            end = request.num_tokens  # the question is blended too: it picks what to recompute
-        end = min(end, request.num_tokens - 1)  # vLLM computes at least one token
-        if end <= exact or end - exact > config.max_blend_tokens:
+        last = request.num_tokens - 1  # vLLM computes at least one token
+        end = min(end, last)
+        if end <= exact:
+            return 0  # no chunk gives anything past the exact prefix
+        if config.selection == "attention" and last - exact <= config.max_blend_tokens:
+            end = last  # the question is blended too: it picks what to recompute (past the limit the
+            # region ends at the chunks, and the worker, finding no question, selects by deviation)
+        if end - exact > config.max_blend_tokens:
             return 0
         local_blocks = num_computed_tokens // self.block_size
         if state.stored > local_blocks:
