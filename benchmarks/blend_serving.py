@@ -44,14 +44,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 from e2e_serving import percentile  # benchmarks/ is on sys.path when run as a script
 from real_model import essays, smollm2
 from sparse_serving import agreement
 
-from ucm.integration.vllm.config import BlendConfig, blend_overrides, kv_transfer_config
+from ucm.integration.vllm.config import BlendConfig, Selection, blend_overrides, kv_transfer_config
 from ucm_testing.stats import paired, wilson
 from ucm_testing.vllm_server import VLLMServer, metric_totals
 
@@ -237,7 +237,7 @@ def main() -> int:
     ap.add_argument("--ratio", type=float, default=BlendConfig().recompute_ratio, help="Blend's recompute_ratio")
     ap.add_argument(
         "--selection",
-        choices=["deviation", "attention"],
+        choices=get_args(Selection),
         default=BlendConfig().selection,
         help="Which reused tokens Blend recomputes (its 'selection'; every Blend engine of the run)",
     )

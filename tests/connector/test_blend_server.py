@@ -104,22 +104,28 @@ def grew(before: dict[str, float], after: dict[str, float], name: str) -> float:
     return after.get(name, 0) - before.get(name, 0)
 
 
+def as_plain(servers, name: str, prompt: list[int], **kw) -> tuple[int, dict[str, float], dict[str, float]]:
+    """Server ``name``'s answer to ``prompt`` (``kw``: its request's extra fields) is plain vLLM's, token
+    for token; its prefix hit and its metrics before and after the request."""
+    reference, _ = complete(servers["P"], prompt)
+    server = servers[name]
+    before = server.metrics()
+    out, hit = complete(server, prompt, **kw)
+    assert out == reference
+    return hit, before, server.metrics()
+
+
 def cache_alone(server: VLLMServer, *chunks: list[int], **kw) -> None:
     for chunk in chunks:
         server.complete(chunk, max_tokens=1, **kw)
 
 
 def test_chunks_cached_alone_are_reused_in_another_order(servers, separator):
-    P, B = servers["P"], servers["B"]
     system, first, second, question = words(40, 1), words(100, 2), words(90, 3), words(20, 4)
-    cache_alone(B, first, second)
+    cache_alone(servers["B"], first, second)
     prompt = rag(separator, system, second, first, question)
-    reference, _ = complete(P, prompt)
-    before = B.metrics()
-    out, hit = complete(B, prompt)
-    assert out == reference
+    hit, before, after = as_plain(servers, "B", prompt)
     assert hit == len(prompt) - 1  # the default selection (attention) blends the question too
-    after = B.metrics()
     assert grew(before, after, "ucm_connector_blend_chunks_hit_total") == 2
     assert grew(before, after, "ucm_connector_blend_chunks_missed_total") == 1  # the system prompt was never cached
     blended = sum(grew(before, after, f"ucm_connector_blend_{k}_tokens_total") for k in ("reused", "recomputed"))
@@ -134,10 +140,7 @@ def test_a_clients_chunk_boundaries_work_without_separators(servers):
     prompt = system + second + first + question
     first_at = len(system + second)
     chunks = [[0, len(system)], [len(system), first_at], [first_at, first_at + len(first)]]
-    reference, _ = complete(P, prompt)
-    before = B.metrics()
-    out, hit = complete(B, prompt, kv_transfer_params={"ucm_chunks": chunks})
-    assert out == reference
+    hit, before, _ = as_plain(servers, "B", prompt, kv_transfer_params={"ucm_chunks": chunks})
     assert hit == len(prompt) - 1
     other = words(40, 35) + second + first + question  # not in vLLM's own prefix cache
     out, hit = complete(B, other, kv_transfer_params={"ucm_chunks": [[0, 10], [5, 20]]})  # overlapping
@@ -150,16 +153,11 @@ def test_a_clients_chunk_boundaries_work_without_separators(servers):
 def test_an_exact_prefix_is_loaded_and_blended_over(servers, separator):
     """The system prompt's full blocks come from the store exactly (loaded before the blend, which
     reads them back from the paged cache: its queries attend over them)."""
-    P, B = servers["P"], servers["B"]
     system, first, second, question = words(72, 15), words(80, 16), words(70, 17), words(20, 18)
-    cache_alone(B, system, first, second)
+    cache_alone(servers["B"], system, first, second)
     prompt = rag(separator, system, second, first, question)
-    reference, _ = complete(P, prompt)
-    before = B.metrics()
-    out, hit = complete(B, prompt)
-    assert out == reference
+    hit, before, after = as_plain(servers, "B", prompt)
     assert hit == len(prompt) - 1
-    after = B.metrics()
     blended = sum(grew(before, after, f"ucm_connector_blend_{k}_tokens_total") for k in ("reused", "recomputed"))
     assert blended == hit - 2 * BS  # the system prompt's 2 full blocks were exact: loaded, not blended
 
@@ -204,40 +202,27 @@ def test_the_attention_selections_first_pass_leaves_nothing_behind(servers, sepa
     """A's first pass runs layer 1 for the tokens without a cached KV over the chunks' stale layer-1 KV
     and writes what it computes into the paged cache; at ratio 1 the second pass recomputes every
     token, so nothing of the first may remain: the answer is plain vLLM's, token for token."""
-    P, A = servers["P"], servers["A"]
     system, first, second, question = words(40, 26), words(64, 27), words(64, 28), words(20, 29)
-    cache_alone(A, first, second)
+    cache_alone(servers["A"], first, second)
     prompt = rag(separator, system, second, first, question)
-    reference, _ = complete(P, prompt)
-    before = A.metrics()
-    out, hit = complete(A, prompt)
-    assert out == reference
+    hit, before, after = as_plain(servers, "A", prompt)
     assert hit == len(prompt) - 1  # the region runs to the last token: the question picks
-    after = A.metrics()
     assert grew(before, after, "ucm_connector_blend_reused_tokens_total") == 0
     assert grew(before, after, "ucm_connector_blend_recomputed_tokens_total") == hit
 
 
 def test_another_tenants_chunks_are_never_used(servers, separator):
-    P, B = servers["P"], servers["B"]
     system, chunk, question = words(40, 9), words(96, 10), words(20, 11)
-    cache_alone(B, chunk, cache_salt="tenant-a")
+    cache_alone(servers["B"], chunk, cache_salt="tenant-a")
     prompt = rag(separator, system, chunk, question)
-    reference, _ = complete(P, prompt)
-    before = B.metrics()
-    out, hit = complete(B, prompt, cache_salt="tenant-b")
-    assert out == reference
+    hit, before, after = as_plain(servers, "B", prompt, cache_salt="tenant-b")
     assert hit == 0
-    after = B.metrics()
     assert grew(before, after, "ucm_connector_blend_chunks_hit_total") == 0
 
 
 def test_a_prompt_without_cached_chunks_is_prefilled_as_usual(servers, separator):
-    P, B = servers["P"], servers["B"]
     prompt = rag(separator, words(50, 12), words(70, 13), words(10, 14))
-    reference, _ = complete(P, prompt)
-    out, hit = complete(B, prompt)
-    assert out == reference
+    hit, _, _ = as_plain(servers, "B", prompt)
     assert hit == 0
 
 
