@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from tests.connector.test_scheduler import CTX, Req, put, side, step
-from tests.connector.test_worker import IDS, NB, kv_caches, run_step, worker
+from tests.connector.test_worker import IDS, NB, kv_caches, loading, run_step, worker
 from tests.store.test_cache import Recording
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, WARMUP_ENV, HealthMiddleware, StoreHealth, stuck_for
@@ -37,23 +37,26 @@ class Stalled:
     def __init__(self, store) -> None:  # type: ignore[no-untyped-def]
         self.store = store
         self.released = threading.Event()
-        self.pending: list[tuple[Task, list]] = []
+        self.pending: list[tuple[Task, list, object]] = []
 
     def lookup_prefix(self, ids):  # type: ignore[no-untyped-def]
         self.released.wait()
         return self.store.lookup_prefix(ids)
 
-    def load(self, ids, buffers):  # type: ignore[no-untyped-def]
+    def load(self, ids, buffers, landed=None):  # type: ignore[no-untyped-def]
         task = Task(len(ids))
-        self.pending.append((task, buffers))
+        self.pending.append((task, buffers, landed))
         return task
 
     def release(self) -> None:
-        """The store answers again: the held loads complete, late, with garbage in their buffers."""
+        """The store answers again: the held loads complete, late, with garbage in their buffers
+        (and handed to the load's landing, as a store's I/O threads would)."""
         self.released.set()
-        for task, buffers in self.pending:
-            for b in buffers:
+        for task, buffers, landed in self.pending:
+            for i, b in enumerate(buffers):
                 b[:] = 0xAB
+                if landed is not None:
+                    landed(i, memoryview(b))
             task._set(range(len(buffers)), [True] * len(buffers))
 
     def dump(self, ids, payloads):  # type: ignore[no-untyped-def]
@@ -63,13 +66,15 @@ class Stalled:
         self.store.close()
 
 
-def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(tmp_path):
+@pytest.mark.parametrize("path", ["landed", "staged"])
+def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(tmp_path, path):
     stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
     w = WorkerSide(
         stalled, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=0.3
     )
     kv = kv_caches(False)
     w.register(kv, NB)
+    loading(w, path)
     started = time.monotonic()
     run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]))
     assert time.monotonic() - started < 2  # the step went on at the deadline

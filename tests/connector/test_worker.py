@@ -20,6 +20,19 @@ def kv_caches(fill: bool) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.attn": make(NB, 2, 32, 128) for i in range(LAYERS)}
 
 
+# How loaded blocks reach the cache: read straight into it (no deadline), landed from the store's
+# threads as each read completes (host memory with a deadline), or staged and copied per layer (a
+# GPU's path, run here on the CPU).
+PATHS = ["in_place", "landed", "staged"]
+
+
+def loading(w: WorkerSide, path: str) -> WorkerSide:
+    """``w``, registered, set to load by ``path``."""
+    assert w._in_place == (path == "in_place")
+    w._lands = path == "landed"
+    return w
+
+
 def worker(store_root, load_mode="layer", save_mode="layer", in_place=None) -> WorkerSide:
     store = create_store({"spec": "posix", "posix": {"roots": [str(store_root)]}})
     return WorkerSide(
@@ -46,16 +59,17 @@ def run_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: UCMConnectorMetad
 IDS = [bytes([i]) * 32 for i in range(4)]
 
 
-@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("load_mode", "save_mode"), [("layer", "layer"), ("step", "step"), ("layer", "step")])
-def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode, in_place):
+def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode, path):
     src_kv, dst_kv = kv_caches(True), kv_caches(False)
     producer = worker(tmp_path, load_mode, save_mode)
     producer.register(src_kv, NB)
     run_step(producer, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS, [3, 4, 5, 6])]))
     producer.close()
-    consumer = worker(tmp_path, load_mode, save_mode, in_place)
+    consumer = worker(tmp_path, load_mode, save_mode, path == "in_place")
     consumer.register(dst_kv, NB)
+    loading(consumer, path)
     run_step(consumer, dst_kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [10, 11, 12, 13])]))
     for name in src_kv:
         assert torch.equal(dst_kv[name][10:14], src_kv[name][3:7])
@@ -66,15 +80,16 @@ def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode,
     consumer.close()
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_failed_blocks_are_reported(tmp_path, in_place):
+@pytest.mark.parametrize("path", PATHS)
+def test_failed_blocks_are_reported(tmp_path, path):
     src_kv, dst_kv = kv_caches(True), kv_caches(False)
     producer = worker(tmp_path)
     producer.register(src_kv, NB)
     run_step(producer, src_kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:3], [0, 1, 2])]))
     producer.close()
-    consumer = worker(tmp_path, in_place=in_place)
+    consumer = worker(tmp_path, in_place=path == "in_place")
     consumer.register(dst_kv, NB)
+    loading(consumer, path)
     meta = UCMConnectorMetadata(loads=[BlockTransfer("r", [*IDS[:3], b"missing" * 4], [7, 8, 9, 10])])
     run_step(consumer, dst_kv, meta)
     assert consumer.take_load_errors() == {10}

@@ -7,6 +7,7 @@ wait on an Event, standing in for a hung NFS or 3FS server (none can be hung her
 import threading
 import time
 
+from ucm.store import create_store
 from ucm.store.breaker import PROBE_ID, BreakerConfig, BreakerStore
 
 from .helpers import blocks, metric
@@ -73,4 +74,16 @@ def test_an_operation_done_in_time_ends_the_count():
         assert not breaker.degraded
     finally:
         gate.set()
+        breaker.close()
+
+
+def test_landed_loads_reach_the_guarded_store(tmp_path):
+    ids, data = blocks(2, 4096)
+    breaker = BreakerStore(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}), FAST)
+    try:
+        breaker.wait(breaker.dump(ids, data), 10)
+        got: dict[int, bytes] = {}
+        ok = breaker.wait(breaker.load(ids, [bytearray(4096)] * 2, lambda i, p: got.__setitem__(i, bytes(p))), 10)
+        assert ok == [True, True] and got == {0: data[0], 1: data[1]}
+    finally:
         breaker.close()

@@ -76,6 +76,23 @@ def test_read_through_fills_the_tier():
     assert [bytes(b) for b in bufs] == data
 
 
+def test_landed_loads_land_hits_from_memory_and_misses_from_the_backend_filling_the_tier():
+    back = Recording()
+    ids, data = blocks(3, 500)
+    back.wait(back.dump(ids, data))
+    cache = CacheStore(CacheConfig(capacity=10_000), back)
+    cache.wait(cache.load(ids[:1], [bytearray(500)]))  # ids[0] in memory now
+    back.loads.clear()
+    got: dict[int, bytes] = {}
+    bufs = [bytearray(500) for _ in ids]
+    assert cache.wait(cache.load(ids, bufs, lambda i, p: got.__setitem__(i, bytes(p)))) == [True] * 3
+    assert got == dict(enumerate(data))
+    assert back.loads == ids[1:]  # the hit never reached the backend
+    back.loads.clear()
+    assert cache.wait(cache.load(ids, bufs, lambda i, p: None)) == [True] * 3
+    assert back.loads == []  # the misses filled the tier on their way
+
+
 def test_write_through_completes_only_when_the_backend_has_it():
     gate = threading.Event()
     back = Recording(gate)

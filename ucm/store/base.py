@@ -29,6 +29,8 @@ Buffer = Any
 # A block's memory as backends see it: one flat byte view, or segments that hold the payload in
 # order (e.g. one per layer, straight inside a paged KV cache, so nothing is staged or copied).
 Blob = memoryview | list[memoryview]
+# Called with a block's index in the batch and its bytes, once it has loaded (see Store.load).
+Landed = Callable[[int, memoryview], None]
 
 
 def blob_segments(blob: Blob) -> list[memoryview]:
@@ -160,13 +162,24 @@ class Store(ABC):
         self._instrument(task, "dump", views)
         return task
 
-    def load(self, ids: Sequence[bytes], buffers: Sequence[Buffer]) -> Task:
+    def load(self, ids: Sequence[bytes], buffers: Sequence[Buffer], landed: Landed | None = None) -> Task:
         """Fill the caller's writable ``buffers`` (each a buffer, or a list of segment buffers filled
         in order); a block is loaded only if its size matches.
 
-        A block reported as failed may have left its buffer partly written."""
+        A block reported as failed may have left its buffer partly written.
+
+        With ``landed`` (flat buffers only), each block that loaded is handed to ``landed(i, data)``
+        before the task completes, on a store thread; ``data`` holds its bytes during the call only.
+        A store that reads into memory of its own (one buffer per I/O thread, still in the CPU's
+        cache when handed over) may leave ``buffers[i]`` unwritten; the caller copies from ``data``
+        while the next block is read. A block whose ``landed`` raises is reported as failed."""
         views = _byte_views("buffers", ids, buffers, writable=True)
-        task = self._load(ids, views)
+        if landed is None:
+            task = self._load(ids, views)
+        elif any(isinstance(v, list) for v in views):
+            raise ValueError("buffers: a load with `landed` takes flat buffers, not lists of segments")
+        else:
+            task = self._load_landed(ids, views, landed)
         self._instrument(task, "load", views)
         return task
 
@@ -216,6 +229,17 @@ class Store(ABC):
     @abstractmethod
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task: ...
 
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
+        """Load into ``buffers``, then land every block that loaded, once all have."""
+        task = Task(len(ids))
+
+        def land(inner: Task) -> None:
+            ok = inner.wait(0)
+            task._set(range(len(ids)), [good and try_land(landed, i, buffers[i]) for i, good in enumerate(ok)])
+
+        self._load(ids, buffers).add_done_callback(land)
+        return task
+
     def _instrument(self, task: Task, op: str, views: Sequence[Blob]) -> None:
         start = time.perf_counter()
         sizes = [blob_size(v) for v in views]
@@ -259,6 +283,16 @@ def _flat(name: str, buf: Buffer, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def try_land(landed: Landed, index: int, data: memoryview) -> bool:
+    """``landed(index, data)``; False (logged) if it raised: the block then counts as not loaded."""
+    try:
+        landed(index, data)
+    except Exception:
+        logger.exception("landing block %d of a load failed; the block counts as not loaded", index)
+        return False
+    return True
+
+
 def lookup_behind(found: list[bool], ids: Sequence[bytes], behind: Store) -> list[bool]:
     """A tier's lookup: what ``found`` (the tier's own answer) misses, asked of the store behind it."""
     missing = [k for k, hit in enumerate(found) if not hit]
@@ -278,6 +312,7 @@ class PerBlockStore(Store):
     def __init__(self, io_threads: int) -> None:
         self._pool = IOThreads(io_threads, f"ucm-{self.backend}")
         self._io_threads = io_threads
+        self._landing_buffers = threading.local()  # per I/O thread: landed loads read here
 
     @abstractmethod
     def _dump_block(self, block_id: bytes, payload: Blob) -> bool: ...
@@ -291,7 +326,22 @@ class PerBlockStore(Store):
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         return self._run(self._load_block, ids, buffers)
 
-    def _run(self, fn: Callable[[bytes, Buffer], bool], ids: Sequence[bytes], bufs: Sequence[Buffer]) -> Task:
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
+        # Each block is read into this thread's buffer and landed at once, while it is still in the
+        # CPU's cache: one pass over memory instead of a write to the caller's buffer and a read back.
+        def read_and_land(index: int) -> bool:
+            data = self._thread_buffer(buffers[index].nbytes)
+            return self._load_block(ids[index], data) and try_land(landed, index, data)
+
+        return self._run(lambda _id, index: read_and_land(index), ids, range(len(ids)))
+
+    def _thread_buffer(self, nbytes: int) -> memoryview:
+        buf = getattr(self._landing_buffers, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._landing_buffers.buf = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
+
+    def _run(self, fn: Callable[[bytes, Any], bool], ids: Sequence[bytes], bufs: Sequence[Any]) -> Task:
         task = Task(len(ids))
         n = len(ids)
         chunks = min(n, self._io_threads)
@@ -303,20 +353,21 @@ class PerBlockStore(Store):
     def _run_chunk(
         self,
         task: Task,
-        fn: Callable[[bytes, Buffer], bool],
+        fn: Callable[[bytes, Any], bool],
         indices: range,
         ids: Sequence[bytes],
-        bufs: Sequence[Buffer],
+        bufs: Sequence[Any],
     ) -> None:
-        ok = []
+        # Each block is reported as it finishes, so that a caller waiting for the first blocks (or
+        # copying landed ones) is not held for its whole share of the batch.
         for i in indices:
             try:
-                ok.append(fn(ids[i], bufs[i]))
+                ok = fn(ids[i], bufs[i])
             except Exception:
                 # A backend bug must not hang the caller or reach the serving path: fail the block.
                 logger.exception("%s: unexpected error on block %s", self.backend, ids[i].hex())
-                ok.append(False)
-        task._set(indices, ok)
+                ok = False
+            task._set([i], [ok])
 
     def close(self) -> None:
         self._pool.close()

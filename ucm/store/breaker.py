@@ -25,7 +25,7 @@ from pydantic import Field
 
 from ucm import metrics
 from ucm.config import StrictModel
-from ucm.store.base import Blob, Store, Task
+from ucm.store.base import Blob, Landed, Store, Task
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,9 @@ class BreakerStore(Store):
 
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         return self._guarded("load", len(ids), lambda: self.inner.load(ids, buffers))
+
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
+        return self._guarded("load", len(ids), lambda: self.inner.load(ids, buffers, landed))
 
     def _guarded(self, op: str, n: int, call: Callable[[], Task]) -> Task:
         if self._degraded:

@@ -23,7 +23,7 @@ from pydantic import ByteSize, Field
 
 from ucm import metrics
 from ucm.config import StrictModel
-from ucm.store.base import Blob, Store, Task, blob_size, copy_from_blob, copy_to_blob, lookup_behind
+from ucm.store.base import Blob, Landed, Store, Task, blob_size, copy_from_blob, copy_to_blob, lookup_behind, try_land
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,31 @@ class CacheStore(Store):
 
             inner.add_done_callback(fill)
         task._set(hits, [True] * len(hits))
+        return task
+
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
+        # Blocks in memory land straight from the tier's own buffers (no copy into ``buffers``
+        # first); the others land from the store behind as they arrive, and fill the tier on the way.
+        task = Task(len(ids))
+        hits, landed_ok, misses = [], [], []
+        for k, block_id in enumerate(ids):
+            with self._lock:
+                buf = self._blocks.get(block_id)
+                if buf is not None and len(buf) == buffers[k].nbytes:
+                    self._blocks.move_to_end(block_id)
+                    hits.append(k)
+                    landed_ok.append(try_land(landed, k, memoryview(buf)))  # under the lock: not recycled meanwhile
+                    continue
+            misses.append(k)
+        if misses:
+
+            def fill_and_land(j: int, data: memoryview) -> None:
+                self._put(ids[misses[j]], data)
+                landed(misses[j], data)
+
+            inner = self.next.load([ids[k] for k in misses], [buffers[k] for k in misses], fill_and_land)
+            inner.add_done_callback(lambda t: task._set(misses, t.wait(0)))
+        task._set(hits, landed_ok)
         return task
 
     def _dump(self, ids: Sequence[bytes], payloads: Sequence[Blob]) -> Task:

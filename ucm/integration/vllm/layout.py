@@ -96,6 +96,11 @@ class KVLayout:
         slot = self.slots[layer]
         native.scatter([self._layers[slot.name]], block_ids, self._part(staging, slot))
 
+    def scatter_block(self, block: int, payload: memoryview) -> None:
+        """Copy one block's payload into every layer of the paged cache."""
+        row = torch.frombuffer(payload, dtype=torch.uint8).view(1, -1)
+        native.scatter([self._layers[s.name] for s in self.slots], [block], row)
+
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         for layer in range(len(self.slots)):
             self.gather_layer(layer, block_ids, staging)

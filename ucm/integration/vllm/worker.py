@@ -1,17 +1,20 @@
 """The worker half of the connector: bytes between the paged KV cache and the store.
 
-Loads start when the step starts (``start_load``). Blocks are staged in host memory and copied into
-each layer just before that layer's attention runs (``load_mode: layer``) or all at once
-(``step``). A load has a deadline (``load_timeout_s``): past it, its blocks are recomputed and the
-read is abandoned — into staging, which the pending read keeps alive, never into cache memory vLLM
-may reuse. While an abandoned read has not finished, the store is not answering reads: new loads
-are not started, their blocks are recomputed at once (another read would hold the next step as
-long; the store breaker, which would skip the store too, learns of a timeout only after the step
-that met it has ended). Without a deadline, on the CPU the store reads each block straight into the paged cache,
-one segment per layer (no staging, no copy). Saves copy each layer's
-new blocks into host staging as the layer finishes (``save_mode: layer``) or at the step's end,
-then the store writes them in the background: the step waits for the copies, not for the I/O.
-Staging is the connector's own memory, so vLLM may free or reuse the blocks right after the step.
+Loads start when the step starts (``start_load``). Without a deadline, on the CPU, the store reads
+each block straight into the paged cache, one segment per layer. With one (``load_timeout_s``, the
+default), a read must never land in cache memory after its deadline, when vLLM may already be
+recomputing those blocks: in host memory the store hands each block over as its read completes and
+an I/O thread copies it into every layer (a :class:`Landing`, closed at the deadline), while the
+next block is read; on a GPU, blocks are staged in host memory and copied into each layer just
+before that layer's attention runs (``load_mode: layer``) or all at once (``step``). Past the
+deadline the blocks are recomputed and the read is abandoned — into staging or the store's own
+memory, which the pending read keeps alive. While an abandoned read has not finished, the store is
+not answering reads: new loads are not started, their blocks are recomputed at once (another read
+would hold the next step as long; the store breaker, which would skip the store too, learns of a
+timeout only after the step that met it has ended). Saves copy each layer's new blocks into host
+staging as the layer finishes (``save_mode: layer``) or at the step's end, then the store writes
+them in the background: the step waits for the copies, not for the I/O. Staging is the
+connector's own memory, so vLLM may free or reuse the blocks right after the step.
 """
 
 from __future__ import annotations
@@ -35,15 +38,47 @@ from ucm.store import Store, Task, workers
 logger = logging.getLogger(__name__)
 
 
+class Landing:
+    """Copies each block of one load into the paged cache as the store hands it over (on the
+    store's threads) until :meth:`close`: once that returns, no copy of this load can reach the
+    cache, so vLLM may recompute into those blocks at once."""
+
+    def __init__(self, layout: KVLayout, block_ids: list[int]) -> None:
+        self._layout = layout
+        self._block_ids = block_ids
+        self._cond = threading.Condition()
+        self._copying = 0
+        self._closed = False
+
+    def __call__(self, index: int, payload: memoryview) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._copying += 1
+        try:
+            self._layout.scatter_block(self._block_ids[index], payload)
+        finally:
+            with self._cond:
+                self._copying -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse further copies and wait for the ones running (one block each, at most)."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._copying == 0)
+
+
 @dataclass
 class _Load:
     transfer: BlockTransfer
-    staging: torch.Tensor | None  # None: the store reads straight into the paged cache
+    staging: torch.Tensor | None  # None: the blocks reach the paged cache without a scatter
     task: Task
     started: float
     ok: list[bool] | None = None
     buffer: torch.Tensor | None = None  # the pooled buffer ``staging`` is a view of
     abandoned: bool = False  # its read missed the deadline and may still write into ``buffer``
+    landing: Landing | None = None
 
 
 class StagingPool:
@@ -143,6 +178,9 @@ class WorkerSide:
                 load_timeout_s=self._load_timeout_s,
                 model=built_model,
             )
+        # Host memory: each block lands in the cache as its read completes. A GPU's cache is filled
+        # per layer from staging, where the copy to the device overlaps the previous layer's compute.
+        self._lands = self.layout.device.type == "cpu"
         allowed = self.layout.in_place and self._load_timeout_s is None
         self._in_place = allowed if self._in_place_option is None else self._in_place_option and allowed
         logger.info(
@@ -181,6 +219,11 @@ class WorkerSide:
                 continue
             buffer = self._staging.take(len(transfer.block_ids))
             staging = buffer[: len(transfer.block_ids)]
+            if self._lands:
+                landing = Landing(self.layout, transfer.block_ids)
+                task = self._store.load(self._keys(transfer), list(staging.numpy()), landing)
+                self._loads.append(_Load(transfer, None, task, started, buffer=buffer, landing=landing))
+                continue
             task = self._store.load(self._keys(transfer), list(staging.numpy()))
             self._loads.append(_Load(transfer, staging, task, started, buffer=buffer))
         if self._load_mode == "step" or meta.blends:  # a blend reads the exact prefix: loaded first
@@ -220,7 +263,7 @@ class WorkerSide:
             if load.ok is None:
                 self._finish_load(load)
             good = [i for i, ok in enumerate(load.ok or []) if ok]
-            if not good or load.staging is None:  # in place: the bytes are already there
+            if not good or load.staging is None:  # in place or landed: the bytes are already there
                 continue
             if len(good) == len(load.transfer.block_ids):
                 self.layout.scatter_layer(layer, load.transfer.block_ids, load.staging)
@@ -242,6 +285,8 @@ class WorkerSide:
                 self._load_timeout_s,
             )
             self._stats.add("load_timeouts", 1)
+            if load.landing is not None:
+                load.landing.close()
             load.ok = [False] * len(load.transfer.block_ids)
             load.abandoned = True
             self._abandoned.append(load.task)
