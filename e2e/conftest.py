@@ -88,7 +88,8 @@ def running(stack: Stack) -> Iterator[Stack]:
         yield stack
     finally:
         if stack.proc.poll() is None:
-            pids = [r["pid"] for r in stack.state()["roles"].values()]
+            roles = stack.state()["roles"].values()
+            pids = [p["pid"] for r in roles for p in [r, *r.get("workers", [])]]
             assert stack.down() == 0, stack.output()
             assert not [p for p in pids if alive(p)], "ucm down left processes behind"
         print(stack.output())

@@ -22,13 +22,16 @@ from ucm.deploy.local import (
     Process,
     StackError,
     _pin_workers,
+    cpu_share,
     default_spec,
     kubernetes_only_fields,
     same_process,
     start_time,
+    threads_bind,
 )
+from ucm.deploy.plan import WORKER_INDEX
 from ucm.deploy.ports import free_port
-from ucm.deploy.roles import STOP_SLACK_S, Port, Probe, Role
+from ucm.deploy.roles import STOP_SLACK_S, Group, Port, Probe, Role
 from ucm.deploy.spec import UCMDeploymentSpec
 
 
@@ -117,6 +120,53 @@ def test_stop_signals_the_main_process_and_leaves_no_child(tmp_path):
     while start_time(child) is not None:  # gone, or a zombie
         assert time.monotonic() < deadline, "the child outlived its role"
         time.sleep(0.02)
+
+
+# A pod of a group: records its node rank and rendezvous port, then waits.
+MEMBER = """
+import sys, time
+args = sys.argv[2:]
+rank = args[args.index("--node-rank") + 1]
+open(f"{sys.argv[1]}/rank-{rank}", "w").write(args[args.index("--master-port") + 1])
+time.sleep(60)
+"""
+
+
+def test_a_group_starts_restarts_and_stops_as_one(tmp_path):
+    """An engine over two "pods": the worker gets its rank, both the same rendezvous port; when
+    one member dies the group is down, and a restart replaces all of it."""
+    command = [sys.executable, "-c", MEMBER, str(tmp_path), "--nnodes", "2"]
+    role = Role(
+        "decode-0", "decode", [*command, "--node-rank", "0"], [Port("http", free_port())],
+        group=Group(2, [*command, "--node-rank", WORKER_INDEX, "--headless"]),
+    )  # fmt: skip
+    p = Process(role, tmp_path / "decode-0.log", {}, worker_envs=[{}])
+
+    def started() -> tuple[str, str]:
+        deadline = time.monotonic() + 10
+        while not all((tmp_path / f"rank-{r}").exists() for r in "01"):
+            assert time.monotonic() < deadline, p.tail()
+            time.sleep(0.02)
+        ports = tuple((tmp_path / f"rank-{r}").read_text() for r in "01")
+        for r in "01":
+            (tmp_path / f"rank-{r}").unlink()
+        return ports
+
+    p.start()
+    first = started()
+    assert first[0] == first[1] and p.exited() is None
+    leader, worker = p.popen, p.workers[0]
+    assert p.worker_log(1) == tmp_path / "decode-0-1.log"
+    worker.kill()
+    worker.wait()
+    assert p.exited() == -signal.SIGKILL  # the group is down with one pod
+    p.start()  # as supervise restarts it: the leader still running goes too
+    assert leader.poll() is not None
+    second = started()
+    assert second[0] == second[1]
+    survivors = [p.popen.pid, p.workers[0].pid]
+    p.stop()
+    assert all(start_time(pid) is None for pid in survivors)
 
 
 def test_a_role_that_is_not_serving_yet_gets_no_drain_time(tmp_path):
@@ -355,3 +405,10 @@ def test_monitor_without_prometheus_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(StackError, match="apt-get install prometheus"):
         LocalStack(spec(tmp_path), tmp_path / "run", monitor_port=0)
+
+
+def test_each_rank_of_an_engine_process_gets_its_share_of_the_cores():
+    assert threads_bind(range(0, 4), 2) == "0-1|2-3"
+    assert threads_bind(range(2, 4), 1) == "2-3"
+    assert threads_bind(range(1, 2), 2) == "1-1|1-1"  # fewer cores than ranks: they share
+    assert cpu_share(range(0, 4), 1, 2) == range(2, 4)

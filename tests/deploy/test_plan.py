@@ -334,15 +334,21 @@ def test_a_multi_node_engine_is_a_group_whose_leader_serves_and_whose_workers_jo
     assert worker[: worker.index("--nnodes")] == leader[: leader.index("--nnodes")]
 
 
-def test_a_multi_node_engine_cannot_run_locally(tmp_path):
-    with pytest.raises(PlanError, match=r"^decode\.parallel\.nodes: an engine of more than one pod runs in Kubernetes"):
-        plan_for(
-            {
-                "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 0}},
-                "decode": {"parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}},
-            },
-            local_site(tmp_path),
-        )
+def test_a_multi_node_engine_runs_locally_as_processes_on_loopback(tmp_path):
+    """The same group: the leader's address is this machine (each start picks a rendezvous port)."""
+    plan = plan_for(
+        {
+            "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 0}},
+            "decode": {"parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}},
+        },
+        local_site(tmp_path),
+    )
+    decode = plan.role("decode-0")
+    assert decode.group is not None and decode.group.size == 2
+    for command in (decode.command, decode.group.worker_command):
+        assert command[command.index("--master-addr") + 1] == "127.0.0.1"
+        assert "--master-port" not in command
+    assert decode.group.worker_command[-3:] == ["--node-rank", "$(LWS_WORKER_INDEX)", "--headless"]
 
 
 @pytest.mark.parametrize(

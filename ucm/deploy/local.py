@@ -6,7 +6,8 @@ the run directory. Before anything starts, the proxy checks its configuration (`
 servers, then the engines together, then the proxy) and each counts as started only when its
 readiness probe answers. A role that dies before it is ready stops the whole stack with its log's
 tail; one that dies later is restarted (as Kubernetes would restart its pod), at most
-``MAX_RESTARTS`` times.
+``MAX_RESTARTS`` times. An engine spread over several pods (``parallel.nodes``) is a leader and
+its workers here, started, restarted and stopped together (:class:`Process`).
 
 ``ucm restart`` rolls engine pools as a Deployment with ``maxSurge: 1, maxUnavailable: 0`` does
 (:meth:`LocalStack.roll`): the proxy reads its backends from a file (``plan.BACKENDS_FILE``) that
@@ -36,7 +37,14 @@ from typing import Any
 from pydantic.alias_generators import to_camel
 
 from ucm.deploy import prometheus
-from ucm.deploy.plan import BACKENDS_FILE, PROXY_CONFIG_FILE, backends_json, build_plan, kv_events_config
+from ucm.deploy.plan import (
+    BACKENDS_FILE,
+    PROXY_CONFIG_FILE,
+    WORKER_INDEX,
+    backends_json,
+    build_plan,
+    kv_events_config,
+)
 from ucm.deploy.ports import free_port, port_is_free
 from ucm.deploy.roles import (
     CREDENTIALS,
@@ -119,6 +127,9 @@ def resolve(executable: str) -> str:
 
 @dataclass
 class Process:
+    """One role's process, or for an engine spread over several pods (``role.group``) its leader
+    and its workers, which start, restart and stop together as a LeaderWorkerSet's pods do."""
+
     role: Role
     log: Path
     env: dict[str, str]
@@ -126,27 +137,68 @@ class Process:
     ready: bool = False
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    worker_envs: list[dict[str, str]] = field(default_factory=list)  # a group's workers, rank 1 on
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def port(self) -> int:
         return self.role.ports[0].number
 
+    def worker_log(self, rank: int) -> Path:
+        return self.log.with_name(f"{self.log.stem}-{rank}{self.log.suffix}")
+
     def start(self) -> None:
-        command = [resolve(self.role.command[0]), *self.role.command[1:]]
-        with open(self.log, "ab") as log:
-            self.popen = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,  # it only calls prctl between fork and exec
-            )
+        """Start the role; a group starts whole (what is left of it after a member died goes first),
+        workers before the leader, with a rendezvous port of its own: groups on one machine share
+        an address, where pods would each have one."""
+        self._kill_leftovers()
+        command = list(self.role.command)
+        if self.role.group is not None:
+            rendezvous = ["--master-port", str(free_port())]
+            command += rendezvous
+            worker = self.role.group.worker_command
+            self.workers = [
+                self._spawn(
+                    [str(rank) if a == WORKER_INDEX else a for a in worker] + rendezvous,
+                    self.worker_log(rank),
+                    self.worker_envs[rank - 1],
+                )
+                for rank in range(1, self.role.group.size)
+            ]
+        self.popen = self._spawn(command, self.log, self.env)
         self.ready = False
         self.started_at = time.monotonic()
 
+    @staticmethod
+    def _spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                [resolve(command[0]), *command[1:]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # it only calls prctl between fork and exec
+            )
+
+    def _kill_leftovers(self) -> None:
+        """What still runs of a group one of whose members ended (a lone process has ended)."""
+        if self.popen is not None and self.popen.poll() is None:
+            _kill_group(self.popen)
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        for worker in self.workers:
+            _kill_group(worker)
+        self.workers = []
+
     def exited(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
+        """The exit code of the leader or of a worker that ended (a group is down when one pod is)."""
+        for member in [self.popen, *self.workers]:
+            code = None if member is None else member.poll()
+            if code is not None:
+                return code
+        return None
 
     def probe(self) -> bool:
         p: Probe | None = self.role.readiness
@@ -166,10 +218,15 @@ class Process:
             return False
 
     def tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        """The end of the log, and of each worker's that has ended."""
+        logs = [self.log] + [self.worker_log(rank) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
+        parts = []
+        for log in logs:
+            try:
+                parts.append(log.read_text(errors="replace")[-chars:])
+            except OSError:
+                continue
+        return f"\n--- {', '.join(str(log) for log in logs[1:])}:\n".join(parts) if len(parts) > 1 else "".join(parts)
 
     def stop(self) -> None:
         self.finish_stop(self.begin_stop())
@@ -195,9 +252,8 @@ class Process:
             self.popen.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        with contextlib.suppress(ProcessLookupError):  # the group may have emptied with its leader
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait()
+        _kill_group(self.popen)
+        self._kill_workers()  # headless: they serve nothing once the leader is gone
 
     @property
     def stop_grace_s(self) -> float:
@@ -229,7 +285,7 @@ class LocalStack:
         # outlive a restart, or the blocks already stored fail their check): files, and env for engines.
         self.credentials = {key: self._credential(key) for key in self.plan.credentials}
         engines = self._engine_names()
-        self.processes = [Process(r, self.logs / f"{r.name}.log", self._env(r, engines)) for r in self.plan.roles]
+        self.processes = [self._process(r, engines) for r in self.plan.roles]
         # --monitor: a Prometheus beside the deployment's roles, supervised and recorded like them.
         self.monitor: Process | None = None
         if monitor_port is not None:
@@ -241,6 +297,11 @@ class LocalStack:
             self.monitor = Process(prometheus.role(run_dir, port), self.logs / "prometheus.log", dict(os.environ))
             self.processes.append(self.monitor)
         self.rollout: dict[str, Any] | None = None  # the last `ucm restart`'s outcome
+
+    def _process(self, role: Role, engines: list[str]) -> Process:
+        size = role.group.size if role.group is not None else 1
+        envs = [self._env(role, engines, member, size) for member in range(size)]
+        return Process(role, self.logs / f"{role.name}.log", envs[0], worker_envs=envs[1:])
 
     def _engine_names(self) -> list[str]:
         return [r.name for r in self.plan.roles if r.component in ENGINES]
@@ -282,14 +343,15 @@ class LocalStack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy.port}/v1"
 
-    def _env(self, role: Role, engines: list[str]) -> dict[str, str]:
+    def _env(self, role: Role, engines: list[str], member: int = 0, members: int = 1) -> dict[str, str]:
+        """A role's environment; for an engine, its cores (a group's share of them for ``member``)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if role.component in ENGINES:
-            cpus = engine_cpus(role.name, engines)
+            cpus = cpu_share(engine_cpus(role.name, engines), member, members)
             env.update(
                 {
                     "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}",
+                    "VLLM_CPU_OMP_THREADS_BIND": threads_bind(cpus, local_ranks(role)),
                     "GLOG_minloglevel": "2",
                 }
             )
@@ -333,6 +395,7 @@ class LocalStack:
                     "start": start_time(p.popen.pid),
                     "url": f"http://127.0.0.1:{p.port}",
                     "restarts": p.restarts,
+                    "workers": [{"pid": w.pid, "start": start_time(w.pid)} for w in p.workers],
                 }
                 for p in self.processes
                 if p.popen is not None
@@ -426,9 +489,15 @@ class LocalStack:
             # from the start, a new engine took minutes to start under load on a 2-core machine.
             # Its OpenMP thread count is its role's from the start (threads cannot be added later).
             engines = self._engine_names()
-            pinned, cpus = self._env(role, engines), engine_cpus(role.name, engines)
-            env = {**pinned, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(len(cpus))}
-            new = Process(on_port(role, port, self.plan.name), old.log, env)
+            size = role.group.size if role.group is not None else 1
+            pinned = [self._env(role, engines, member, size) for member in range(size)]
+            cores = [cpu_share(engine_cpus(role.name, engines), member, size) for member in range(size)]
+            per_rank = [len(cpu_share(cpus, 0, local_ranks(role))) for cpus in cores]
+            unpinned = [
+                {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
+                for env, threads in zip(pinned, per_rank, strict=True)
+            ]
+            new = Process(on_port(role, port, self.plan.name), old.log, unpinned[0], worker_envs=unpinned[1:])
             progress(f"rolling {old.role.name}: a new one on port {port}", [])
             try:
                 new.start()
@@ -447,9 +516,10 @@ class LocalStack:
             progress(f"{old.role.name}: port {old.port} draining", [])
             old.stop()
             assert new.popen is not None
-            if not _pin_workers(new.popen.pid, set(cpus)):
-                progress(f"{role.name}: no vLLM worker process found to pin to cores {cpus[0]}-{cpus[-1]}", [])
-            new.env = pinned  # were it to die, it restarts pinned, as at `ucm up`
+            for session, cpus in zip([new.popen.pid, *(w.pid for w in new.workers)], cores, strict=True):
+                if not _pin_workers(session, set(cpus)):
+                    progress(f"{role.name}: no vLLM worker process found to pin to cores {cpus[0]}-{cpus[-1]}", [])
+            new.env, new.worker_envs = pinned[0], pinned[1:]  # were it to die, it restarts pinned, as at `ucm up`
 
     def _serve_from(self, engines: list[Process]) -> None:
         """Point the proxy at these engines (its backends file, replaced whole) and wait until its
@@ -564,6 +634,36 @@ def engine_cpus(name: str, engines: list[str]) -> range:
     per = max(1, cores // len(engines))
     first = (engines.index(name) * per) % cores
     return range(first, first + per)
+
+
+def _kill_group(popen: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process's session (it was started as its leader), then reap it."""
+    with contextlib.suppress(ProcessLookupError):  # the group may have emptied with its leader
+        os.killpg(popen.pid, signal.SIGKILL)
+    popen.wait()
+
+
+def cpu_share(cpus: range, index: int, count: int) -> range:
+    """Share ``index`` of ``count`` of these cores (a group's pods, a pod's ranks each have their
+    own), or all of them when there are fewer cores than shares."""
+    if len(cpus) < count:
+        return cpus
+    per = len(cpus) // count
+    return range(cpus.start + index * per, cpus.start + (index + 1) * per)
+
+
+def local_ranks(role: Role) -> int:
+    """The engine's ranks one of its processes runs (tensor x pipeline over its pods)."""
+    if role.pool is None:
+        return 1
+    parallel = role.pool.parallel
+    return parallel.tensor * parallel.pipeline // parallel.nodes
+
+
+def threads_bind(cpus: range, ranks: int) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for a process running ``ranks`` ranks on these cores:
+    one core list per rank, ``|`` between them."""
+    return "|".join(f"{share[0]}-{share[-1]}" for share in (cpu_share(cpus, r, ranks) for r in range(ranks)))
 
 
 def vllm_workers(session: int) -> list[int]:

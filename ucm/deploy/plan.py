@@ -243,13 +243,10 @@ def _engine(
     command = ["ucm", "serve", "--kv-config", f"{site.config_dir}/{kv_file}", "--", *vllm]
     group = None
     if parallel.nodes > 1:
-        if site.local:
-            raise fail(
-                f"{component}.parallel.nodes",
-                "an engine of more than one pod runs in Kubernetes only (a LeaderWorkerSet); locally use 1",
-            )
         # vLLM's multiprocessing executor across pods: rank 0's pod serves, the others join it headless.
-        nodes = ["--nnodes", str(parallel.nodes), "--master-addr", LEADER_ADDRESS]
+        # Locally the "pods" are processes on loopback, and each start picks the rendezvous port.
+        leader = "127.0.0.1" if site.local else LEADER_ADDRESS
+        nodes = ["--nnodes", str(parallel.nodes), "--master-addr", leader]
         group = Group(
             size=parallel.nodes,
             worker_command=[*command, *nodes, "--node-rank", WORKER_INDEX, "--headless"],

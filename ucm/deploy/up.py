@@ -241,9 +241,11 @@ def cmd_down(args: argparse.Namespace) -> int:
     # What outlived a stuck `ucm up`, and only if it is still the process that was started (a PID
     # whose process ended may belong to anything now).
     for name, role in state["roles"].items():
-        if same_process(role["pid"], role.get("start")):
-            print(f"ucm down: {name} (pid {role['pid']}) outlived ucm up; killing it")
-            _signal(-role["pid"], signal.SIGKILL)
+        for rank, process in enumerate([role, *role.get("workers", [])]):
+            if same_process(process["pid"], process.get("start")):
+                who = name if rank == 0 else f"{name}'s worker {rank}"
+                print(f"ucm down: {who} (pid {process['pid']}) outlived ucm up; killing it")
+                _signal(-process["pid"], signal.SIGKILL)
     if same_process(*launcher):
         _signal(state["pid"], signal.SIGKILL)
     state_file.unlink(missing_ok=True)

@@ -1,0 +1,94 @@
+"""An engine larger than one pod, locally: ``ucm up -f`` a spec whose decode engine runs tensor
+parallel over two "nodes" (``parallel: {tensor: 2, nodes: 2}``) starts it as the operator's
+LeaderWorkerSet would run it — a leader that serves and a headless worker, here two processes on
+loopback with a rendezvous port of their own — and supervises the two as one: a worker that dies
+takes its leader down with it and the group restarts whole; ``ucm down`` stops both.
+
+The answers are a TP=1 engine's (greedy tokens compared as in tests/connector/test_multinode.py: equal
+up to a near tie flipped by the order of the sums), through PD: prefill (TP=2 in one process group)
+writes each rank's share of the prompt's blocks, the decode group's ranks each load theirs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.conftest import Stack, alive, running
+from e2e.test_stack import metric, post
+from tests.connector.test_multinode import BS, same_greedy_answer
+from ucm.deploy.local import default_spec
+from ucm_testing.prompts import PROMPTS
+from ucm_testing.vllm_server import VLLMServer
+
+pytestmark = pytest.mark.slow
+PROMPT = PROMPTS[2]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A TP=1 engine's answer, before the stack starts (it would share the cores otherwise)."""
+    server = VLLMServer(tiny, tmp_path_factory.mktemp("tp1") / "vllm.log", threads_bind="0-1")
+    try:
+        return server.start().wait_ready().complete(PROMPT, max_tokens=16, logprobs=2)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def group_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory, reference: dict) -> Iterator[Stack]:
+    spec = default_spec(tiny)
+    # Both pools split a block the same way (TP=2); only decode spreads over two pods. No GPUs: vLLM CPU.
+    spec["prefill"] = {"replicas": 1, "parallel": {"tensor": 2}, "resources": {"gpus": 0}}
+    spec["decode"] = {"replicas": 1, "parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}}
+    spec["proxy"] = {"config": {**spec["proxy"]["config"], "pd_check": {"interval_s": 0}}}
+    with running(Stack(tmp_path_factory.mktemp("group"), spec, name="group")) as s:
+        yield s
+
+
+def answer(stack: Stack) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 2}
+    status, got = post(stack.base_url + "/completions", body, timeout=300)
+    assert status == 200, got
+    return got
+
+
+def test_a_two_pod_decode_engine_answers_through_pd_as_one_engine(group_stack: Stack, reference: dict):
+    decode = group_stack.state()["roles"]["decode-0"]
+    assert len(decode["workers"]) == 1 and alive(decode["workers"][0]["pid"])
+    got = answer(group_stack)
+    blocks = got["usage"]["prompt_tokens"] // BS
+    # Each of decode's two ranks loaded its share of every block prefill wrote.
+    assert metric(decode["url"], "ucm_connector_loaded_blocks_total") == 2 * blocks
+    same_greedy_answer(got, reference)
+
+
+def test_a_worker_that_dies_restarts_its_whole_group(group_stack: Stack, reference: dict):
+    before = group_stack.state()["roles"]["decode-0"]
+    os.killpg(before["workers"][0]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 420
+    while True:
+        now = group_stack.state()["roles"]["decode-0"]
+        if now["restarts"] == before["restarts"] + 1 and now["pid"] != before["pid"]:
+            break
+        assert time.monotonic() < deadline, group_stack.output()
+        time.sleep(0.5)
+    assert "decode-0 exited" in group_stack.output()
+    assert not alive(before["pid"])  # the leader went with its worker
+    assert alive(now["workers"][0]["pid"])
+    deadline = time.monotonic() + 420
+    while True:  # until the proxy's health check has the new leader back
+        status, got = post(
+            group_stack.base_url + "/completions",
+            {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 2},
+            timeout=300,
+        )
+        if status == 200 and metric(now["url"], "ucm_connector_loaded_blocks_total") > 0:
+            break
+        assert time.monotonic() < deadline, (status, got)
+        time.sleep(2)
+    same_greedy_answer(got, reference)
