@@ -84,6 +84,24 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(
     assert not any(t.any() for t in kv.values())  # nothing of it reached the cache
 
 
+@pytest.mark.parametrize("path", ["landed", "staged"])
+def test_a_load_no_layer_waited_for_is_recomputed_and_its_late_read_lands_nowhere(tmp_path, path):
+    """vLLM did not call wait_for_layer_load: the blocks are recomputed, so the read still running
+    must not reach them afterwards."""
+    stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
+    w = WorkerSide(
+        stalled, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=30
+    )
+    kv = kv_caches(False)
+    w.register(kv, NB)
+    loading(w, path)
+    run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]), report_layers=False)
+    assert w.take_load_errors() == {5, 6}
+    stalled.release()
+    assert not any(t.any() for t in kv.values())
+    assert len(w._abandoned) == 1  # the next loads are recomputed until it ends
+
+
 def test_while_an_abandoned_read_is_stuck_new_loads_are_recomputed_at_once(tmp_path):
     """A store whose reads hang held every step that loaded for the whole deadline (fault_serving:
     requests queued behind them waited 2x the deadline); one abandoned read is enough to know."""

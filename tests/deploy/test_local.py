@@ -160,6 +160,7 @@ def test_a_group_starts_restarts_and_stops_as_one(tmp_path):
     worker.kill()
     worker.wait()
     assert p.exited() == -signal.SIGKILL  # the group is down with one pod
+    assert f"--- {p.worker_log(1)}:" in p.tail()  # whose log to read
     p.start()  # as supervise restarts it: the leader still running goes too
     assert leader.poll() is not None
     second = started()

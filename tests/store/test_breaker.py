@@ -83,7 +83,7 @@ def test_landed_loads_reach_the_guarded_store(tmp_path):
     try:
         breaker.wait(breaker.dump(ids, data), 10)
         got: dict[int, bytes] = {}
-        ok = breaker.wait(breaker.load(ids, [bytearray(4096)] * 2, lambda i, p: got.__setitem__(i, bytes(p))), 10)
+        ok = breaker.wait(breaker.load(ids, [bytearray(4096)] * 2, lambda i, p: bool(got.setdefault(i, bytes(p)))), 10)
         assert ok == [True, True] and got == {0: data[0], 1: data[1]}
     finally:
         breaker.close()

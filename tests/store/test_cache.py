@@ -85,12 +85,13 @@ def test_landed_loads_land_hits_from_memory_and_misses_from_the_backend_filling_
     back.loads.clear()
     got: dict[int, bytes] = {}
     bufs = [bytearray(500) for _ in ids]
-    assert cache.wait(cache.load(ids, bufs, lambda i, p: got.__setitem__(i, bytes(p)))) == [True] * 3
+    assert cache.wait(cache.load(ids, bufs, lambda i, p: bool(got.setdefault(i, bytes(p))))) == [True] * 3
     assert got == dict(enumerate(data))
     assert back.loads == ids[1:]  # the hit never reached the backend
     back.loads.clear()
-    assert cache.wait(cache.load(ids, bufs, lambda i, p: None)) == [True] * 3
+    assert cache.wait(cache.load(ids, bufs, lambda i, p: True)) == [True] * 3
     assert back.loads == []  # the misses filled the tier on their way
+    assert cache.wait(cache.load(ids, bufs, lambda i, p: False)) == [False] * 3  # refused: not loaded
 
 
 def test_write_through_completes_only_when_the_backend_has_it():

@@ -145,22 +145,27 @@ def test_segmented_buffers_round_trip(store):
 
 def test_landed_loads_hand_over_each_loaded_block_once_before_the_task_ends(store):
     """The connector copies each block into the paged cache as it lands; a block missing, of the
-    wrong size, or whose landing fails is not counted as loaded."""
-    ids, data = blocks(5, 32 << 10)
-    store.wait(store.dump(ids[:4], data[:4]), 30)
+    wrong size, whose landing fails or is refused (a load past its deadline) is not loaded."""
+    ids, data = blocks(6, 32 << 10)
+    store.wait(store.dump(ids[:5], data[:5]), 30)
     settle(store)
+    calls: list[int] = []
     landed: dict[int, bytes] = {}
 
-    def land(index: int, payload: memoryview) -> None:
-        assert index not in landed
+    def land(index: int, payload: memoryview) -> bool:
+        calls.append(index)
         if index == 3:
             raise RuntimeError("the copy into the cache failed")
+        if index == 4:
+            return False
         landed[index] = bytes(payload)
+        return True
 
-    bufs = [bytearray(32 << 10) for _ in range(4)] + [bytearray(32 << 10)]
+    bufs = [bytearray(32 << 10) for _ in ids]
     bufs[2] = bytearray(16 << 10)  # wrong size: a miss
     ok = store.wait(store.load(ids, bufs, land), 30)
-    assert ok == [True, True, False, False, False]
+    assert ok == [True, True, False, False, False, False]
     assert landed == {0: data[0], 1: data[1]}  # landed before the task completed
+    assert sorted(calls) == [0, 1, 3, 4]  # once each, and only blocks that loaded
     with pytest.raises(ValueError, match="flat buffers"):
         store.load(ids[:1], [[bytearray(16 << 10), bytearray(16 << 10)]], land)

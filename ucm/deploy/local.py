@@ -152,19 +152,20 @@ class Process:
         workers before the leader, with a rendezvous port of its own: groups on one machine share
         an address, where pods would each have one."""
         self._kill_leftovers()
+        self.popen = None
         command = list(self.role.command)
         if self.role.group is not None:
             rendezvous = ["--master-port", str(free_port())]
             command += rendezvous
             worker = self.role.group.worker_command
-            self.workers = [
-                self._spawn(
-                    [str(rank) if a == WORKER_INDEX else a for a in worker] + rendezvous,
-                    self.worker_log(rank),
-                    self.worker_envs[rank - 1],
+            for rank in range(1, self.role.group.size):  # each kept as it starts: a failure stops it
+                self.workers.append(
+                    self._spawn(
+                        [str(rank) if a == WORKER_INDEX else a for a in worker] + rendezvous,
+                        self.worker_log(rank),
+                        self.worker_envs[rank - 1],
+                    )
                 )
-                for rank in range(1, self.role.group.size)
-            ]
         self.popen = self._spawn(command, self.log, self.env)
         self.ready = False
         self.started_at = time.monotonic()
@@ -182,8 +183,9 @@ class Process:
             )
 
     def _kill_leftovers(self) -> None:
-        """What still runs of a group one of whose members ended (a lone process has ended)."""
-        if self.popen is not None and self.popen.poll() is None:
+        """What still runs of a group one of whose members ended, or of a leader's session (its
+        children) once it ended."""
+        if self.popen is not None:
             _kill_group(self.popen)
         self._kill_workers()
 
@@ -218,15 +220,11 @@ class Process:
             return False
 
     def tail(self, chars: int = 3000) -> str:
-        """The end of the log, and of each worker's that has ended."""
-        logs = [self.log] + [self.worker_log(rank) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
-        parts = []
-        for log in logs:
-            try:
-                parts.append(log.read_text(errors="replace")[-chars:])
-            except OSError:
-                continue
-        return f"\n--- {', '.join(str(log) for log in logs[1:])}:\n".join(parts) if len(parts) > 1 else "".join(parts)
+        """The end of the log, then of each worker's that has ended (under its path)."""
+        ended = [self.worker_log(rank) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
+        parts = [_log_tail(self.log, chars)]
+        parts += [f"\n--- {log}:\n{_log_tail(log, chars)}" for log in ended]
+        return "".join(parts)
 
     def stop(self) -> None:
         self.finish_stop(self.begin_stop())
@@ -246,14 +244,13 @@ class Process:
     def finish_stop(self, deadline: float) -> None:
         """Waits for the main process until ``deadline``, then SIGKILLs what is left of the group:
         no child outlives the role."""
-        if self.popen is None:
-            return
-        try:
-            self.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _kill_group(self.popen)
-        self._kill_workers()  # headless: they serve nothing once the leader is gone
+        if self.popen is not None:
+            try:
+                self.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(self.popen)
+        self._kill_workers()  # headless: they serve nothing once the leader is gone (or never started)
 
     @property
     def stop_grace_s(self) -> float:
@@ -636,6 +633,13 @@ def engine_cpus(name: str, engines: list[str]) -> range:
     return range(first, first + per)
 
 
+def _log_tail(path: Path, chars: int) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
 def _kill_group(popen: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process's session (it was started as its leader), then reap it."""
     with contextlib.suppress(ProcessLookupError):  # the group may have emptied with its leader
@@ -653,11 +657,8 @@ def cpu_share(cpus: range, index: int, count: int) -> range:
 
 
 def local_ranks(role: Role) -> int:
-    """The engine's ranks one of its processes runs (tensor x pipeline over its pods)."""
-    if role.pool is None:
-        return 1
-    parallel = role.pool.parallel
-    return parallel.tensor * parallel.pipeline // parallel.nodes
+    """The engine's ranks one of its processes runs."""
+    return 1 if role.pool is None else role.pool.parallel.ranks_per_node
 
 
 def threads_bind(cpus: range, ranks: int) -> str:

@@ -29,8 +29,9 @@ Buffer = Any
 # A block's memory as backends see it: one flat byte view, or segments that hold the payload in
 # order (e.g. one per layer, straight inside a paged KV cache, so nothing is staged or copied).
 Blob = memoryview | list[memoryview]
-# Called with a block's index in the batch and its bytes, once it has loaded (see Store.load).
-Landed = Callable[[int, memoryview], None]
+# Called with a block's index in the batch and its bytes, once it has loaded (see Store.load);
+# returns whether the block landed.
+Landed = Callable[[int, memoryview], bool]
 
 
 def blob_segments(blob: Blob) -> list[memoryview]:
@@ -169,10 +170,11 @@ class Store(ABC):
         A block reported as failed may have left its buffer partly written.
 
         With ``landed`` (flat buffers only), each block that loaded is handed to ``landed(i, data)``
-        before the task completes, on a store thread; ``data`` holds its bytes during the call only.
-        A store that reads into memory of its own (one buffer per I/O thread, still in the CPU's
-        cache when handed over) may leave ``buffers[i]`` unwritten; the caller copies from ``data``
-        while the next block is read. A block whose ``landed`` raises is reported as failed."""
+        before the task completes, on a store thread or the caller's; ``data`` holds its bytes
+        during the call only. A store that has the bytes in memory of its own (one buffer per I/O
+        thread, still in the CPU's cache when handed over; a DRAM tier's block) may leave
+        ``buffers[i]`` unwritten. A block whose ``landed`` returns False or raises is reported as
+        failed."""
         views = _byte_views("buffers", ids, buffers, writable=True)
         if landed is None:
             task = self._load(ids, views)
@@ -284,13 +286,12 @@ def _flat(name: str, buf: Buffer, writable: bool) -> memoryview:
 
 
 def try_land(landed: Landed, index: int, data: memoryview) -> bool:
-    """``landed(index, data)``; False (logged) if it raised: the block then counts as not loaded."""
+    """``landed(index, data)``, False (logged) if it raised: the block then counts as not loaded."""
     try:
-        landed(index, data)
+        return bool(landed(index, data))
     except Exception:
         logger.exception("landing block %d of a load failed; the block counts as not loaded", index)
         return False
-    return True
 
 
 def lookup_behind(found: list[bool], ids: Sequence[bytes], behind: Store) -> list[bool]:
@@ -328,7 +329,8 @@ class PerBlockStore(Store):
 
     def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
         # Each block is read into this thread's buffer and landed at once, while it is still in the
-        # CPU's cache: one pass over memory instead of a write to the caller's buffer and a read back.
+        # CPU's cache: no write to the caller's buffer and read back (with direct_io the read still
+        # goes through its aligned bounce buffer first).
         def read_and_land(index: int) -> bool:
             data = self._thread_buffer(buffers[index].nbytes)
             return self._load_block(ids[index], data) and try_land(landed, index, data)

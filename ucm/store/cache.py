@@ -155,9 +155,9 @@ class CacheStore(Store):
             misses.append(k)
         if misses:
 
-            def fill_and_land(j: int, data: memoryview) -> None:
+            def fill_and_land(j: int, data: memoryview) -> bool:
                 self._put(ids[misses[j]], data)
-                landed(misses[j], data)
+                return landed(misses[j], data)
 
             inner = self.next.load([ids[k] for k in misses], [buffers[k] for k in misses], fill_and_land)
             inner.add_done_callback(lambda t: task._set(misses, t.wait(0)))

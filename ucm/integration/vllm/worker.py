@@ -4,17 +4,19 @@ Loads start when the step starts (``start_load``). Without a deadline, on the CP
 each block straight into the paged cache, one segment per layer. With one (``load_timeout_s``, the
 default), a read must never land in cache memory after its deadline, when vLLM may already be
 recomputing those blocks: in host memory the store hands each block over as its read completes and
-an I/O thread copies it into every layer (a :class:`Landing`, closed at the deadline), while the
-next block is read; on a GPU, blocks are staged in host memory and copied into each layer just
-before that layer's attention runs (``load_mode: layer``) or all at once (``step``). Past the
-deadline the blocks are recomputed and the read is abandoned — into staging or the store's own
-memory, which the pending read keeps alive. While an abandoned read has not finished, the store is
-not answering reads: new loads are not started, their blocks are recomputed at once (another read
-would hold the next step as long; the store breaker, which would skip the store too, learns of a
-timeout only after the step that met it has ended). Saves copy each layer's new blocks into host
-staging as the layer finishes (``save_mode: layer``) or at the step's end, then the store writes
-them in the background: the step waits for the copies, not for the I/O. Staging is the
-connector's own memory, so vLLM may free or reuse the blocks right after the step.
+it is copied into every layer (a :class:`Landing`, closed at the deadline) — by the I/O thread that
+read it, while the next block is read, for a POSIX store; from the DRAM tier's memory for its hits;
+once the whole load is in staging for other stores. On a GPU, blocks are staged in host memory and
+copied into each layer just before that layer's attention runs (``load_mode: layer``) or all at once
+(``step``). Past the deadline, or when vLLM never waited for the load, the blocks are recomputed and
+the read is abandoned — into staging or the store's own memory, which the pending read keeps alive.
+While an abandoned read has not finished, the store is not answering reads: new loads are not
+started, their blocks are recomputed at once (another read would hold the next step as long; the
+store breaker, which would skip the store too, learns of a timeout only after the step that met it
+has ended). Saves copy each layer's new blocks into host staging as the layer finishes (``save_mode:
+layer``) or at the step's end, then the store writes them in the background: the step waits for the
+copies, not for the I/O. Staging is the connector's own memory, so vLLM may free or reuse the blocks
+right after the step.
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ class Landing:
         self._copying = 0
         self._closed = False
 
-    def __call__(self, index: int, payload: memoryview) -> None:
+    def __call__(self, index: int, payload: memoryview) -> bool:
         with self._cond:
             if self._closed:
-                return
+                return False
             self._copying += 1
         try:
             self._layout.scatter_block(self._block_ids[index], payload)
@@ -61,6 +63,7 @@ class Landing:
             with self._cond:
                 self._copying -= 1
                 self._cond.notify_all()
+        return True
 
     def close(self) -> None:
         """Refuse further copies and wait for the ones running (one block each, at most)."""
@@ -285,11 +288,8 @@ class WorkerSide:
                 self._load_timeout_s,
             )
             self._stats.add("load_timeouts", 1)
-            if load.landing is not None:
-                load.landing.close()
             load.ok = [False] * len(load.transfer.block_ids)
-            load.abandoned = True
-            self._abandoned.append(load.task)
+            self._stop_load(load)
         n_ok = sum(load.ok)
         failed = [b for b, ok in zip(load.transfer.block_ids, load.ok, strict=True) if not ok]
         if failed:
@@ -306,6 +306,17 @@ class WorkerSide:
         self._stats.add("loaded_bytes", n_ok * self.layout.block_bytes)
         self._stats.add("load_failed_blocks", len(failed))
         self._stats.observe("load_seconds", time.perf_counter() - load.started)
+
+    def _stop_load(self, load: _Load) -> None:
+        """A load whose blocks vLLM recomputes: a landing is closed; a read in place (no deadline)
+        writes the cache itself and is waited for; a read still running is abandoned."""
+        if load.landing is not None:
+            load.landing.close()
+        elif load.staging is None:
+            load.task.wait()
+        if not load.task.done():
+            load.abandoned = True
+            self._abandoned.append(load.task)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -339,6 +350,8 @@ class WorkerSide:
             logger.error("UCM: vLLM did not call wait_for_layer_load for layers %s; set load_mode: step", missing)
             for load in self._loads:
                 self._load_errors.update(load.transfer.block_ids)
+                if load.ok is None:  # never waited for: none of it may reach the cache from now on
+                    self._stop_load(load)
         for load in self._loads:
             if load.buffer is not None and not load.abandoned and load.task.done():
                 self._staging.give(load.buffer)
