@@ -2,7 +2,8 @@
 parallel over two "nodes" (``parallel: {tensor: 2, nodes: 2}``) starts it as the operator's
 LeaderWorkerSet would run it — a leader that serves and a headless worker, here two processes on
 loopback with a rendezvous port of their own — and supervises the two as one: a worker that dies
-takes its leader down with it and the group restarts whole; ``ucm down`` stops both.
+takes its leader down with it and the group restarts whole; ``ucm restart`` rolls the group as one
+engine; ``ucm down`` stops both.
 
 The answers are a TP=1 engine's (greedy tokens compared as in tests/connector/test_multinode.py: equal
 up to a near tie flipped by the order of the sums), through PD: prefill (TP=2 in one process group)
@@ -12,16 +13,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from e2e.conftest import Stack, alive, running
+from e2e.conftest import UCM, Stack, alive, running
 from e2e.test_stack import metric, post
 from tests.connector.test_multinode import BS, same_greedy_answer
-from ucm.deploy.local import default_spec
+from ucm.deploy.local import cpu_share, default_spec, engine_cpus, vllm_workers
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer
 
@@ -92,3 +94,27 @@ def test_a_worker_that_dies_restarts_its_whole_group(group_stack: Stack, referen
         assert time.monotonic() < deadline, (status, got)
         time.sleep(2)
     same_greedy_answer(got, reference)
+
+
+def test_ucm_restart_rolls_a_group_as_one_engine(group_stack: Stack, reference: dict):
+    """A new group (leader and worker) starts on a new port and serves before the old one leaves;
+    each new process is bound to its own share of the engine's cores, as at ``ucm up``."""
+    before = group_stack.state()["roles"]["decode-0"]
+    r = subprocess.run(
+        [UCM, "restart", "--role", "decode", "--run-dir", str(group_stack.run_dir), "--name", group_stack.name],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr + group_stack.output()
+    after = group_stack.state()["roles"]["decode-0"]
+    assert after["url"] != before["url"]
+    assert not alive(before["pid"]) and not alive(before["workers"][0]["pid"])
+    assert len(after["workers"]) == 1 and alive(after["workers"][0]["pid"])
+    engines = ["prefill-0", "decode-0"]
+    for session, share in zip([after["pid"], after["workers"][0]["pid"]], range(2), strict=True):
+        workers = vllm_workers(session)
+        threads = [int(t.name) for pid in workers for t in Path(f"/proc/{pid}/task").iterdir()]
+        want = frozenset(cpu_share(engine_cpus("decode-0", engines), share, 2))
+        assert workers and {frozenset(os.sched_getaffinity(t)) for t in threads} == {want}
+    same_greedy_answer(answer(group_stack), reference)
