@@ -66,15 +66,27 @@ class Stalled:
         self.store.close()
 
 
-@pytest.mark.parametrize("path", ["landed", "staged"])
-def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(tmp_path, path):
+def stalled_worker(tmp_path, load_timeout_s: float, path: str = "landed"):  # type: ignore[no-untyped-def]
+    """A worker loading by ``path`` from a ``Stalled`` store, and its KV caches."""
     stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
     w = WorkerSide(
-        stalled, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=0.3
+        stalled,
+        rank=0,
+        tp_size=1,
+        load_mode="layer",
+        save_mode="layer",
+        stats=StatsRecorder(),
+        load_timeout_s=load_timeout_s,
     )
     kv = kv_caches(False)
     w.register(kv, NB)
     loading(w, path)
+    return stalled, w, kv
+
+
+@pytest.mark.parametrize("path", ["landed", "staged"])
+def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(tmp_path, path):
+    stalled, w, kv = stalled_worker(tmp_path, 0.3, path)
     started = time.monotonic()
     run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]))
     assert time.monotonic() - started < 2  # the step went on at the deadline
@@ -88,13 +100,7 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_read_lands_nowhere(
 def test_a_load_no_layer_waited_for_is_recomputed_and_its_late_read_lands_nowhere(tmp_path, path):
     """vLLM did not call wait_for_layer_load: the blocks are recomputed, so the read still running
     must not reach them afterwards."""
-    stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
-    w = WorkerSide(
-        stalled, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=30
-    )
-    kv = kv_caches(False)
-    w.register(kv, NB)
-    loading(w, path)
+    stalled, w, kv = stalled_worker(tmp_path, 30, path)
     run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]), report_layers=False)
     assert w.take_load_errors() == {5, 6}
     stalled.release()
@@ -105,12 +111,7 @@ def test_a_load_no_layer_waited_for_is_recomputed_and_its_late_read_lands_nowher
 def test_while_an_abandoned_read_is_stuck_new_loads_are_recomputed_at_once(tmp_path):
     """A store whose reads hang held every step that loaded for the whole deadline (fault_serving:
     requests queued behind them waited 2x the deadline); one abandoned read is enough to know."""
-    stalled = Stalled(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}))
-    w = WorkerSide(
-        stalled, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=0.3
-    )
-    kv = kv_caches(False)
-    w.register(kv, NB)
+    stalled, w, kv = stalled_worker(tmp_path, 0.3)
     run_step(w, kv, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS[:2], [5, 6])]))
     assert w.take_load_errors() == {5, 6}
     started = time.monotonic()
