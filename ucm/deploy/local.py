@@ -296,9 +296,13 @@ class LocalStack:
         self.rollout: dict[str, Any] | None = None  # the last `ucm restart`'s outcome
 
     def _process(self, role: Role, engines: list[str]) -> Process:
-        size = role.group.size if role.group is not None else 1
-        envs = [self._env(role, engines, member, size) for member in range(size)]
+        envs = self._member_envs(role, engines)
         return Process(role, self.logs / f"{role.name}.log", envs[0], worker_envs=envs[1:])
+
+    def _member_envs(self, role: Role, engines: list[str]) -> list[dict[str, str]]:
+        """The environment of each process of the role: the leader's first, then its workers'."""
+        size = group_size(role)
+        return [self._env(role, engines, member, size) for member in range(size)]
 
     def _engine_names(self) -> list[str]:
         return [r.name for r in self.plan.roles if r.component in ENGINES]
@@ -486,8 +490,8 @@ class LocalStack:
             # from the start, a new engine took minutes to start under load on a 2-core machine.
             # Its OpenMP thread count is its role's from the start (threads cannot be added later).
             engines = self._engine_names()
-            size = role.group.size if role.group is not None else 1
-            pinned = [self._env(role, engines, member, size) for member in range(size)]
+            size = group_size(role)
+            pinned = self._member_envs(role, engines)
             cores = [cpu_share(engine_cpus(role.name, engines), member, size) for member in range(size)]
             per_rank = [len(cpu_share(cpus, 0, local_ranks(role))) for cpus in cores]
             unpinned = [
@@ -654,6 +658,11 @@ def cpu_share(cpus: range, index: int, count: int) -> range:
         return cpus
     per = len(cpus) // count
     return range(cpus.start + index * per, cpus.start + (index + 1) * per)
+
+
+def group_size(role: Role) -> int:
+    """The processes the role runs: an engine's pods, or one."""
+    return role.group.size if role.group is not None else 1
 
 
 def local_ranks(role: Role) -> int:
