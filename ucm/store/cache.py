@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pydantic import ByteSize, Field
@@ -65,13 +65,21 @@ class CacheStore(Store):
 
     # -- memory tier ---------------------------------------------------------------------------
     def _copy_out(self, block_id: bytes, dst: Blob) -> bool:
+        def copy(held: memoryview) -> bool:
+            copy_to_blob(dst, held)
+            return True
+
+        return self._use(block_id, blob_size(dst), copy) is not None
+
+    def _use(self, block_id: bytes, size: int, use: Callable[[memoryview], bool]) -> bool | None:
+        """``use(its bytes)`` for a block the tier holds at this size (under the lock, so its buffer
+        is not recycled meanwhile), or None when it does not."""
         with self._lock:
             buf = self._blocks.get(block_id)
-            if buf is None or len(buf) != blob_size(dst):
-                return False
+            if buf is None or len(buf) != size:
+                return None
             self._blocks.move_to_end(block_id)
-            copy_to_blob(dst, memoryview(buf))
-            return True
+            return use(memoryview(buf))
 
     def _put(self, block_id: bytes, payload: Blob) -> None:
         size = blob_size(payload)
@@ -145,14 +153,12 @@ class CacheStore(Store):
         task = Task(len(ids))
         hits, landed_ok, misses = [], [], []
         for k, block_id in enumerate(ids):
-            with self._lock:
-                buf = self._blocks.get(block_id)
-                if buf is not None and len(buf) == buffers[k].nbytes:
-                    self._blocks.move_to_end(block_id)
-                    hits.append(k)
-                    landed_ok.append(try_land(landed, k, memoryview(buf)))  # under the lock: not recycled meanwhile
-                    continue
-            misses.append(k)
+            ok = self._use(block_id, buffers[k].nbytes, lambda held, k=k: try_land(landed, k, held))
+            if ok is None:
+                misses.append(k)
+            else:
+                hits.append(k)
+                landed_ok.append(ok)
         if misses:
 
             def fill_and_land(j: int, data: memoryview) -> bool:
