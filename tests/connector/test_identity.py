@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from ucm.config import ConfigError
 from ucm.hashing import BlockHasher, HashContext
-from ucm.integration.vllm.config import check_parallel_layout
+from ucm.integration.vllm.config import check_parallel_layout, shares_per_rank
 from ucm.integration.vllm.health import IDENTITY_ENV, HealthMiddleware
 from ucm.integration.vllm.identity import pairing_identity, weights_fingerprint
 from ucm.integration.vllm.metadata import rank_keys, store_keys
@@ -86,6 +86,24 @@ def test_engines_that_can_share_kv_have_one_pairing_identity():
     assert pairing_identity({"store": store, "salt": "acme"}, args) != prefill
     assert pairing_identity({"store": {**store, "spec": "cache|mooncake"}}, args) != prefill
     assert pairing_identity({"store": store}, [*args, "--tensor-parallel-size=2"]) != prefill
+    # pools of different TP pair when both split blocks in the store the same way
+    tp2 = pairing_identity({"store": store}, [*args, "-tp", "2"])
+    assert pairing_identity({"store": store, "store_tp": 2}, args) == tp2
+    assert pairing_identity({"store": store, "store_tp": 2}, [*args, "--tensor-parallel-size", "2"]) == tp2
+
+
+def test_a_store_split_the_engine_cannot_hold_whole_shares_of_is_refused():
+    assert shares_per_rank(None, 2, 1, 8, blend=False) == 1
+    assert shares_per_rank(4, 1, 1, 8, blend=False) == 4
+    assert shares_per_rank(4, 2, 1, 8, blend=False) == 2
+    for args, message in [
+        ((2, 4, 1, 8, False), "store_tp: 2 is not a multiple of this engine's tensor_parallel_size 4"),
+        ((4, 2, 2, 8, False), "store_tp: shares of a different TP need pipeline_parallel_size 1, got 2"),
+        ((4, 1, 1, 6, False), "store_tp: the model's 6 KV heads do not split into 4 equal shares"),
+        ((2, 1, 1, 8, True), "store_tp: blend needs store_tp equal"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            shares_per_rank(*args[:4], blend=args[4])
 
 
 def test_health_carries_the_pairing_identity(monkeypatch):

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import create_store
@@ -33,12 +33,12 @@ def loading(w: WorkerSide, path: str) -> WorkerSide:
     return w
 
 
-def worker(store_root, load_mode="layer", save_mode="layer", in_place=None) -> WorkerSide:
+def worker(store_root, load_mode="layer", save_mode="layer", in_place=None, **parallel) -> WorkerSide:
+    """``parallel``: rank, tp_size, shares_per_rank, kv_heads (default: one worker, TP=1)."""
     store = create_store({"spec": "posix", "posix": {"roots": [str(store_root)]}})
     return WorkerSide(
         store,
-        rank=0,
-        tp_size=1,
+        **({"rank": 0, "tp_size": 1} | parallel),
         load_mode=load_mode,
         save_mode=save_mode,
         stats=StatsRecorder(),
@@ -78,6 +78,60 @@ def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode,
     stats = consumer._stats.take().data
     assert stats["loaded_blocks"] == 4
     consumer.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_pools_of_different_tp_share_blocks_split_by_the_larger_tp(tmp_path, path):
+    """store_tp 2 on both pools: each rank of a TP=2 engine keeps its KV head of a block; a TP=1
+    engine keeps and reads the same two shares (one per head) — prefill TP=2 -> decode TP=1 and
+    the reverse. A share missing fails the block."""
+    full = kv_caches(True)
+    per_rank = [{name: t[:, r : r + 1].clone() for name, t in full.items()} for r in (0, 1)]  # TP=2: a head each
+
+    def tp1(kv, in_place=None):
+        w = worker(tmp_path, in_place=in_place, rank=0, tp_size=1, shares_per_rank=2, kv_heads=2)
+        w.register(kv, NB)
+        return w
+
+    def tp2(rank, kv, in_place=None):
+        w = worker(tmp_path, in_place=in_place, rank=rank, tp_size=2)
+        w.register(kv, NB)
+        return w
+
+    for rank in (0, 1):  # TP=2 writes blocks 3..6 under IDS
+        w = tp2(rank, per_rank[rank])
+        run_step(w, per_rank[rank], UCMConnectorMetadata(saves=[BlockTransfer("r", IDS, [3, 4, 5, 6])]))
+        w.close()
+    dst = kv_caches(False)
+    reader = loading(tp1(dst, path == "in_place"), path)
+    run_step(reader, dst, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [10, 11, 12, 13])]))
+    assert reader.take_load_errors() == set()
+    for name in full:
+        assert torch.equal(dst[name][10:14], full[name][3:7])
+        assert not dst[name][:10].any()
+    reader.close()
+
+    other = [bytes([9, i]) * 16 for i in range(3)]  # TP=1 writes blocks 0..2 as two shares
+    writer = tp1(full)
+    run_step(writer, full, UCMConnectorMetadata(saves=[BlockTransfer("r", other, [0, 1, 2])]))
+    writer.close()
+    for rank in (0, 1):
+        got = {name: torch.zeros_like(t) for name, t in per_rank[rank].items()}
+        w = loading(tp2(rank, got, path == "in_place"), path)
+        run_step(w, got, UCMConnectorMetadata(loads=[BlockTransfer("r", other, [7, 8, 9])]))
+        assert w.take_load_errors() == set()
+        for name in full:
+            assert torch.equal(got[name][7:10], full[name][0:3, rank : rank + 1])
+        w.close()
+
+    store = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    store.remove(rank_keys(other[1:2], 1, 2))  # block 1's second share is lost
+    store.close()
+    dst = kv_caches(False)
+    reader = loading(tp1(dst, path == "in_place"), path)
+    run_step(reader, dst, UCMConnectorMetadata(loads=[BlockTransfer("r", other, [7, 8, 9])]))
+    assert reader.take_load_errors() == {8}
+    reader.close()
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from ucm.deploy.crd import CRD_FILE, generate, render
-from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.deploy.spec import SPLIT_RULE, UCMDeploymentSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
@@ -196,8 +196,9 @@ CEL_CASES = [
         "resources.gpus: one per rank a pod runs (tensor x pipeline / nodes), or 0 for CPU engines",
     ),
     (
-        with_("decode", {"parallel": {"tensor": 2}, "resources": {"gpus": 2}}),
-        "decode.parallel: tensor and pipeline must equal prefill's (KV in the store is kept per rank)",
+        with_("decode", {"parallel": {"tensor": 3}, "resources": {"gpus": 3}})
+        | {"prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}}},
+        SPLIT_RULE,
     ),
     *(
         (

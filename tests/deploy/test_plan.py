@@ -127,6 +127,18 @@ def test_blend_reaches_the_prefill_engines_only():
     assert plan.role("decode").command[3].endswith(KV_DECODE_CONFIG_FILE)
 
 
+def test_pools_of_different_tp_keep_blocks_in_the_larger_tps_shares():
+    cpu = {"resources": {"gpus": 0}}
+    plan = plan_for({"prefill": {"parallel": {"tensor": 2}, **cpu}, "decode": {"parallel": {"tensor": 1}, **cpu}})
+    assert kv(plan)["store_tp"] == 2  # every engine of both pools reads this file
+    assert plan.role("decode").files == [KV_CONFIG_FILE] and plan.role("prefill").files == [KV_CONFIG_FILE]
+    assert "store_tp" not in kv(
+        plan_for({"prefill": {"parallel": {"tensor": 2}, **cpu}, "decode": {"parallel": {"tensor": 2}, **cpu}})
+    )
+    with pytest.raises(ValueError, match=r"blend: needs prefill and decode split alike"):
+        UCMDeploymentSpec.model_validate({**BASE, "blend": {}, "decode": {"parallel": {"tensor": 2}, **cpu}})
+
+
 def test_blend_is_refused_for_engines_split_over_ranks():
     parallel = {"parallel": {"tensor": 2}, "resources": {"gpus": 0}}
     with pytest.raises(ValueError, match=r"blend: .*tensor and pipeline"):
@@ -360,8 +372,16 @@ def test_a_multi_node_engine_runs_locally_as_processes_on_loopback(tmp_path):
             "resources.gpus: one per rank a pod runs (tensor x pipeline / nodes = 2), or 0 for CPU engines; got 1",
         ),
         (
-            {"decode": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}}},
-            "decode.parallel: tensor and pipeline must equal prefill's (1 x 1), got 2 x 1",
+            {
+                "decode": {"parallel": {"tensor": 3}, "resources": {"gpus": 3}},
+                "prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}},
+            },
+            "only tensor differs, with pipeline 1 and the larger tensor a multiple of the smaller (the store then "
+            "keeps each block in shares of the larger); got prefill 2 x 1, decode 3 x 1",
+        ),
+        (
+            {"decode": {"parallel": {"tensor": 2, "pipeline": 2}, "resources": {"gpus": 4}}},
+            "got prefill 1 x 1, decode 2 x 2",
         ),
         ({"decode": {"parallel": {"nodes": 0}}}, "greater than or equal to 1"),
     ],

@@ -165,6 +165,8 @@ def _kv_config(
         extra["sparse"] = spec.sparse.model_dump(mode="json", exclude_unset=True)
     if blend and spec.blend is not None:
         extra["blend"] = spec.blend.model_dump(mode="json", exclude_unset=True)
+    if spec.store_tp is not None:  # pools of different TP: both keep blocks in the larger TP's shares
+        extra["store_tp"] = spec.store_tp
     try:
         return kv_transfer_config(
             store,

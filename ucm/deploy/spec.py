@@ -447,12 +447,21 @@ class MonitoringSpec(Spec):
     )
 
 
+SPLIT_RULE = (
+    "decode.parallel: tensor and pipeline equal prefill's, or only tensor differs, with pipeline 1 and the larger "
+    "tensor a multiple of the smaller (the store then keeps each block in shares of the larger)"
+)
+
+
 class UCMDeploymentSpec(Spec):
     model_config = Spec.model_config | cel(
         (
-            "self.prefill.parallel.tensor == self.decode.parallel.tensor && "
-            "self.prefill.parallel.pipeline == self.decode.parallel.pipeline",
-            "decode.parallel: tensor and pipeline must equal prefill's (KV in the store is kept per rank)",
+            "(self.prefill.parallel.tensor == self.decode.parallel.tensor && "
+            "self.prefill.parallel.pipeline == self.decode.parallel.pipeline) || "
+            "(self.prefill.parallel.pipeline == 1 && self.decode.parallel.pipeline == 1 && "
+            "(self.prefill.parallel.tensor % self.decode.parallel.tensor == 0 || "
+            "self.decode.parallel.tensor % self.prefill.parallel.tensor == 0))",
+            SPLIT_RULE,
         ),
     )
     model: ModelSpec
@@ -481,13 +490,20 @@ class UCMDeploymentSpec(Spec):
     @model_validator(mode="after")
     def _same_split(self) -> UCMDeploymentSpec:
         p, d = self.prefill.parallel, self.decode.parallel
-        if (p.tensor, p.pipeline) != (d.tensor, d.pipeline):
-            raise ValueError(
-                f"decode.parallel: tensor and pipeline must equal prefill's ({p.tensor} x {p.pipeline}), got "
-                f"{d.tensor} x {d.pipeline}: each rank keeps its own share of a block in the store, so pools "
-                "split differently cannot read each other's KV yet (nodes may differ)"
-            )
+        if p.tensor == d.tensor and p.pipeline == d.pipeline:
+            return self
+        small, large = sorted((p.tensor, d.tensor))
+        if p.pipeline != d.pipeline or p.pipeline > 1 or large % small:
+            raise ValueError(f"{SPLIT_RULE}; got prefill {p.tensor} x {p.pipeline}, decode {d.tensor} x {d.pipeline}")
+        if self.blend is not None:
+            raise ValueError("blend: needs prefill and decode split alike (the same parallel.tensor)")
         return self
+
+    @property
+    def store_tp(self) -> int | None:
+        """The shares a block is kept in, in the store, when the pools' TP differ: the larger."""
+        p, d = self.prefill.parallel.tensor, self.decode.parallel.tensor
+        return None if p == d else max(p, d)
 
 
 class Condition(Spec):

@@ -120,6 +120,13 @@ class ConnectorConfig(StrictModel):
     decode_save_blocks: int = Field(
         64, ge=0, description="Blocks filled while decoding that are saved too, per request (0: prompt blocks only)"
     )
+    store_tp: int | None = Field(
+        None,
+        ge=1,
+        description="How many shares (by KV heads) each block is kept in, in the store; default: the engine's "
+        "tensor-parallel size. Pools of different TP share blocks when both set it to the larger TP: an engine "
+        "whose TP divides it reads and writes store_tp / TP shares per rank",
+    )
     lookup_timeout_s: float = Field(
         2.0,
         gt=0,
@@ -259,6 +266,26 @@ def check_parallel_layout(parallel: Any) -> None:
                 f"UCMConnector: {name}={size} is not supported: a context-parallel worker holds only some "
                 "tokens of each block, which its store key cannot name yet. Run with it at 1."
             )
+
+
+def shares_per_rank(store_tp: int | None, tp: int, pp: int, kv_heads: int, blend: bool) -> int:
+    """How many shares of each block one worker keeps in the store (``store_tp / tp``), the layout
+    checked: ``kv_heads`` is the model's KV head count, so that each share is a whole range of heads."""
+    if store_tp is None or store_tp == tp:
+        return 1
+    where = f"{WHERE}.store_tp"
+    if store_tp % tp:
+        raise ConfigError(
+            f"{where}: {store_tp} is not a multiple of this engine's tensor_parallel_size {tp}: a rank must "
+            "hold whole shares of a block (give both pools the larger TP, when it is a multiple of the smaller)"
+        )
+    if pp > 1:
+        raise ConfigError(f"{where}: shares of a different TP need pipeline_parallel_size 1, got {pp}")
+    if kv_heads % store_tp:
+        raise ConfigError(f"{where}: the model's {kv_heads} KV heads do not split into {store_tp} equal shares")
+    if blend:
+        raise ConfigError(f"{where}: blend needs store_tp equal to the engine's tensor_parallel_size")
+    return store_tp // tp
 
 
 def check_vllm_version(version: str) -> None:

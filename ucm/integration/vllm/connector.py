@@ -40,6 +40,7 @@ from ucm.integration.vllm.config import (
     parse_connector_config,
     prefixed_errors,
     scheduler_store_config,
+    shares_per_rank,
 )
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
@@ -84,13 +85,16 @@ class UCMConnector(KVConnectorBase_V1):
         check_parallel_layout(parallel)
         if config.blend is not None:
             _check_blend(kv_role, parallel)
-        # Each worker (TP rank x pipeline stage) keeps its own share of a block under its own key.
-        self._tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # Each worker (TP rank x pipeline stage) keeps its own share of a block under its own key; with
+        # store_tp, the store's split (a multiple of this engine's) decides the shares and the ids.
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        kv_heads = model.get_total_num_kv_heads()
+        shares = shares_per_rank(config.store_tp, tp, pp, kv_heads, config.blend is not None)
         context = HashContext(
             model=config.model_id or str(model.model),
             dtype=kv_dtype,
             block_size=cache.block_size,
-            tp_size=parallel.tensor_parallel_size,
+            tp_size=tp * shares,
             salt=config.salt,
             algorithm=config.hash_algorithm,
             weights=weights_fingerprint(str(model.model), model.revision),
@@ -112,7 +116,7 @@ class UCMConnector(KVConnectorBase_V1):
                 can_save=can_save,
                 pd_wait_timeout_s=config.pd_wait_timeout_s,
                 stats=self._stats,
-                tp_size=self._tp_size,
+                tp_size=tp * shares * pp,
                 lookup_timeout_s=config.lookup_timeout_s,
                 decode_save_blocks=config.decode_save_blocks,
                 health=StoreHealth(config.store_unhealthy_after_s),
@@ -131,7 +135,9 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 store,
                 rank=rank,
-                tp_size=self._tp_size,
+                tp_size=tp * pp,
+                shares_per_rank=shares,
+                kv_heads=model.get_num_kv_heads(parallel),
                 load_mode=config.load_mode,
                 save_mode=config.save_mode,
                 stats=self._stats,

@@ -67,8 +67,9 @@ PAIRING_OPTIONS = ("store", "hash_algorithm", "model_id", "salt")
 
 def pairing_identity(extra_config: Mapping[str, Any], vllm_args: Sequence[str]) -> str:
     """A short digest of what a prefill and a decode must agree on to share KV through the store:
-    the model and its revision, dtypes, block size, parallel layout (vLLM's flags) and the
-    connector's store and hashing options, as written — before ``${POD_IP}``-style expansion, so
+    the model and its revision, dtypes, block size, parallel layout (vLLM's flags; the split of blocks
+    in the store, ``store_tp``, rather than the engine's own TP) and the connector's store and
+    hashing options, as written — before ``${POD_IP}``-style expansion, so
     every pod of a pool has the same identity. During a rollout that changes any of them, old and
     new engines differ, and the proxy pairs each prefill only with a decode of the same identity
     (``X-UCM-KV-Identity`` on ``/health``): a mismatched pair would make decode wait for blocks
@@ -84,6 +85,11 @@ def pairing_identity(extra_config: Mapping[str, Any], vllm_args: Sequence[str]) 
         ("--pipeline-parallel-size", "-pp"),
     ):
         flags.add_argument(*names)
-    known, _ = flags.parse_known_args(list(vllm_args))
-    what = {"vllm": vars(known), "connector": {k: extra_config.get(k) for k in PAIRING_OPTIONS}}
+    known = vars(flags.parse_known_args(list(vllm_args))[0])
+    # Blocks are split in the store by store_tp when given, else by the engine's TP: pools of
+    # different TP with the same store_tp share them.
+    store_tp = extra_config.get("store_tp") or int(known.pop("tensor_parallel_size") or 1)
+    known.pop("tensor_parallel_size", None)
+    connector = {k: extra_config.get(k) for k in PAIRING_OPTIONS} | {"store_tp": store_tp}
+    what = {"vllm": known, "connector": connector}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -101,6 +101,24 @@ class KVLayout:
         row = torch.frombuffer(payload, dtype=torch.uint8).view(1, -1)
         native.scatter([self._layers[s.name] for s in self.slots], [block], row)
 
+    def head_share(self, kv_heads: int, shares: int, share: int) -> KVLayout:
+        """The same blocks restricted to share ``share`` of ``shares`` equal ranges of the ``kv_heads``
+        KV heads each layer holds: what one tensor-parallel rank of a larger TP holds of a block."""
+        if kv_heads % shares:
+            raise ValueError(f"{kv_heads} KV heads do not split into {shares} equal shares")
+        each = kv_heads // shares
+        caches = {}
+        for slot in self.slots:
+            tensor, dim = self._layers[slot.name]
+            heads = [d for d, size in enumerate(tensor.shape) if size == kv_heads and d != dim]
+            if len(heads) != 1:
+                raise ValueError(
+                    f"{slot.name}: cannot tell the KV heads dimension of a cache of shape {tuple(tensor.shape)} "
+                    f"({kv_heads} heads)"
+                )
+            caches[slot.name] = tensor.narrow(heads[0], share * each, each)
+        return KVLayout(caches, self.num_blocks)
+
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         for layer in range(len(self.slots)):
             self.gather_layer(layer, block_ids, staging)

@@ -72,9 +72,20 @@ class Landing:
             self._cond.wait_for(lambda: self._copying == 0)
 
 
+@dataclass(frozen=True)
+class Share:
+    """One share of every block that this worker keeps in the store under its own keys: its index
+    among ``of`` shares (the keys' suffix), and where it lies in the paged cache."""
+
+    index: int
+    of: int
+    layout: KVLayout
+
+
 @dataclass
 class _Load:
     transfer: BlockTransfer
+    share: Share
     staging: torch.Tensor | None  # None: the blocks reach the paged cache without a scatter
     task: Task
     started: float
@@ -125,7 +136,12 @@ class WorkerSide:
         in_place_loads: bool | None = None,
         pd_save_wait_s: float = 0.0,
         blend: BlendConfig | None = None,
+        shares_per_rank: int = 1,
+        kv_heads: int = 0,
     ) -> None:
+        """``rank`` of ``tp_size`` workers; each keeps ``shares_per_rank`` shares of a block in the
+        store (more than one when the store splits blocks by a larger TP than the engine's), each
+        share an equal range of this worker's ``kv_heads`` KV heads."""
         self._store = store
         self._blend_config = blend
         self._blender = None
@@ -136,6 +152,9 @@ class WorkerSide:
         self._in_place_option = in_place_loads
         self._rank = rank
         self._tp_size = tp_size
+        self._shares_per_rank = shares_per_rank
+        self._kv_heads = kv_heads
+        self._shares: list[Share] = []
         self._load_mode = load_mode
         self._save_mode = save_mode
         self._stats = stats
@@ -144,7 +163,7 @@ class WorkerSide:
         self._abandoned: list[Task] = []  # reads past their deadline, not finished yet
         self._scattered: set[int] = set()
         self._load_errors: set[int] = set()
-        self._saves: list[tuple[BlockTransfer, torch.Tensor]] = []
+        self._saves: list[tuple[BlockTransfer, Share, torch.Tensor]] = []
         self._saved_layers = 0
         self._inflight: set[Task] = set()
         self._inflight_lock = threading.Lock()
@@ -165,6 +184,12 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layout = KVLayout(kv_caches, num_blocks)
+        k, of = self._shares_per_rank, self._tp_size * self._shares_per_rank
+        if k == 1:
+            self._shares = [Share(self._rank, of, self.layout)]
+        else:
+            layouts = [self.layout.head_share(self._kv_heads, k, j) for j in range(k)]
+            self._shares = [Share(self._rank * k + j, of, layout) for j, layout in enumerate(layouts)]
         rows = 0 if self._in_place_option or self._load_timeout_s is None else self._staging_rows()
         self._staging = StagingPool(self.layout.new_staging, rows)
         if self._blend_config is not None:
@@ -184,13 +209,15 @@ class WorkerSide:
         # Host memory: each block lands in the cache as its read completes. A GPU's cache is filled
         # per layer from staging, where the copy to the device overlaps the previous layer's compute.
         self._lands = self.layout.device.type == "cpu"
-        allowed = self.layout.in_place and self._load_timeout_s is None
+        allowed = all(share.layout.in_place for share in self._shares) and self._load_timeout_s is None
         self._in_place = allowed if self._in_place_option is None else self._in_place_option and allowed
         logger.info(
-            "UCM: %d layers, %d bytes per block payload, %d blocks, loads %s",
+            "UCM: %d layers, %d blocks, %d share(s) of %d bytes per block in the store (%s), loads %s",
             len(self.layout.slots),
-            self.layout.block_bytes,
             num_blocks,
+            len(self._shares),
+            self._shares[0].layout.block_bytes,
+            ", ".join(f"{s.index} of {s.of}" for s in self._shares),
             "in place" if self._in_place else "staged",
         )
 
@@ -198,8 +225,9 @@ class WorkerSide:
         assert self.layout is not None
         return min(self.layout.num_blocks, max(1, self._staging_bytes // self.layout.block_bytes))
 
-    def _keys(self, transfer: BlockTransfer) -> list[bytes]:
-        return rank_keys(transfer.store_ids, self._rank, self._tp_size)
+    @staticmethod
+    def _keys(transfer: BlockTransfer, share: Share) -> list[bytes]:
+        return rank_keys(transfer.store_ids, share.index, share.of)
 
     # -- loading ---------------------------------------------------------------------------------
     def start_load(self, meta: UCMConnectorMetadata) -> None:
@@ -215,25 +243,27 @@ class WorkerSide:
             self._stats.add("store_skipped_blocks", len(blocks))
             return
         for transfer in meta.loads:
-            started = time.perf_counter()
-            if self._in_place:
-                blobs = [self.layout.block_segments(b) for b in transfer.block_ids]
-                self._loads.append(_Load(transfer, None, self._store.load(self._keys(transfer), blobs), started))
-                continue
-            buffer = self._staging.take(len(transfer.block_ids))
-            staging = buffer[: len(transfer.block_ids)]
-            if self._lands:
-                landing = Landing(self.layout, transfer.block_ids)
-                task = self._store.load(self._keys(transfer), list(staging.numpy()), landing)
-                self._loads.append(_Load(transfer, None, task, started, buffer=buffer, landing=landing))
-                continue
-            task = self._store.load(self._keys(transfer), list(staging.numpy()))
-            self._loads.append(_Load(transfer, staging, task, started, buffer=buffer))
+            for share in self._shares:
+                self._loads.append(self._start_load(transfer, share))
         if self._load_mode == "step" or meta.blends:  # a blend reads the exact prefix: loaded first
             for layer in range(len(self.layout.slots)):
                 self._scatter_layer(layer)
         for blend in meta.blends:
             self._run_blend(blend)
+
+    def _start_load(self, transfer: BlockTransfer, share: Share) -> _Load:
+        started = time.perf_counter()
+        keys, layout, n = self._keys(transfer, share), share.layout, len(transfer.block_ids)
+        if self._in_place:
+            blobs = [layout.block_segments(b) for b in transfer.block_ids]
+            return _Load(transfer, share, None, self._store.load(keys, blobs), started)
+        buffer = self._staging.take(n)
+        staging = buffer[:n, : layout.block_bytes]  # a share's payload is a part of a block's
+        if self._lands:
+            landing = Landing(layout, transfer.block_ids)
+            task = self._store.load(keys, list(staging.numpy()), landing)
+            return _Load(transfer, share, None, task, started, buffer=buffer, landing=landing)
+        return _Load(transfer, share, staging, self._store.load(keys, list(staging.numpy())), started, buffer=buffer)
 
     def _run_blend(self, blend: BlendTransfer) -> None:
         """Blend one region; if it cannot be (its exact prefix failed to load, no model, an error),
@@ -268,11 +298,12 @@ class WorkerSide:
             good = [i for i, ok in enumerate(load.ok or []) if ok]
             if not good or load.staging is None:  # in place or landed: the bytes are already there
                 continue
+            layout = load.share.layout
             if len(good) == len(load.transfer.block_ids):
-                self.layout.scatter_layer(layer, load.transfer.block_ids, load.staging)
+                layout.scatter_layer(layer, load.transfer.block_ids, load.staging)
             else:
                 rows = load.staging[torch.tensor(good)]
-                self.layout.scatter_layer(layer, [load.transfer.block_ids[i] for i in good], rows)
+                layout.scatter_layer(layer, [load.transfer.block_ids[i] for i in good], rows)
 
     def _finish_load(self, load: _Load) -> None:
         try:
@@ -301,9 +332,8 @@ class WorkerSide:
                 len(failed),
                 len(load.ok),
             )
-        assert self.layout is not None
         self._stats.add("loaded_blocks", n_ok)
-        self._stats.add("loaded_bytes", n_ok * self.layout.block_bytes)
+        self._stats.add("loaded_bytes", n_ok * load.share.layout.block_bytes)
         self._stats.add("load_failed_blocks", len(failed))
         self._stats.observe("load_seconds", time.perf_counter() - load.started)
 
@@ -328,10 +358,10 @@ class WorkerSide:
             return
         assert self.layout is not None
         if self._saved_layers == 0:
-            self._saves = [(t, self.layout.new_staging(len(t.block_ids))) for t in meta.saves]
+            self._saves = self._new_saves(meta)
         layer = self.layout.layer_index(layer_name)
-        for transfer, staging in self._saves:
-            self.layout.gather_layer(layer, transfer.block_ids, staging)
+        for transfer, share, staging in self._saves:
+            share.layout.gather_layer(layer, transfer.block_ids, staging)
         self._saved_layers += 1
 
     def finish_step(self, meta: UCMConnectorMetadata) -> None:
@@ -339,11 +369,11 @@ class WorkerSide:
         assert self.layout is not None
         if meta.saves and (self._save_mode == "step" or self._saved_layers < len(self.layout.slots)):
             # save_mode=step, or layers that never reported (all of them are copied now).
-            self._saves = [(t, self.layout.new_staging(len(t.block_ids))) for t in meta.saves]
-            for transfer, staging in self._saves:
-                self.layout.gather(transfer.block_ids, staging)
-        tasks = [self._dump(transfer, staging) for transfer, staging in self._saves]
-        self._wait_for_pd_saves([t for t, (transfer, _) in zip(tasks, self._saves, strict=True) if transfer.wait])
+            self._saves = self._new_saves(meta)
+            for transfer, share, staging in self._saves:
+                share.layout.gather(transfer.block_ids, staging)
+        tasks = [self._dump(transfer, share, staging) for transfer, share, staging in self._saves]
+        self._wait_for_pd_saves([t for t, (transfer, _, _) in zip(tasks, self._saves, strict=True) if transfer.wait])
         if self._loads and len(self._scattered) < len(self.layout.slots):
             # Loaded KV never reached some layers: fail those blocks so vLLM recomputes them.
             missing = sorted(set(range(len(self.layout.slots))) - self._scattered)
@@ -360,6 +390,9 @@ class WorkerSide:
         self._loads = []
         self._scattered = set()
 
+    def _new_saves(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
+        return [(t, s, s.layout.new_staging(len(t.block_ids))) for t in meta.saves for s in self._shares]
+
     def _wait_for_pd_saves(self, tasks: list[Task]) -> None:
         """A PD prefill's blocks are in the store before its answer leaves (up to pd_save_wait_s)."""
         if not tasks or self._pd_save_wait_s <= 0:
@@ -374,9 +407,9 @@ class WorkerSide:
             logger.warning("UCM: PD saves not in the store after %.1f s; answering anyway", self._pd_save_wait_s)
         self._stats.observe("pd_save_wait_seconds", time.perf_counter() - started)
 
-    def _dump(self, transfer: BlockTransfer, staging: torch.Tensor) -> Task:
+    def _dump(self, transfer: BlockTransfer, share: Share, staging: torch.Tensor) -> Task:
         started = time.perf_counter()
-        task = self._store.dump(self._keys(transfer), list(staging.numpy()))
+        task = self._store.dump(self._keys(transfer, share), list(staging.numpy()))
         block_bytes = staging.shape[1]
 
         def done(t: Task, staging: torch.Tensor = staging) -> None:  # holds staging until written
