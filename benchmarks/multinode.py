@@ -7,13 +7,16 @@ token), UCMConnector on a POSIX store, one engine at a time:
 
   tp1      one process, TP=1, both cores
   tp2x2    TP=2 over two processes (two "nodes"), one core each
+  tp1s2    tp1 keeping each block as two shares (store_tp 2): what a TP=1 pool pays to share KV
+           with a TP=2 pool (it writes and reads both shares of a block, one file each)
 
 Per arm: TTFT of a cold --prompt-tokens prompt (max_tokens=1, median of --trials), TTFT of the same
 prompts in a fresh engine that loads them from the store (warm), decode tokens/s of --rows
 concurrent requests of --decode-tokens each, and the bytes one rank writes per block (its share's
 file) against TP=1's whole block. The bound beside tp2x2 is tp1 itself: the same cores do the same
 arithmetic, so a split whose communication and synchronisation cost nothing would match it; each
-ratio (tp1 time / tp2x2 time, tp2x2 rate / tp1 rate) says how close the split comes.
+ratio (tp1 time / tp2x2 time, tp2x2 rate / tp1 rate) says how close the split comes. The bound
+beside tp1s2 is tp1 too (the same bytes in one file per block).
 
     python benchmarks/multinode.py --json OUT.json      # ~5 min on 2 cores
 """
@@ -38,7 +41,11 @@ from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
 BLOCK = 32
 IDLE_S = 1.5  # vLLM's workers busy-poll for a second after a request: let the engine go idle first
-ARMS = {"tp1": {"tensor": 1, "nodes": 1, "cores": ["0-1"]}, "tp2x2": {"tensor": 2, "nodes": 2, "cores": ["0", "1"]}}
+ARMS = {
+    "tp1": {"tensor": 1, "nodes": 1, "cores": ["0-1"]},
+    "tp2x2": {"tensor": 2, "nodes": 2, "cores": ["0", "1"]},
+    "tp1s2": {"tensor": 1, "nodes": 1, "cores": ["0-1"], "store_tp": 2},
+}
 
 
 def first_token_s(engine: VLLMServer, prompt: list[int]) -> tuple[float, int]:
@@ -77,7 +84,8 @@ def run_arm(name: str, arm: dict[str, Any], model: Path, work: Path, args: argpa
     store.mkdir(parents=True)
     logs.mkdir()
     kv_config = work / name / "kv-transfer-config.json"
-    kv_config.write_text(json.dumps(kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}})))
+    split = {"store_tp": arm["store_tp"]} if "store_tp" in arm else {}
+    kv_config.write_text(json.dumps(kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, **split)))
     model_spec = {"dtype": "float32", "blockSize": BLOCK, "maxModelLen": 4096}
     options = {"model_spec": model_spec, "tensor": arm["tensor"], "nodes": arm["nodes"], "cores": arm["cores"]}
 
@@ -102,7 +110,7 @@ def run_arm(name: str, arm: dict[str, Any], model: Path, work: Path, args: argpa
 
 
 def report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    one, two = arms["tp1"], arms["tp2x2"]
+    one, two, shares = arms["tp1"], arms["tp2x2"], arms["tp1s2"]
     block = one["bytes_per_share"]["block"]
     return {
         "arms": arms,
@@ -110,6 +118,8 @@ def report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "ttft_cold_vs_tp1": one["ttft_cold_s"] / two["ttft_cold_s"],
             "ttft_warm_vs_tp1": one["ttft_warm_s"] / two["ttft_warm_s"],
             "decode_vs_tp1": two["decode_tokens_per_s"] / one["decode_tokens_per_s"],
+            "split_ttft_cold_vs_tp1": one["ttft_cold_s"] / shares["ttft_cold_s"],
+            "split_ttft_warm_vs_tp1": one["ttft_warm_s"] / shares["ttft_warm_s"],
             "block_bytes_tp1": block,
             "share_of_block_per_rank": {r: b / block for r, b in two["bytes_per_share"].items()},
         },
@@ -128,6 +138,10 @@ def print_report(r: dict[str, Any]) -> None:
     print(
         f"\ntp2x2 against its bound (tp1, the same cores): TTFT cold {s['ttft_cold_vs_tp1']:.2f}, "
         f"warm {s['ttft_warm_vs_tp1']:.2f}, decode {s['decode_vs_tp1']:.2f} (1.0 = a free split)"
+    )
+    print(
+        f"tp1s2 (TP=1 keeping TP=2's shares) against tp1: TTFT cold {s['split_ttft_cold_vs_tp1']:.2f}, "
+        f"warm {s['split_ttft_warm_vs_tp1']:.2f}"
     )
     shares = ", ".join(f"{k} {v:.3f}" for k, v in s["share_of_block_per_rank"].items())
     print(f"each rank writes of a TP=1 block ({s['block_bytes_tp1']:,.0f} bytes): {shares}")

@@ -22,6 +22,7 @@ import yaml
 
 from ucm.deploy.demo_model import TINY, ensure_model
 from ucm.deploy.local import default_spec, start_time
+from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer
 
 UCM = str(Path(sys.executable).parent / "ucm")
@@ -73,6 +74,19 @@ class Stack:
 
 def alive(pid: int) -> bool:
     return start_time(pid) is not None  # a zombie has ended: dead for our purposes
+
+
+PROMPT = PROMPTS[2]  # the prompt the tensor-parallel stacks answer
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A TP=1 engine's answer to PROMPT, before a module's stack starts (it would share the cores)."""
+    server = VLLMServer(tiny, tmp_path_factory.mktemp("tp1") / "vllm.log", threads_bind="0-1")
+    try:
+        return server.start().wait_ready().complete(PROMPT, max_tokens=16, logprobs=2)
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

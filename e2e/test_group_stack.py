@@ -20,25 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import UCM, Stack, alive, running
+from e2e.conftest import PROMPT, UCM, Stack, alive, running
 from e2e.test_stack import metric, post
 from tests.connector.test_multinode import BS, same_greedy_answer
 from ucm.deploy.local import cpu_share, default_spec, engine_cpus, vllm_workers
-from ucm_testing.prompts import PROMPTS
-from ucm_testing.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.slow
-PROMPT = PROMPTS[2]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A TP=1 engine's answer, before the stack starts (it would share the cores otherwise)."""
-    server = VLLMServer(tiny, tmp_path_factory.mktemp("tp1") / "vllm.log", threads_bind="0-1")
-    try:
-        return server.start().wait_ready().complete(PROMPT, max_tokens=16, logprobs=2)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
