@@ -90,6 +90,7 @@ def test_engines_that_can_share_kv_have_one_pairing_identity():
     tp2 = pairing_identity({"store": store}, [*args, "-tp", "2"])
     assert pairing_identity({"store": store, "store_tp": 2}, args) == tp2
     assert pairing_identity({"store": store, "store_tp": 2}, [*args, "--tensor-parallel-size", "2"]) == tp2
+    assert pairing_identity({"store": store}, [*args, "--tensor_parallel_size=2"]) == tp2  # as vLLM reads it
 
 
 def test_a_store_split_the_engine_cannot_hold_whole_shares_of_is_refused():
@@ -104,6 +105,8 @@ def test_a_store_split_the_engine_cannot_hold_whole_shares_of_is_refused():
     ]:
         with pytest.raises(ConfigError, match=message):
             shares_per_rank(*args[:4], blend=args[4])
+    with pytest.raises(ConfigError, match="store_tp: a model with multi-head latent attention"):
+        shares_per_rank(2, 1, 1, 128, blend=False, mla=True)
 
 
 def test_health_carries_the_pairing_identity(monkeypatch):

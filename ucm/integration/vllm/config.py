@@ -268,12 +268,17 @@ def check_parallel_layout(parallel: Any) -> None:
             )
 
 
-def shares_per_rank(store_tp: int | None, tp: int, pp: int, kv_heads: int, blend: bool) -> int:
+def shares_per_rank(store_tp: int | None, tp: int, pp: int, kv_heads: int, blend: bool, mla: bool = False) -> int:
     """How many shares of each block one worker keeps in the store (``store_tp / tp``), the layout
     checked: ``kv_heads`` is the model's KV head count, so that each share is a whole range of heads."""
     if store_tp is None or store_tp == tp:
         return 1
     where = f"{WHERE}.store_tp"
+    if mla:
+        raise ConfigError(
+            f"{where}: a model with multi-head latent attention keeps one latent KV head, copied on every rank; "
+            "it cannot be split into shares by heads (run both pools with the same tensor_parallel_size)"
+        )
     if store_tp % tp:
         raise ConfigError(
             f"{where}: {store_tp} is not a multiple of this engine's tensor_parallel_size {tp}: a rank must "

@@ -89,7 +89,7 @@ class UCMConnector(KVConnectorBase_V1):
         # store_tp, the store's split (a multiple of this engine's) decides the shares and the ids.
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         kv_heads = model.get_total_num_kv_heads()
-        shares = shares_per_rank(config.store_tp, tp, pp, kv_heads, config.blend is not None)
+        shares = shares_per_rank(config.store_tp, tp, pp, kv_heads, config.blend is not None, model.use_mla)
         context = HashContext(
             model=config.model_id or str(model.model),
             dtype=kv_dtype,

@@ -85,11 +85,16 @@ def pairing_identity(extra_config: Mapping[str, Any], vllm_args: Sequence[str]) 
         ("--pipeline-parallel-size", "-pp"),
     ):
         flags.add_argument(*names)
-    known = vars(flags.parse_known_args(list(vllm_args))[0])
-    # Blocks are split in the store by store_tp when given, else by the engine's TP: pools of
-    # different TP with the same store_tp share them.
-    store_tp = extra_config.get("store_tp") or int(known.pop("tensor_parallel_size") or 1)
-    known.pop("tensor_parallel_size", None)
-    connector = {k: extra_config.get(k) for k in PAIRING_OPTIONS} | {"store_tp": store_tp}
-    what = {"vllm": known, "connector": connector}
+    known = vars(flags.parse_known_args([_dashed(a) for a in vllm_args])[0])
+    if extra_config.get("store_tp") is not None:  # blocks are split in the store by it, not by the engine's TP
+        known["tensor_parallel_size"] = str(extra_config["store_tp"])
+    what = {"vllm": known, "connector": {k: extra_config.get(k) for k in PAIRING_OPTIONS}}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _dashed(arg: str) -> str:
+    """``--flag_name[=value]`` as vLLM reads it: ``--flag-name[=value]``."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value

@@ -1,9 +1,10 @@
 """Paged KV tensors <-> one contiguous payload per block.
 
-vLLM hands the connector one tensor per attention layer. Whatever the backend (CPU:
-``[blocks, kv_heads, block_size, 2*head_dim]``; CUDA FlashAttention: ``[2, blocks, block_size,
-kv_heads, head_dim]``; FlashInfer: ``[blocks, 2, block_size, kv_heads, head_dim]``; any strides),
-one dimension indexes blocks. A block's bytes in one layer are the tensor with that dimension
+vLLM hands the connector one tensor per attention layer. vLLM 0.32 gives every backend's cache in
+one logical order, ``[blocks, kv_heads, block_size, content]`` (CPU: ``content`` is a head's key
+and value; the strides say where the backend keeps what), and earlier versions other orders (CUDA
+FlashAttention: ``[2, blocks, block_size, kv_heads, head_dim]``): whatever the order, one dimension
+indexes blocks. A block's bytes in one layer are the tensor with that dimension
 removed, in logical order; a block's payload is those bytes for every layer, layer after layer.
 Deriving this from shapes rather than backend names keeps the connector working across backends,
 and makes the payload depend only on the logical layout.
@@ -109,14 +110,15 @@ class KVLayout:
         each = kv_heads // shares
         caches = {}
         for slot in self.slots:
+            # vLLM 0.32 hands every layer in its logical order, [blocks, heads, block_size, content]
+            # (strides per backend): the heads follow the blocks.
             tensor, dim = self._layers[slot.name]
-            heads = [d for d, size in enumerate(tensor.shape) if size == kv_heads and d != dim]
-            if len(heads) != 1:
+            if tensor.dim() <= dim + 1 or tensor.shape[dim + 1] != kv_heads:
                 raise ValueError(
-                    f"{slot.name}: cannot tell the KV heads dimension of a cache of shape {tuple(tensor.shape)} "
-                    f"({kv_heads} heads)"
+                    f"{slot.name}: a cache of shape {tuple(tensor.shape)} does not hold {kv_heads} KV heads right "
+                    "after its blocks dimension, as vLLM's [blocks, heads, block_size, content] does"
                 )
-            caches[slot.name] = tensor.narrow(heads[0], share * each, each)
+            caches[slot.name] = tensor.narrow(dim + 1, share * each, each)
         return KVLayout(caches, self.num_blocks)
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:

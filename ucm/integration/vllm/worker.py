@@ -239,26 +239,28 @@ class WorkerSide:
         self._abandoned = [t for t in self._abandoned if not t.done()]
         if self._abandoned and (blocks or blended):
             self._load_errors.update(blocks + blended)  # vLLM recomputes them
-            self._stats.add("load_failed_blocks", len(blocks))
-            self._stats.add("store_skipped_blocks", len(blocks))
+            skipped = len(blocks) * len(self._shares)  # counted per share, as loads are
+            self._stats.add("load_failed_blocks", skipped)
+            self._stats.add("store_skipped_blocks", skipped)
             return
         for transfer in meta.loads:
-            for share in self._shares:
-                self._loads.append(self._start_load(transfer, share))
+            # One staging buffer per transfer: share j reads into its columns of each block's row.
+            buffer = None if self._in_place else self._staging.take(len(transfer.block_ids))
+            for j, share in enumerate(self._shares):
+                self._loads.append(self._start_load(transfer, share, buffer, j))
         if self._load_mode == "step" or meta.blends:  # a blend reads the exact prefix: loaded first
             for layer in range(len(self.layout.slots)):
                 self._scatter_layer(layer)
         for blend in meta.blends:
             self._run_blend(blend)
 
-    def _start_load(self, transfer: BlockTransfer, share: Share) -> _Load:
+    def _start_load(self, transfer: BlockTransfer, share: Share, buffer: torch.Tensor | None, j: int) -> _Load:
         started = time.perf_counter()
         keys, layout, n = self._keys(transfer, share), share.layout, len(transfer.block_ids)
-        if self._in_place:
+        if buffer is None:
             blobs = [layout.block_segments(b) for b in transfer.block_ids]
             return _Load(transfer, share, None, self._store.load(keys, blobs), started)
-        buffer = self._staging.take(n)
-        staging = buffer[:n, : layout.block_bytes]  # a share's payload is a part of a block's
+        staging = buffer[:n, j * layout.block_bytes : (j + 1) * layout.block_bytes]
         if self._lands:
             landing = Landing(layout, transfer.block_ids)
             task = self._store.load(keys, list(staging.numpy()), landing)
@@ -382,9 +384,14 @@ class WorkerSide:
                 self._load_errors.update(load.transfer.block_ids)
                 if load.ok is None:  # never waited for: none of it may reach the cache from now on
                     self._stop_load(load)
+        reusable: dict[int, tuple[torch.Tensor, bool]] = {}  # a transfer's shares share one buffer
         for load in self._loads:
-            if load.buffer is not None and not load.abandoned and load.task.done():
-                self._staging.give(load.buffer)
+            if load.buffer is not None:
+                free = reusable.get(id(load.buffer), (load.buffer, True))[1]
+                reusable[id(load.buffer)] = (load.buffer, free and not load.abandoned and load.task.done())
+        for buffer, free in reusable.values():
+            if free:
+                self._staging.give(buffer)
         self._saves = []
         self._saved_layers = 0
         self._loads = []
