@@ -209,3 +209,41 @@ def test_write_back_waits_again_once_the_backend_answers():
     assert cache.wait(cache.dump(ids[2:], data[2:]), 5) == [True]
     assert cache.flush(5)
     assert set(back.data) == {ids[0], ids[2]}
+
+
+def test_threads_filling_the_tier_copy_side_by_side_and_room_held_by_fills_is_not_overcommitted(monkeypatch):
+    """Fills copy outside the tier's lock (fresh memory page-faults on its first write, and the
+    store's I/O threads would otherwise take turns): two fills are inside their copies at once. A
+    third fill finding all the room held by those two is skipped, not squeezed in."""
+    import ucm.store.cache as cache_module
+
+    inside, finish = threading.Semaphore(0), threading.Event()
+    real_copy = cache_module.copy_from_blob
+
+    def copy(dst, src):
+        inside.release()
+        finish.wait(10)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(cache_module, "copy_from_blob", copy)
+    cache = CacheStore(CacheConfig(capacity=2 * 1000), Recording())
+    ids, data = blocks(3, 1000)
+    fills = [
+        threading.Thread(target=cache._put, args=(i, memoryview(d))) for i, d in zip(ids[:2], data[:2], strict=True)
+    ]
+    for t in fills:
+        t.start()
+    try:
+        both = inside.acquire(timeout=10) and inside.acquire(timeout=2)  # the second only if not queued
+        if both:
+            cache._put(ids[2], memoryview(data[2]))  # no room left that is not being filled: skipped
+    finally:
+        finish.set()
+        for t in fills:
+            t.join()
+    assert both, "the second fill waited for the first one's copy"
+    assert cache.used_bytes == 2000
+    bufs = [bytearray(1000) for _ in range(2)]
+    assert cache.wait(cache.load(ids[:2], bufs)) == [True, True]
+    assert [bytes(b) for b in bufs] == data[:2]
+    assert cache.lookup(ids[2:]) == [False]  # neither in the tier nor behind it
