@@ -89,9 +89,10 @@ class CacheStore(Store):
             if block_id in self._blocks:  # content-addressed: it already holds these bytes
                 self._blocks.move_to_end(block_id)
                 return
-            buf = self._take_buffer(size)  # its bytes count as used from here on
+            buf = self._take_buffer(size)
             if buf is None:
                 return
+            self._used += size  # counted from here on, so other fills leave this room alone
         # Copied outside the lock: fresh memory page-faults on its first write (~0.6 ms per MiB
         # here), and the store's I/O threads filling the tier side by side would otherwise take turns.
         copy_from_blob(memoryview(buf), payload)
@@ -102,12 +103,11 @@ class CacheStore(Store):
                 self._blocks[block_id] = buf
 
     def _take_buffer(self, size: int) -> bytearray | None:
-        """A buffer of ``size`` bytes within capacity, counted as used: recycled, taken from the LRU
-        block, or new; None when buffers being filled hold the room."""
+        """A buffer of ``size`` bytes within capacity: recycled, taken from the LRU block, or new;
+        None when buffers being filled hold the room."""
         free = self._free.get(size)
         if free:
             self._free_bytes -= size
-            self._used += size
             return free.pop()
         evicted = 0
         try:
@@ -123,9 +123,7 @@ class CacheStore(Store):
                 self._used -= len(victim)
                 evicted += 1
                 if len(victim) == size:
-                    self._used += size
                     return victim
-            self._used += size
             return bytearray(size)
         finally:
             if evicted:
