@@ -105,6 +105,7 @@ payload = os.urandom(24 << 20)
 print("ready", flush=True)
 while True:
     s.wait(s.dump([os.urandom(32), os.urandom(32)], [payload, payload]))
+    print("stored", flush=True)
 """
 
 
@@ -115,22 +116,26 @@ def test_sigkill_mid_write_never_leaves_a_readable_torn_block(tmp_path, placemen
     for root in roots:
         root.mkdir(exist_ok=True)
     config = {"spec": "nfs", "nfs": {"roots": [str(r) for r in roots], "io_threads": 2, "placement": placement}}
-    saw_partial_tmp = False
-    for attempt in range(12):
+    saw_partial_tmp = completed = False
+    # Kills come later and later until one landed mid-write and some earlier writer completed a
+    # block (on a loaded machine a 24 MiB write can outlast the first delays).
+    for attempt in range(20):
         proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, json.dumps(config)], stdout=subprocess.PIPE)
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(0.15 + 0.05 * attempt)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        completed |= b"stored" in proc.stdout.read()
         tmps = [p for p in tmp_path.rglob(f"*{TMP_SUFFIX}")]
         saw_partial_tmp |= any(p.stat().st_size < (24 << 20) + TRAILER.size for p in tmps)
-        if saw_partial_tmp and attempt >= 3:
+        if saw_partial_tmp and completed and attempt >= 3:
             break
     assert saw_partial_tmp, "no kill landed mid-write; the test proved nothing"
+    assert completed, "the writer completed no block before being killed"
     store = create_store(config)
     assert store.verify() == []  # every tier
     found = list(store.scan())
-    assert found, "the writer completed no block before being killed"
+    assert found
     bufs = [bytearray(24 << 20) for _ in found]
     assert store.wait(store.load([b.block_id for b in found], bufs)) == [True] * len(found)
     store.close()
