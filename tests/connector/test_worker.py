@@ -156,6 +156,86 @@ def test_failed_blocks_are_reported(tmp_path, path):
     consumer.close()
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, path):
+    """Request a's last prompt block fails to load, so the blocks it computes in the same step rest on
+    KV that is not its prompt's: they must not reach the store under a's ids, where a later request
+    would load them as its prompt's KV. Request b's saves in the same step are not affected."""
+    kv = kv_caches(True)
+    producer = worker(tmp_path)
+    producer.register(kv, NB)
+    run_step(producer, kv, UCMConnectorMetadata(saves=[BlockTransfer("p", IDS[:1], [0])]))
+    producer.close()
+    w = worker(tmp_path, in_place=path == "in_place")
+    w.register(kv, NB)
+    loading(w, path)
+    mine, theirs = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
+    meta = UCMConnectorMetadata(
+        loads=[BlockTransfer("a", [IDS[0], b"missing" * 4], [1, 2])],
+        saves=[BlockTransfer("a", mine, [3, 4]), BlockTransfer("b", theirs, [5, 6])],
+    )
+    run_step(w, kv, meta)
+    assert w.take_load_errors() == {2}
+    w.close()
+    store = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    assert store.lookup(rank_keys(mine, 0, 1)) == [False, False]
+    assert store.lookup(rank_keys(theirs, 0, 1)) == [True, True]
+    assert w._stats.take().data["save_failed_blocks"] == 2
+    store.close()
+
+
+def tp_rank_step(rank: int, port: int, root: str) -> None:
+    """One TP=2 rank's step in its own process, agreeing with the other rank over gloo (as vLLM's
+    TP group does): both load IDS[:2] for request a, then save a's and b's new blocks."""
+    import functools
+
+    import torch.distributed as dist
+
+    from ucm.integration.vllm.worker import or_across
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    w = worker(root, rank=rank, tp_size=2, any_rank=functools.partial(or_across, group=None))
+    kv = kv_caches(True)
+    w.register(kv, NB)
+    mine, theirs = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
+    meta = UCMConnectorMetadata(
+        loads=[BlockTransfer("a", IDS[:2], [1, 2])],
+        saves=[BlockTransfer("a", mine, [3, 4]), BlockTransfer("b", theirs, [5, 6])],
+    )
+    run_step(w, kv, meta)
+    w.close()
+    dist.destroy_process_group()
+
+
+def test_a_load_failing_on_one_tp_rank_keeps_every_rank_from_saving_over_it(tmp_path):
+    """Rank 0's share of a's second block is gone, rank 1's loads: rank 1's later layers still saw
+    rank 0's missing KV through the all-reduces, so neither rank may save a's new blocks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ucm.deploy.ports import free_port
+
+    kv = kv_caches(True)
+    for rank in (0, 1):
+        w = worker(tmp_path, rank=rank, tp_size=2)
+        w.register(kv, NB)
+        run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("p", IDS[:2], [0, 1])]))
+        w.close()
+    store = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    assert store.remove(rank_keys(IDS[1:2], 0, 2)) == [True]
+    port = free_port()
+    call = f"from tests.connector.test_worker import tp_rank_step; tp_rank_step({{}}, {port}, {str(tmp_path)!r})"
+    repo = Path(__file__).resolve().parents[2]
+    ranks = [subprocess.Popen([sys.executable, "-c", call.format(r)], cwd=repo) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    mine, theirs = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
+    for rank in (0, 1):
+        assert store.lookup(rank_keys(mine, rank, 2)) == [False, False]
+        assert store.lookup(rank_keys(theirs, rank, 2)) == [True, True]
+    store.close()
+
+
 def test_layers_never_waited_for_fail_their_loads(tmp_path):
     kv = kv_caches(True)
     w = worker(tmp_path, load_mode="layer")

@@ -15,6 +15,7 @@ this class only adapts vLLM's calls to them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable
@@ -48,7 +49,7 @@ from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import BlendSettings, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
-from ucm.integration.vllm.worker import WorkerSide
+from ucm.integration.vllm.worker import WorkerSide, or_across
 from ucm.store import create_store
 from ucm.store.breaker import BreakerStore
 
@@ -124,7 +125,7 @@ class UCMConnector(KVConnectorBase_V1):
                 blend=None if config.blend is None else BlendSettings(config.blend, _separator(vllm_config, config)),
             )
         else:
-            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 
             rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size + get_tensor_model_parallel_rank()
             if config.store_breaker is not None:
@@ -145,6 +146,8 @@ class UCMConnector(KVConnectorBase_V1):
                 staging_bytes=int(config.load_staging),
                 pd_save_wait_s=config.pd_save_wait_s,
                 blend=config.blend,
+                # the TP ranks of a stage run each step together; pipeline stages do not (see README)
+                any_rank=functools.partial(or_across, group=get_tp_group().cpu_group) if tp > 1 else None,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])

@@ -40,6 +40,13 @@ from ucm.store import Store, Task, workers
 logger = logging.getLogger(__name__)
 
 
+def or_across(flags: list[bool], group: object) -> list[bool]:
+    """``flags`` ORed element-wise over the ranks of a ``torch.distributed`` process ``group``."""
+    t = torch.tensor(flags, dtype=torch.int32)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return [bool(x) for x in t.tolist()]
+
+
 class Landing:
     """Copies each block of one load into the paged cache as the store hands it over (on the
     store's threads) until :meth:`close`: once that returns, no copy of this load can reach the
@@ -138,10 +145,13 @@ class WorkerSide:
         blend: BlendConfig | None = None,
         shares_per_rank: int = 1,
         kv_heads: int = 0,
+        any_rank: Callable[[list[bool]], list[bool]] | None = None,
     ) -> None:
         """``rank`` of ``tp_size`` workers; each keeps ``shares_per_rank`` shares of a block in the
         store (more than one when the store splits blocks by a larger TP than the engine's), each
-        share an equal range of this worker's ``kv_heads`` KV heads."""
+        share an equal range of this worker's ``kv_heads`` KV heads. ``any_rank`` ORs flags across
+        the tensor-parallel ranks that compute together (a collective: every rank calls it in the
+        same step), so that a load failing on one rank keeps every rank from saving what it tainted."""
         self._store = store
         self._blend_config = blend
         self._blender = None
@@ -154,6 +164,7 @@ class WorkerSide:
         self._tp_size = tp_size
         self._shares_per_rank = shares_per_rank
         self._kv_heads = kv_heads
+        self._any_rank = any_rank
         self._shares: list[Share] = []
         self._load_mode = load_mode
         self._save_mode = save_mode
@@ -374,8 +385,6 @@ class WorkerSide:
             self._saves = self._new_saves(meta)
             for transfer, share, staging in self._saves:
                 share.layout.gather(transfer.block_ids, staging)
-        tasks = [self._dump(transfer, share, staging) for transfer, share, staging in self._saves]
-        self._wait_for_pd_saves([t for t, (transfer, _, _) in zip(tasks, self._saves, strict=True) if transfer.wait])
         if self._loads and len(self._scattered) < len(self.layout.slots):
             # Loaded KV never reached some layers: fail those blocks so vLLM recomputes them.
             missing = sorted(set(range(len(self.layout.slots))) - self._scattered)
@@ -384,6 +393,9 @@ class WorkerSide:
                 self._load_errors.update(load.transfer.block_ids)
                 if load.ok is None:  # never waited for: none of it may reach the cache from now on
                     self._stop_load(load)
+        saves = self._untainted(meta)
+        tasks = [self._dump(transfer, share, staging) for transfer, share, staging in saves]
+        self._wait_for_pd_saves([t for t, (transfer, _, _) in zip(tasks, saves, strict=True) if transfer.wait])
         reusable: dict[int, tuple[torch.Tensor, bool]] = {}  # a transfer's shares share one buffer
         for load in self._loads:
             if load.buffer is not None:
@@ -396,6 +408,35 @@ class WorkerSide:
         self._saved_layers = 0
         self._loads = []
         self._scattered = set()
+
+    def _untainted(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
+        """This step's saves, less those of requests whose load or blend failed in it: their new
+        blocks were computed over KV that did not load (stale or partly read memory). vLLM discards
+        the step's output for them and computes again; stored, these blocks would be served under
+        their prompt's ids as wrong KV (a block already stored is never rewritten)."""
+        transfers: list[BlockTransfer | BlendTransfer] = [*meta.loads, *meta.blends]
+        if not self._saves or not transfers:  # the same on every rank: the scheduler's metadata
+            return self._saves
+        failed = [not self._load_errors.isdisjoint(t.block_ids) for t in transfers]
+        if self._any_rank is not None:
+            # Another rank's missing KV reaches this rank's later layers through the all-reduces.
+            failed = self._any_rank(failed)
+        tainted = {t.req_id for t, bad in zip(transfers, failed, strict=True) if bad}
+        if not tainted:
+            return self._saves
+        kept = [save for save in self._saves if save[0].req_id not in tainted]
+        dropped = sum(len(transfer.block_ids) for transfer, _, _ in self._saves) - sum(
+            len(transfer.block_ids) for transfer, _, _ in kept
+        )
+        if dropped:
+            logger.warning(
+                "UCM: requests %s: %d blocks computed over KV that failed to load are not saved",
+                sorted(tainted),
+                dropped,
+            )
+            # Counted as failed saves: a PD consumer is then promised no blocks that will not come.
+            self._stats.add("save_failed_blocks", dropped)
+        return kept
 
     def _new_saves(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
         return [(t, s, s.layout.new_staging(len(t.block_ids))) for t in meta.saves for s in self._shares]
