@@ -119,6 +119,21 @@ def test_full_hit_leaves_one_token_to_compute(store):
     assert meta.saves == []
 
 
+def test_a_request_whose_load_failed_saves_again_from_the_failed_block(store):
+    """The workers dropped the step's saves (computed over the failed block); vLLM computes the
+    request again from that block, and what it computes is saved, the failed block included."""
+    put(store, TOKENS, 3)
+    s = side(store)
+    req = Req("r", TOKENS)
+    assert s.num_new_matched_tokens(req, 4) == (8, False)
+    s.after_alloc(req, [10, 11, 12, 13, 14], 8)
+    first = s.build_meta(step(new=[("r", [10, 11, 12, 13, 14], 12)], scheduled={"r": 6}))
+    assert [t.block_ids for t in first.saves] == [[13]]
+    s.loads_failed({12})  # block 2 of the request did not load
+    again = s.build_meta(step(cached=[("r", None, 8)], scheduled={"r": 10}))
+    assert [t.block_ids for t in again.saves] == [[12, 13]]
+
+
 def test_no_hit_beyond_local_means_no_load(store):
     put(store, TOKENS, 2)
     s = side(store)

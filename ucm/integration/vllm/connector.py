@@ -199,6 +199,8 @@ class UCMConnector(KVConnectorBase_V1):
         stats = connector_output.kv_connector_stats
         if stats is not None:
             self._scheduler.worker_stats(stats.data)
+        if connector_output.invalid_block_ids:
+            self._scheduler.loads_failed(connector_output.invalid_block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         assert self._scheduler is not None

@@ -411,6 +411,15 @@ class SchedulerSide:
         return self._events.take() if self._events is not None else []
 
     # -- vLLM: update_connector_output -----------------------------------------------------------
+    def loads_failed(self, invalid_block_ids: set[int]) -> None:
+        """vLLM computes again, from the first block that failed to load, each request holding one:
+        what it computes is saved again from there (the workers dropped that step's saves, and the
+        failed block's bad copy was removed from the store)."""
+        for state in self._requests.values():
+            bad = next((k for k, b in enumerate(state.blocks) if b in invalid_block_ids), None)
+            if bad is not None:
+                state.next_save = min(state.next_save, bad)
+
     def worker_stats(self, data: Mapping[str, Any]) -> None:
         """What the workers' saves came to. While they fail (a full or read-only store) or do not
         land within pd_save_wait_s (a store whose writes hang), a PD consumer is promised no blocks:

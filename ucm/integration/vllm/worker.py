@@ -172,7 +172,7 @@ class WorkerSide:
         store (more than one when the store splits blocks by a larger TP than the engine's), each
         share an equal range of this worker's ``kv_heads`` KV heads. ``any_rank`` ORs flags across
         the tensor-parallel ranks that compute together (a collective: every rank calls it in the
-        same step), so that a load failing on one rank keeps every rank from saving what it tainted."""
+        same step), so that a load failing on one rank keeps every rank from saving over it."""
         self._store = store
         self._blend_config = blend
         self._blender = None
@@ -442,33 +442,26 @@ class WorkerSide:
         self._scattered = set()
 
     def _untainted(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
-        """This step's saves, less those of requests whose load or blend failed in it: their new
-        blocks were computed over KV that did not load (stale or partly read memory). vLLM discards
-        the step's output for them and computes again; stored, these blocks would be served under
-        their prompt's ids as wrong KV (a block already stored is never rewritten)."""
+        """This step's saves, or none if a load or blend failed in it. A request whose load failed
+        computed its new blocks over KV that is not its prompt's (stale or partly read memory), and
+        so did any request attending over the same blocks through vLLM's prefix cache: vLLM discards
+        their output and computes again, but stored, those blocks would be served under their
+        prompts' ids as wrong KV (a stored block is never rewritten). Failures are rare (a block lost
+        between lookup and load), so the whole step's saves go rather than guessing who shared."""
         transfers: list[BlockTransfer | BlendTransfer] = [*meta.loads, *meta.blends]
         if not self._saves or not transfers:  # the same on every rank: the scheduler's metadata
             return self._saves
-        failed = [not self._load_errors.isdisjoint(t.block_ids) for t in transfers]
+        failed = any(not self._load_errors.isdisjoint(t.block_ids) for t in transfers)
         if self._any_rank is not None:
             # Another rank's missing KV reaches this rank's later layers through the all-reduces.
-            failed = self._any_rank(failed)
-        tainted = {t.req_id for t, bad in zip(transfers, failed, strict=True) if bad}
-        if not tainted:
+            failed = self._any_rank([failed])[0]
+        if not failed:
             return self._saves
-        kept = [save for save in self._saves if save[0].req_id not in tainted]
-        dropped = sum(len(transfer.block_ids) for transfer, _, _ in self._saves) - sum(
-            len(transfer.block_ids) for transfer, _, _ in kept
-        )
-        if dropped:
-            logger.warning(
-                "UCM: requests %s: %d blocks computed over KV that failed to load are not saved",
-                sorted(tainted),
-                dropped,
-            )
-            # Counted as failed saves: a PD consumer is then promised no blocks that will not come.
-            self._stats.add("save_failed_blocks", dropped)
-        return kept
+        dropped = sum(len(transfer.block_ids) for transfer, _, _ in self._saves)
+        logger.warning("UCM: a load failed in this step; its %d new blocks are not saved (computed over it)", dropped)
+        # Counted as failed saves: a PD consumer is then promised no blocks that will not come.
+        self._stats.add("save_failed_blocks", dropped)
+        return []
 
     def _new_saves(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
         return [(t, s, s.layout.new_staging(len(t.block_ids))) for t in meta.saves for s in self._shares]
