@@ -43,7 +43,7 @@ class Stalled:
         self.released.wait()
         return self.store.lookup_prefix(ids)
 
-    def load(self, ids, buffers, landed=None, cuts=()):  # type: ignore[no-untyped-def]
+    def load(self, ids, buffers, landed=None):  # type: ignore[no-untyped-def]
         task = Task(len(ids))
         self.pending.append((task, buffers, landed))
         return task

@@ -189,55 +189,6 @@ def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, path):
     store.close()
 
 
-class GatedRanges:
-    """A real store whose loads hand over their first range of every block at once and the rest
-    once ``gate`` is set: a read that is slow after its first layers."""
-
-    def __init__(self, store, gate: threading.Event) -> None:  # type: ignore[no-untyped-def]
-        self.store, self.gate = store, gate
-
-    def load(self, ids, buffers, landed=None, cuts=()):  # type: ignore[no-untyped-def]
-        def gated(index: int, data: memoryview, offset: int = 0) -> bool:
-            if offset:
-                self.gate.wait()
-            return landed(index, data, offset)
-
-        return self.store.load(ids, buffers, gated, cuts)
-
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        return getattr(self.store, name)
-
-
-def test_a_layer_computes_once_its_own_range_landed_not_the_whole_block(tmp_path):
-    src = kv_caches(True)
-    producer = worker(tmp_path)
-    producer.register(src, NB)
-    run_step(producer, src, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS, [3, 4, 5, 6])]))
-    producer.close()
-    gate = threading.Event()
-    store = GatedRanges(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}), gate)
-    w = WorkerSide(
-        store, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), load_timeout_s=5
-    )
-    dst = kv_caches(False)
-    w.register(dst, NB)
-    assert w._lands and w.layout is not None and w.layout.layer_cuts() == [w.layout.slots[1].offset]
-    meta = UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [10, 11, 12, 13])])
-    w.start_load(meta)
-    names = list(dst)
-    w.wait_layer(names[0])  # returns with the later layers still held back
-    assert torch.equal(dst[names[0]][10:14], src[names[0]][3:7])
-    assert not dst[names[1]].any() and not gate.is_set()
-    gate.set()
-    for name in names[1:]:
-        w.wait_layer(name)
-    w.finish_step(meta)
-    assert w.take_load_errors() == set()
-    for name in names:
-        assert torch.equal(dst[name][10:14], src[name][3:7])
-    w.close()
-
-
 def tp_rank_step(rank: int, port: int, root: str) -> None:
     """One TP=2 rank's step in its own process, agreeing with the other rank over gloo (as vLLM's
     TP group does): both load IDS[:2] for request a, then save a's and b's new blocks."""

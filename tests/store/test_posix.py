@@ -563,37 +563,3 @@ def test_a_short_mac_key_is_refused(tmp_path):
     (tmp_path / "key").write_bytes(b"short")
     with pytest.raises(ConfigError, match=r"mac_key_file: .* holds 5 bytes; at least 16 are needed"):
         posix(tmp_path, mac_key_file=str(tmp_path / "key"))
-
-
-@pytest.mark.parametrize("keyed", [False, True])
-def test_a_load_with_cuts_lands_each_block_range_by_range_and_checks_it_whole(tmp_path, keyed):
-    """With cuts, blocks are handed over range by range (one I/O thread: the first range of every
-    block before any second range) and a block's verdict is its whole checksum (or MAC): a block
-    corrupted in its last range has its first ranges landed, and is then reported failed and removed."""
-    opts = {}
-    if keyed:
-        (tmp_path / "key").write_bytes(b"k" * 32)
-        opts["mac_key_file"] = str(tmp_path / "key")
-    (tmp_path / "kv").mkdir()
-    store = posix(tmp_path / "kv", io_threads=1, **opts)
-    ids, data = blocks(4, 1000)
-    assert store.wait(store.dump(ids[:3], data[:3])) == [True] * 3
-    path = Path(store._paths(ids[2])[0])
-    raw = bytearray(path.read_bytes())
-    raw[900] ^= 1  # in the last range
-    path.write_bytes(bytes(raw))
-    seen: list[tuple[int, int, bytes]] = []
-
-    def landed(index: int, data: memoryview, offset: int = 0) -> bool:
-        seen.append((index, offset, bytes(data)))
-        return True
-
-    task = store.load(ids, [bytearray(1000) for _ in ids], landed, cuts=[100, 400])
-    assert store.wait(task) == [True, True, False, False]
-    assert [(i, offset) for i, offset, _ in seen] == [(i, o) for o in (0, 100, 400) for i in range(3)]
-    for i in range(2):
-        assert b"".join(d for j, _, d in seen if j == i) == data[i]
-    assert not path.exists()  # quarantined: the next dump writes a good copy
-    with pytest.raises(ValueError, match="cuts"):
-        store.load(ids[:1], [bytearray(1000)], landed, cuts=[400, 100])
-    store.close()

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ucm import metrics
 from ucm.store.workers import IOThreads
@@ -29,14 +29,9 @@ Buffer = Any
 # A block's memory as backends see it: one flat byte view, or segments that hold the payload in
 # order (e.g. one per layer, straight inside a paged KV cache, so nothing is staged or copied).
 Blob = memoryview | list[memoryview]
-
-
-class Landed(Protocol):
-    """Called with a block's index in the batch and its bytes once they have loaded (see
-    :meth:`Store.load`): all of them, or with ``offset`` the range of them starting there; returns
-    whether they landed."""
-
-    def __call__(self, index: int, data: memoryview, offset: int = 0, /) -> bool: ...
+# Called with a block's index in the batch and its bytes, once it has loaded (see Store.load);
+# returns whether the block landed.
+Landed = Callable[[int, memoryview], bool]
 
 
 def blob_segments(blob: Blob) -> list[memoryview]:
@@ -168,9 +163,7 @@ class Store(ABC):
         self._instrument(task, "dump", views)
         return task
 
-    def load(
-        self, ids: Sequence[bytes], buffers: Sequence[Buffer], landed: Landed | None = None, cuts: Sequence[int] = ()
-    ) -> Task:
+    def load(self, ids: Sequence[bytes], buffers: Sequence[Buffer], landed: Landed | None = None) -> Task:
         """Fill the caller's writable ``buffers`` (each a buffer, or a list of segment buffers filled
         in order); a block is loaded only if its size matches.
 
@@ -181,24 +174,14 @@ class Store(ABC):
         during the call only. A store that has the bytes in memory of its own (one buffer per I/O
         thread, still in the CPU's cache when handed over; a DRAM tier's block) may leave
         ``buffers[i]`` unwritten. A block whose ``landed`` returns False or raises is reported as
-        failed.
-
-        ``cuts`` (ascending byte offsets inside a block) ask a store that reads blocks from files to
-        hand them over in the ranges they delimit, ``landed(i, data, offset)``, each I/O thread the
-        first range of all its blocks before the second range of any: a caller that needs the start
-        of every block first (the first layers of a forward pass) can use it while the rest is read. A block's
-        ranges may then land before its integrity is checked: its result in the task is the
-        verdict, and a caller must not trust what landed of a block reported as failed. Other
-        stores hand over whole blocks."""
+        failed."""
         views = _byte_views("buffers", ids, buffers, writable=True)
         if landed is None:
             task = self._load(ids, views)
         elif any(isinstance(v, list) for v in views):
             raise ValueError("buffers: a load with `landed` takes flat buffers, not lists of segments")
         else:
-            if list(cuts) != sorted(set(cuts)) or any(c <= 0 or c >= v.nbytes for c in cuts for v in views):
-                raise ValueError("cuts: byte offsets must ascend and lie inside every block")
-            task = self._load_landed(ids, views, landed, cuts)
+            task = self._load_landed(ids, views, landed)
         self._instrument(task, "load", views)
         return task
 
@@ -248,11 +231,8 @@ class Store(ABC):
     @abstractmethod
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task: ...
 
-    def _load_landed(
-        self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed, cuts: Sequence[int] = ()
-    ) -> Task:
-        """Load into ``buffers``, then land every block that loaded, once all have (whole: ``cuts``
-        are a request a store may ignore)."""
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
+        """Load into ``buffers``, then land every block that loaded, once all have."""
         task = Task(len(ids))
 
         def land(inner: Task) -> None:
@@ -305,11 +285,10 @@ def _flat(name: str, buf: Buffer, writable: bool) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def try_land(landed: Landed, index: int, data: memoryview, offset: int = 0) -> bool:
-    """``landed(index, data[, offset])``, False (logged) if it raised: the block then counts as not
-    loaded."""
+def try_land(landed: Landed, index: int, data: memoryview) -> bool:
+    """``landed(index, data)``, False (logged) if it raised: the block then counts as not loaded."""
     try:
-        return bool(landed(index, data, offset) if offset else landed(index, data))
+        return bool(landed(index, data))
     except Exception:
         logger.exception("landing block %d of a load failed; the block counts as not loaded", index)
         return False
@@ -348,9 +327,7 @@ class PerBlockStore(Store):
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         return self._run(self._load_block, ids, buffers)
 
-    def _load_landed(
-        self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed, cuts: Sequence[int] = ()
-    ) -> Task:
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
         # Each block is read into this thread's buffer and landed at once, while it is still in the
         # CPU's cache: no write to the caller's buffer and read back (with direct_io the read still
         # goes through its aligned bounce buffer first).

@@ -89,10 +89,8 @@ class BreakerStore(Store):
     def _load(self, ids: Sequence[bytes], buffers: Sequence[Blob]) -> Task:
         return self._guarded("load", len(ids), lambda: self.inner.load(ids, buffers))
 
-    def _load_landed(
-        self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed, cuts: Sequence[int] = ()
-    ) -> Task:
-        return self._guarded("load", len(ids), lambda: self.inner.load(ids, buffers, landed, cuts))
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
+        return self._guarded("load", len(ids), lambda: self.inner.load(ids, buffers, landed))
 
     def _guarded(self, op: str, n: int, call: Callable[[], Task]) -> Task:
         if self._degraded:

@@ -164,12 +164,9 @@ class CacheStore(Store):
         task._set(hits, [True] * len(hits))
         return task
 
-    def _load_landed(
-        self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed, cuts: Sequence[int] = ()
-    ) -> Task:
+    def _load_landed(self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed) -> Task:
         # Blocks in memory land straight from the tier's own buffers (no copy into ``buffers``
-        # first); the others land from the store behind as they arrive, and fill the tier on the way
-        # (whole: the tier keeps only blocks whose integrity the store behind checked).
+        # first); the others land from the store behind as they arrive, and fill the tier on the way.
         task = Task(len(ids))
         hits, landed_ok, misses = [], [], []
         for k, block_id in enumerate(ids):

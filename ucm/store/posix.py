@@ -49,18 +49,7 @@ from pydantic import ByteSize, Field, model_validator
 from ucm import metrics
 from ucm.config import ConfigError, StrictModel
 from ucm.store import workers
-from ucm.store.base import (
-    Blob,
-    BlockInfo,
-    Landed,
-    PerBlockStore,
-    Task,
-    blob_segments,
-    blob_size,
-    copy_from_blob,
-    copy_to_blob,
-    try_land,
-)
+from ucm.store.base import Blob, BlockInfo, PerBlockStore, blob_segments, blob_size, copy_from_blob, copy_to_blob
 
 logger = logging.getLogger(__name__)
 # KV reveals the prompts it was computed from: owner and group only (pods of a deployment share
@@ -240,35 +229,6 @@ class PosixStore(PerBlockStore):
     def _read_block(self, path: str, block_id: bytes, buffer: Blob) -> bool:
         size = blob_size(buffer)
         expected = size + TRAILER.size
-        opened = self._open_block(path, block_id, expected)
-        if opened is None:
-            return False
-        fd, st = opened
-        try:
-            if self.config.direct_io:
-                bounce = self._bounce(_round_up(expected))
-                n = os.preadv(fd, [bounce], 0)
-                copy_to_blob(buffer, bounce[:size])
-                trailer = bounce[size:expected]
-            else:
-                trailer = self._trailer_buffer()
-                n = os.preadv(fd, [*blob_segments(buffer), trailer], 0)
-        finally:
-            os.close(fd)
-        checksum = _checksum(buffer, block_id, self._key) if self._checks else None
-        if n < expected or not _trailer_matches(trailer, block_id, size, self._key, checksum):
-            self._quarantine(path, "checksum or trailer mismatch")
-            return False
-        self._maybe_touch(path, st.st_mtime)
-        return True
-
-    @property
-    def _checks(self) -> bool:
-        return self.config.verify_checksum or self._key is not None  # a MAC is always checked
-
-    def _open_block(self, path: str, block_id: bytes, expected: int) -> tuple[int, os.stat_result] | None:
-        """A descriptor of the regular file at ``path`` of ``expected`` bytes, or None (a file that
-        cannot be this block is quarantined). FileNotFoundError when there is none."""
         # Never follow a link out of the store, and never wait on something that is not a file (a
         # FIFO at a block's path would block the open, and the engine step with it).
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -279,70 +239,30 @@ class PosixStore(PerBlockStore):
             if exc.errno != errno.ELOOP:
                 raise
             self._quarantine(path, "a symbolic link")
-            return None
+            return False
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 self._quarantine(path, "not a regular file")
-            elif st.st_size != expected:
-                self._reject_size(fd, path, block_id, st.st_size, expected)
+                return False
+            if st.st_size != expected:
+                return self._reject_size(fd, path, block_id, st.st_size, expected)
+            if self.config.direct_io:
+                bounce = self._bounce(_round_up(expected))
+                n = os.preadv(fd, [bounce], 0)
+                copy_to_blob(buffer, bounce[:size])
+                trailer = bounce[size:expected]
             else:
-                return fd, st
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-        return None
-
-    # -- landing in ranges -------------------------------------------------------------------
-    def _load_landed(
-        self, ids: Sequence[bytes], buffers: Sequence[memoryview], landed: Landed, cuts: Sequence[int] = ()
-    ) -> Task:
-        if not cuts or self.config.direct_io:
-            return super()._load_landed(ids, buffers, landed)
-        # Each I/O thread hands over the first range of all its blocks, then the second, ...: a
-        # caller that needs the first layers of every block first (a forward pass) starts on them
-        # while the rest is read. A block's verdict (its checksum) comes once all of it is read.
-        task = Task(len(ids))
-        chunks = min(len(ids), self._io_threads)
-        for c in range(chunks):
-            indices = range(len(ids) * c // chunks, len(ids) * (c + 1) // chunks)
-            self._pool.submit(self._land_ranges, task, indices, ids, [buffers[i].nbytes for i in indices], landed, cuts)
-        return task
-
-    def _land_ranges(
-        self,
-        task: Task,
-        indices: range,
-        ids: Sequence[bytes],
-        sizes: list[int],
-        landed: Landed,
-        cuts: Sequence[int],
-    ) -> None:
-        verdicts = dict.fromkeys(indices, False)  # reported together once every range was read
-        reads: dict[int, _RangedRead] = {}
-        try:
-            for i, size in zip(indices, sizes, strict=True):
-                read = _RangedRead(self, ids[i], size)
-                if read.open():
-                    reads[i] = read
-                else:
-                    del verdicts[i]
-                    task._set([i], [False])
-            buf = self._thread_buffer(max(sizes))
-            for lo, hi in itertools.pairwise([0, *cuts, max(sizes)]):
-                for i, read in reads.items():
-                    if read.ok:
-                        read.land(i, buf, lo, min(hi, read.size), landed)
-            for i, read in reads.items():
-                verdicts[i] = read.finish()
-        except Exception:
-            # A backend bug must not hang the caller or reach the serving path: fail what is left.
-            logger.exception("%s: unexpected error landing blocks in ranges", self.backend)
+                trailer = self._trailer_buffer()
+                n = os.preadv(fd, [*blob_segments(buffer), trailer], 0)
         finally:
-            for read in reads.values():
-                read.close()
-            task._set(list(verdicts), list(verdicts.values()))
+            os.close(fd)
+        check = self.config.verify_checksum or self._key is not None  # a MAC is always checked
+        if n < expected or not _trailer_matches(trailer, block_id, buffer, self._key, check):
+            self._quarantine(path, "checksum or trailer mismatch")
+            return False
+        self._maybe_touch(path, st.st_mtime)
+        return True
 
     def _reject_size(self, fd: int, path: str, block_id: bytes, size: int, expected: int) -> bool:
         """A size mismatch is either a corrupt file or a caller whose buffer has the wrong size. The
@@ -600,9 +520,7 @@ class PosixStore(PerBlockStore):
             except FileNotFoundError:
                 continue
             payload, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
-            if len(data) < TRAILER.size or not _trailer_matches(
-                trailer, block_id, payload.nbytes, self._key, _checksum(payload, block_id, self._key)
-            ):
+            if len(data) < TRAILER.size or not _trailer_matches(trailer, block_id, payload, self._key):
                 corrupt.append(block_id)
                 metrics.STORE_CORRUPT_BLOCKS.labels(self.backend).inc()
                 if repair:
@@ -624,112 +542,27 @@ class _Entry:
         self.path, self.name, self.size, self.mtime = path, name, size, mtime
 
 
-def _trailer_matches(trailer: memoryview, block_id: bytes, size: int, key: bytes | None, checksum: int | None) -> bool:
-    """The trailer names this block and its ``size``; with ``checksum`` (of the payload read), it
-    matches it too."""
-    magic, version, flags, length, stored, tag = TRAILER.unpack(trailer)
+def _trailer_matches(
+    trailer: memoryview, block_id: bytes, payload: Blob, key: bytes | None, check_sum: bool = True
+) -> bool:
+    magic, version, flags, length, checksum, tag = TRAILER.unpack(trailer)
     return (
         magic == MAGIC
         and version == FORMAT_VERSION
         and bool(flags & FLAG_MAC) == (key is not None)  # an unkeyed block in a keyed store is untrusted
-        and length == size
+        and length == blob_size(payload)
         and tag == block_id[:8]
-        and (checksum is None or stored == checksum)
+        and (not check_sum or checksum == _checksum(payload, block_id, key))
     )
 
 
 def _checksum(payload: Blob, block_id: bytes, key: bytes | None) -> int:
     """xxh3-64 of the payload, or with a key a BLAKE3-64 MAC of the block id and payload;
     streaming over segments gives the same digest as one buffer."""
-    h = _Digest(block_id, key)
-    for seg in blob_segments(payload):
+    h = xxhash.xxh3_64() if key is None else blake3.blake3(block_id, key=key)
+    for seg in payload if isinstance(payload, list) else [payload]:
         h.update(seg)
-    return h.value()
-
-
-class _Digest:
-    """The trailer's checksum, fed in pieces."""
-
-    def __init__(self, block_id: bytes, key: bytes | None) -> None:
-        self._keyed = key is not None
-        self._h = xxhash.xxh3_64() if key is None else blake3.blake3(block_id, key=key)
-
-    def update(self, data: memoryview) -> None:
-        self._h.update(data)
-
-    def value(self) -> int:
-        return int.from_bytes(self._h.digest(8), "little") if self._keyed else self._h.intdigest()
-
-
-class _RangedRead:
-    """One block read in ranges (:meth:`PosixStore._land_ranges`): its open descriptor, the digest
-    of what was read so far, and whether all went well."""
-
-    def __init__(self, store: PosixStore, block_id: bytes, size: int) -> None:
-        self.store, self.block_id, self.size = store, block_id, size
-        self.ok = False
-        self._fd: int | None = None
-        self._path = ""
-        self._mtime = 0.0
-        self._digest = _Digest(block_id, store._key) if store._checks else None
-
-    def open(self) -> bool:
-        for path in self.store._paths(self.block_id):
-            try:
-                opened = self.store._retry_stale(self.store._open_block, path, self.block_id, self.size + TRAILER.size)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                logger.warning("%s: load of %s failed: %s", self.store.backend, path, exc)
-                return False
-            if opened is None:
-                return False
-            self._fd, st = opened
-            self._path, self._mtime = path, st.st_mtime
-            self.ok = True
-            return True
-        return False
-
-    def land(self, index: int, buf: memoryview, lo: int, hi: int, landed: Landed) -> None:
-        """Read bytes ``[lo, hi)`` into ``buf`` and hand them over."""
-        assert self._fd is not None
-        view = buf[: hi - lo]
-        try:
-            self.ok = os.preadv(self._fd, [view], lo) == hi - lo
-        except OSError as exc:
-            logger.warning("%s: load of %s failed: %s", self.store.backend, self._path, exc)
-            self.ok = False
-        if self.ok and self._digest is not None:
-            self._digest.update(view)
-        self.ok = self.ok and try_land(landed, index, view, lo)
-        if not self.ok:
-            self.close()
-
-    def finish(self) -> bool:
-        """The block's verdict once every range was read: its trailer and checksum."""
-        if not self.ok:
-            return False
-        assert self._fd is not None
-        try:
-            trailer = os.pread(self._fd, TRAILER.size, self.size)
-        except OSError as exc:
-            logger.warning("%s: load of %s failed: %s", self.store.backend, self._path, exc)
-            trailer = b""
-        finally:
-            self.close()
-        checksum = self._digest.value() if self._digest is not None else None
-        if len(trailer) != TRAILER.size or not _trailer_matches(
-            memoryview(trailer), self.block_id, self.size, self.store._key, checksum
-        ):
-            self.store._quarantine(self._path, "checksum or trailer mismatch")
-            return False
-        self.store._maybe_touch(self._path, self._mtime)
-        return True
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+    return int.from_bytes(h.digest(8), "little") if key is not None else h.intdigest()
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

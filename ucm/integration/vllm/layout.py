@@ -97,30 +97,10 @@ class KVLayout:
         slot = self.slots[layer]
         native.scatter([self._layers[slot.name]], block_ids, self._part(staging, slot))
 
-    def scatter_block(self, block: int, payload: memoryview, offset: int = 0) -> range:
-        """Copy one block's payload, or its bytes from ``offset`` on, into the paged cache; the layers
-        they held. They must start and end at layer boundaries."""
-        layers = self.layers_in(offset, payload.nbytes)
+    def scatter_block(self, block: int, payload: memoryview) -> None:
+        """Copy one block's payload into every layer of the paged cache."""
         row = torch.frombuffer(payload, dtype=torch.uint8).view(1, -1)
-        native.scatter([self._layers[self.slots[i].name] for i in layers], [block], row)
-        return layers
-
-    def layers_in(self, offset: int, nbytes: int) -> range:
-        """The layers whose bytes are exactly payload bytes ``[offset, offset + nbytes)``."""
-        starts = [s.offset for s in self.slots] + [self.block_bytes]
-        if offset not in starts or offset + nbytes not in starts:
-            raise ValueError(f"payload bytes [{offset}, {offset + nbytes}) do not start and end at layer boundaries")
-        return range(starts.index(offset), starts.index(offset + nbytes))
-
-    def layer_cuts(self) -> list[int]:
-        """Payload offsets that cut a block into ranges of 1, 2, 4, ... layers: what a load lands in
-        (``Store.load``'s ``cuts``) so that the first layers compute while the later ones are read,
-        with few ranges (each costs a read and a copy call per block)."""
-        cuts, layer = [], 1
-        while layer < len(self.slots):
-            cuts.append(self.slots[layer].offset)
-            layer = 2 * layer + 1
-        return cuts
+        native.scatter([self._layers[s.name] for s in self.slots], [block], row)
 
     def head_share(self, kv_heads: int, shares: int, share: int) -> KVLayout:
         """The same blocks restricted to share ``share`` of ``shares`` equal ranges of the ``kv_heads``

@@ -49,8 +49,8 @@ def or_across(flags: list[bool], group: object) -> list[bool]:
 
 class Landing:
     """Copies each block of one load into the paged cache as the store hands it over (on the
-    store's threads), whole or a range of layers at a time, until :meth:`close`: once that returns,
-    no copy of this load can reach the cache, so vLLM may recompute into those blocks at once."""
+    store's threads) until :meth:`close`: once that returns, no copy of this load can reach the
+    cache, so vLLM may recompute into those blocks at once."""
 
     def __init__(self, layout: KVLayout, block_ids: list[int]) -> None:
         self._layout = layout
@@ -58,40 +58,19 @@ class Landing:
         self._cond = threading.Condition()
         self._copying = 0
         self._closed = False
-        self._ended = False
-        self.ended_at = 0.0
-        self._landed = [0] * len(layout.slots)  # per layer, the blocks whose bytes of it are in the cache
 
-    def __call__(self, index: int, payload: memoryview, offset: int = 0) -> bool:
+    def __call__(self, index: int, payload: memoryview) -> bool:
         with self._cond:
             if self._closed:
                 return False
             self._copying += 1
-        layers = range(0)
         try:
-            layers = self._layout.scatter_block(self._block_ids[index], payload, offset)
+            self._layout.scatter_block(self._block_ids[index], payload)
         finally:
             with self._cond:
                 self._copying -= 1
-                for layer in layers:
-                    self._landed[layer] += 1
                 self._cond.notify_all()
         return True
-
-    def ended(self, _task: Task) -> None:
-        """The store has handed over all it will."""
-        with self._cond:
-            self._ended = True
-            self.ended_at = time.perf_counter()
-            self._cond.notify_all()
-
-    def wait_layer(self, layer: int, timeout: float | None) -> bool:
-        """True once ``layer`` of every block is in the cache (not yet checked: the load's verdict
-        says whether it may stay); False if the load ended without it or ``timeout`` passed."""
-        n = len(self._block_ids)
-        with self._cond:
-            self._cond.wait_for(lambda: self._landed[layer] == n or self._ended, timeout)
-            return self._landed[layer] == n
 
     def close(self) -> None:
         """Refuse further copies and wait for the ones running (one block each, at most)."""
@@ -295,10 +274,7 @@ class WorkerSide:
         staging = buffer[:n, j * layout.block_bytes : (j + 1) * layout.block_bytes]
         if self._lands:
             landing = Landing(layout, transfer.block_ids)
-            # Per layer, the first layers land first and compute while the later ones are read.
-            cuts = layout.layer_cuts() if self._load_mode == "layer" else []
-            task = self._store.load(keys, list(staging.numpy()), landing, cuts)
-            task.add_done_callback(landing.ended)
+            task = self._store.load(keys, list(staging.numpy()), landing)
             return _Load(transfer, share, None, task, started, buffer=buffer, landing=landing)
         return _Load(transfer, share, staging, self._store.load(keys, list(staging.numpy())), started, buffer=buffer)
 
@@ -329,11 +305,7 @@ class WorkerSide:
     def _scatter_layer(self, layer: int) -> None:
         assert self.layout is not None
         self._scattered.add(layer)
-        last = len(self._scattered) == len(self.layout.slots)
         for load in self._loads:
-            landing = load.landing if load.ok is None and not last else None
-            if landing is not None and landing.wait_layer(layer, self._time_left(load)):
-                continue  # this layer of every block is in; the load's verdict is taken at the last
             if load.ok is None:
                 self._finish_load(load)
             good = [i for i, ok in enumerate(load.ok or []) if ok]
@@ -348,7 +320,10 @@ class WorkerSide:
 
     def _finish_load(self, load: _Load) -> None:
         try:
-            load.ok = load.task.wait(self._time_left(load))
+            remaining = None
+            if self._load_timeout_s is not None:
+                remaining = max(0.0, load.started + self._load_timeout_s - time.perf_counter())
+            load.ok = load.task.wait(remaining)
         except TimeoutError:
             logger.warning(
                 "UCM: request %s: load of %d blocks not done after %.1f s; recomputing them",
@@ -373,14 +348,7 @@ class WorkerSide:
         self._stats.add("loaded_blocks", n_ok)
         self._stats.add("loaded_bytes", n_ok * load.share.layout.block_bytes)
         self._stats.add("load_failed_blocks", len(failed))
-        # The load's own time: a landing's verdict is taken at the last layer, after the others computed.
-        ended = load.landing.ended_at if load.landing is not None and load.landing.ended_at else time.perf_counter()
-        self._stats.observe("load_seconds", ended - load.started)
-
-    def _time_left(self, load: _Load) -> float | None:
-        if self._load_timeout_s is None:
-            return None
-        return max(0.0, load.started + self._load_timeout_s - time.perf_counter())
+        self._stats.observe("load_seconds", time.perf_counter() - load.started)
 
     def _stop_load(self, load: _Load) -> None:
         """A load whose blocks vLLM recomputes: a landing is closed; a read in place (no deadline)
