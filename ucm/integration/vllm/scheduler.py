@@ -413,8 +413,8 @@ class SchedulerSide:
     # -- vLLM: update_connector_output -----------------------------------------------------------
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """vLLM computes again, from the first block that failed to load, each request holding one:
-        what it computes is saved again from there (the workers dropped that step's saves, and the
-        failed block's bad copy was removed from the store)."""
+        what it computes is saved again from there (the workers dropped that step's saves; a block
+        that failed to load is missing from the store, or was removed from it as corrupt)."""
         for state in self._requests.values():
             bad = next((k for k, b in enumerate(state.blocks) if b in invalid_block_ids), None)
             if bad is not None:
