@@ -79,14 +79,10 @@ def alive(pid: int) -> bool:
 PROMPT = PROMPTS[2]  # the prompt the tensor-parallel stacks answer
 
 
-@pytest.fixture(scope="module")
-def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A TP=1 engine's answer to PROMPT, before a module's stack starts (it would share the cores)."""
-    server = VLLMServer(tiny, tmp_path_factory.mktemp("tp1") / "vllm.log", threads_bind="0-1")
-    try:
-        return server.start().wait_ready().complete(PROMPT, max_tokens=16, logprobs=2)
-    finally:
-        server.stop()
+@pytest.fixture(scope="session")
+def reference(plain: VLLMServer) -> dict:
+    """A TP=1 engine's answer to PROMPT: the session's plain vLLM (idle while the stacks serve)."""
+    return plain.complete(PROMPT, max_tokens=16, logprobs=2, model="tiny")
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ class VLLMServer:
         )
         return self
 
-    def wait_ready(self, timeout: float = 240.0) -> VLLMServer:
+    def wait_ready(self, timeout: float = 420.0) -> VLLMServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:

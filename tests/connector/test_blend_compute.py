@@ -81,12 +81,24 @@ def mean_error(a: list[torch.Tensor], b: list[torch.Tensor], rows: slice) -> flo
     return max((x[rows].float() - y[rows].float()).abs().mean().item() for x, y in zip(a, b, strict=True))
 
 
+def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """The same KV up to two implementations' float32 kernels, every layer. Layer 1 sums layer 0's
+    rounding: on this machine the worst element is off by 1e-5, but CI's machine put it past 2e-3
+    (while its layer-0 and mean checks held), so the worst element is held to 1% of the layer's
+    largest and the mean to ATOL. A token computed at a wrong position or over stale KV is off by
+    about the magnitude itself."""
+    return all(
+        (x.float() - y.float()).abs().max() <= 1e-2 * y.abs().max() and (x.float() - y.float()).abs().mean() < ATOL
+        for x, y in zip(a, b, strict=True)
+    )
+
+
 def test_ratio_one_is_a_plain_prefill(engine, reference):
     prompt = tokens(150, 0)
     keys, values = prefill_kv(reference, prompt)
     out = run(engine, fresh_region(prompt, len(keys)), ratio=1.0)
-    assert error(out.keys, keys, slice(None)) < ATOL
-    assert error(out.values, values, slice(None)) < ATOL
+    assert close(out.keys, keys)
+    assert close(out.values, values)
     assert out.recomputed.tolist() == list(range(150))
 
 
@@ -99,8 +111,8 @@ def test_exact_kv_at_ratio_zero_is_kept(engine, reference):
     reused[:40] = False
     out = run(engine, Region(torch.tensor(prompt), 40, reused, keys, values), ratio=0.0)
     assert out.keys[0].shape[0] == 80
-    assert error(out.keys, [k[40:] for k in keys], slice(None)) < ATOL
-    assert error(out.values, [v[40:] for v in values], slice(None)) < ATOL
+    assert close(out.keys, [k[40:] for k in keys])
+    assert close(out.values, [v[40:] for v in values])
     assert out.recomputed.numel() == 0
 
 
@@ -209,5 +221,5 @@ def test_attention_selection_at_ratio_one_is_a_plain_prefill(engine, reference):
     region.reused[20:100] = True  # stale (zero) KV: every reused token is recomputed at ratio 1
     (out,) = engine.apply_model(lambda model: blend_region(model, region, 1.0, 0, selection="attention"))
     assert out.recomputed.tolist() == list(range(120))
-    assert error(out.keys, keys, slice(None)) < ATOL
-    assert error(out.values, values, slice(None)) < ATOL
+    assert close(out.keys, keys)
+    assert close(out.values, values)

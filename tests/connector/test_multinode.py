@@ -71,7 +71,18 @@ def shard_files(store: Path, tiny_model: Path, prompt_ids: list[int], block: int
     return [store / key[:2] / key for key in keys]
 
 
-def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_rank(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def want(tiny_model, tmp_path_factory) -> list[dict]:
+    """A plain TP=1 engine's answers to PROMPTS[:2] (16 tokens, with log-probabilities)."""
+    reference = VLLMServer(tiny_model, tmp_path_factory.mktemp("tp1") / "tp1.log", threads_bind="0-1").start()
+    try:
+        reference.wait_ready()
+        return [reference.complete(p, max_tokens=16, logprobs=2) for p in PROMPTS[:2]]
+    finally:
+        reference.stop()
+
+
+def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_rank(tiny_model, tmp_path, want):
     from transformers import AutoTokenizer
 
     store, logs = tmp_path / "kv", tmp_path / "logs"
@@ -82,13 +93,6 @@ def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_
     prompts = PROMPTS[:2]
     ids = [AutoTokenizer.from_pretrained(tiny_model)(p)["input_ids"] for p in prompts]
     assert all(len(i) >= 3 * BS for i in ids)
-
-    reference = VLLMServer(tiny_model, logs / "tp1.log", threads_bind="0-1").start()
-    try:
-        reference.wait_ready()
-        want = [reference.complete(p, max_tokens=16, logprobs=2) for p in prompts]
-    finally:
-        reference.stop()
 
     with group(tiny_model, kv_config, logs, "first") as engine:
         for prompt, w in zip(prompts, want, strict=True):
@@ -108,7 +112,7 @@ def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_
         same_greedy_answer(partial, want[1])
 
 
-def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(tiny_model, tmp_path):
+def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(tiny_model, tmp_path, want):
     """Prefill TP=2 -> decode TP=1, and TP=1 -> TP=2, through one store: both engines set
     ``store_tp: 2``, so a block is kept as two shares (a KV head each) whoever wrote it; the TP=1
     engine reads and writes both shares of each block, the TP=2 engine's ranks one each. Every
@@ -124,13 +128,13 @@ def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(t
     ids = [AutoTokenizer.from_pretrained(tiny_model)(p)["input_ids"] for p in prompts]
     full = [min(len(i) // BS * BS, len(i) - 1) for i in ids]  # one prompt token is always computed
 
-    def engine(name: str, tp: int, kv_config: dict | None = kv) -> VLLMServer:
+    def engine(name: str, tp: int) -> VLLMServer:
         extra = ["--tensor-parallel-size", str(tp)]
         return (
             VLLMServer(
                 tiny_model,
                 logs / f"{name}.log",
-                kv_transfer_config=kv_config,
+                kv_transfer_config=kv,
                 extra_args=extra,
                 threads_bind="0-1" if tp == 1 else "0|1",
             )
@@ -144,7 +148,6 @@ def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(t
         finally:
             server.stop()
 
-    want = answers(engine("plain", 1, None), [0, 1])
     answers(engine("prefill-tp2", 2), [0])
     read, written = answers(engine("decode-tp1", 1), [0, 1])  # reads prompt 0's shares, writes prompt 1's
     assert cached_tokens(read) == full[0]

@@ -6,8 +6,6 @@ ESA, and a second server loads the first one's blocks from the tiered store."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import yaml
 
@@ -54,33 +52,33 @@ def test_ucm_style_config_file_serves_correct_cached_answers(tiny_model, tmp_pat
 
     def ucm_server(name: str, cores: str) -> VLLMServer:
         server = VLLMServer(tiny_model, tmp_path / f"{name}.log", kv_transfer_config=kv, threads_bind=cores)
-        server.env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ucm-metrics-")
+        server.env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / f"metrics-{name}")
+        (tmp_path / f"metrics-{name}").mkdir()
         return server
 
+    # All three start at once (a start is mostly one core importing Python); the second is asked
+    # nothing until the first has written, so its own prefix cache cannot serve it.
     plain = VLLMServer(tiny_model, tmp_path / "plain.log", threads_bind="0")
-    first = ucm_server("first", "1")
+    first, second = ucm_server("first", "1"), ucm_server("second", "0-1")
     try:
-        plain.start()
-        first.start()
-        plain.wait_ready()
-        first.wait_ready()
+        for server in (plain, first, second):
+            server.start()
+        for server in (plain, first, second):
+            server.wait_ready()
         want = [plain.complete(p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS[:2]]
         got = [first.complete(p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS[:2]]
         assert got == want
         metrics = first.metrics()
         assert metrics["ucm_sparse_requests_total"] == 2  # both decoded through ESA
         assert "UCM-style config read as ours" in first.log_tail(200_000)
-    finally:
         plain.stop()
         first.stop()
-    # Written through: every block in the shared tier, copies in the fast one.
-    assert blocks_under(slow) > 0 and blocks_under(fast) == blocks_under(slow)
-    second = ucm_server("second", "0-1")
-    try:
-        second.start().wait_ready()
+        # Written through: every block in the shared tier, copies in the fast one.
+        assert blocks_under(slow) > 0 and blocks_under(fast) == blocks_under(slow)
         reply = second.complete(PROMPTS[0], max_tokens=24)
         assert reply["choices"][0]["text"] == want[0]
         assert cached_tokens(reply) >= BS  # loaded from the tiered store, not recomputed
         assert second.metrics()["ucm_connector_loaded_blocks_total"] >= 1
     finally:
-        second.stop()
+        for server in (plain, first, second):
+            server.stop()
