@@ -7,7 +7,6 @@ tests/connector/test_blend_server.py)."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,17 +29,6 @@ def blend_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     spec["proxy"] = {"config": {**spec["proxy"]["config"], "pd_check": {"interval_s": 0}}}
     with running(Stack(tmp_path_factory.mktemp("blend"), spec, name="blend")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def plain(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("plain") / "vllm.log"
-    server = VLLMServer(tiny, log, extra_args=["--served-model-name", "tiny"], threads_bind="1")
-    server.env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ucm-metrics-")
-    try:
-        yield server.start().wait_ready()
-    finally:
-        server.stop()
 
 
 def words(n: int, seed: int) -> list[int]:

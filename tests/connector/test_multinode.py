@@ -130,31 +130,34 @@ def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(t
 
     def engine(name: str, tp: int) -> VLLMServer:
         extra = ["--tensor-parallel-size", str(tp)]
-        return (
-            VLLMServer(
-                tiny_model,
-                logs / f"{name}.log",
-                kv_transfer_config=kv,
-                extra_args=extra,
-                threads_bind="0-1" if tp == 1 else "0|1",
-            )
-            .start()
-            .wait_ready()
-        )
+        cores = "0-1" if tp == 1 else "0|1"
+        return VLLMServer(tiny_model, logs / f"{name}.log", kv_transfer_config=kv, extra_args=extra, threads_bind=cores)
 
     def answers(server: VLLMServer, which: list[int]) -> list[dict]:
         try:
             return [server.complete(prompts[i], max_tokens=16, logprobs=2) for i in which]
         finally:
-            server.stop()
+            server.stop()  # its cores to the next
 
-    answers(engine("prefill-tp2", 2), [0])
-    read, written = answers(engine("decode-tp1", 1), [0, 1])  # reads prompt 0's shares, writes prompt 1's
-    assert cached_tokens(read) == full[0]
-    same_greedy_answer(read, want[0], CROSS_TP)
-    same_greedy_answer(written, want[1])  # computed by TP=1 itself
-    for block in range(len(ids[1]) // BS):  # the TP=1 engine wrote both shares, as TP=2 ranks would
-        assert all(f.is_file() for f in shard_files(store, tiny_model, ids[1], block)), block
-    (read,) = answers(engine("decode-tp2", 2), [1])
-    assert cached_tokens(read) == full[1]
-    same_greedy_answer(read, want[1], CROSS_TP)
+    # The three start at once (a start is mostly one core importing Python); each is asked nothing
+    # until the one before it has written, so only the store can serve it.
+    engines = [engine("prefill-tp2", 2), engine("decode-tp1", 1), engine("decode-tp2", 2)]
+    prefill, decode_tp1, decode_tp2 = engines
+    try:
+        for server in engines:
+            server.start()
+        for server in engines:
+            server.wait_ready()
+        answers(prefill, [0])
+        read, written = answers(decode_tp1, [0, 1])  # reads prompt 0's shares, writes prompt 1's
+        assert cached_tokens(read) == full[0]
+        same_greedy_answer(read, want[0], CROSS_TP)
+        same_greedy_answer(written, want[1])  # computed by TP=1 itself
+        for block in range(len(ids[1]) // BS):  # the TP=1 engine wrote both shares, as TP=2 ranks would
+            assert all(f.is_file() for f in shard_files(store, tiny_model, ids[1], block)), block
+        (read,) = answers(decode_tp2, [1])
+        assert cached_tokens(read) == full[1]
+        same_greedy_answer(read, want[1], CROSS_TP)
+    finally:
+        for server in engines:
+            server.stop()
