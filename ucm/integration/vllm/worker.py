@@ -40,11 +40,11 @@ from ucm.store import Store, Task, workers
 logger = logging.getLogger(__name__)
 
 
-def or_across(flags: list[bool], group: object) -> list[bool]:
-    """``flags`` ORed element-wise over the ranks of a ``torch.distributed`` process ``group``."""
-    t = torch.tensor(flags, dtype=torch.int32)
+def or_across(flag: bool, group: object) -> bool:
+    """``flag`` ORed over the ranks of a ``torch.distributed`` process ``group``."""
+    t = torch.tensor([flag], dtype=torch.int32)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    return [bool(x) for x in t.tolist()]
+    return bool(t.item())
 
 
 class Landing:
@@ -145,11 +145,11 @@ class WorkerSide:
         blend: BlendConfig | None = None,
         shares_per_rank: int = 1,
         kv_heads: int = 0,
-        any_rank: Callable[[list[bool]], list[bool]] | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         """``rank`` of ``tp_size`` workers; each keeps ``shares_per_rank`` shares of a block in the
         store (more than one when the store splits blocks by a larger TP than the engine's), each
-        share an equal range of this worker's ``kv_heads`` KV heads. ``any_rank`` ORs flags across
+        share an equal range of this worker's ``kv_heads`` KV heads. ``any_rank`` ORs a flag across
         the tensor-parallel ranks that compute together (a collective: every rank calls it in the
         same step), so that a load failing on one rank keeps every rank from saving over it."""
         self._store = store
@@ -422,7 +422,7 @@ class WorkerSide:
         failed = any(not self._load_errors.isdisjoint(t.block_ids) for t in transfers)
         if self._any_rank is not None:
             # Another rank's missing KV reaches this rank's later layers through the all-reduces.
-            failed = self._any_rank([failed])[0]
+            failed = self._any_rank(failed)
         if not failed:
             return self._saves
         dropped = sum(len(transfer.block_ids) for transfer, _, _ in self._saves)
