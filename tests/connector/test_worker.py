@@ -57,6 +57,8 @@ def run_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: UCMConnectorMetad
 
 
 IDS = [bytes([i]) * 32 for i in range(4)]
+# New blocks of requests a and b, saved in a step that also loads.
+NEW_A, NEW_B = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -170,7 +172,7 @@ def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path, path):
     w = worker(tmp_path, in_place=path == "in_place")
     w.register(kv, NB)
     loading(w, path)
-    mine, theirs = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
+    mine, theirs = NEW_A, NEW_B
     meta = UCMConnectorMetadata(
         loads=[BlockTransfer("a", [IDS[0], b"missing" * 4], [1, 2])],
         saves=[BlockTransfer("a", mine, [3, 4]), BlockTransfer("b", theirs, [5, 6])],
@@ -202,7 +204,7 @@ def tp_rank_step(rank: int, port: int, root: str) -> None:
     w = worker(root, rank=rank, tp_size=2, any_rank=functools.partial(or_across, group=None))
     kv = kv_caches(True)
     w.register(kv, NB)
-    mine, theirs = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
+    mine, theirs = NEW_A, NEW_B
     meta = UCMConnectorMetadata(
         loads=[BlockTransfer("a", IDS[:2], [1, 2])],
         saves=[BlockTransfer("a", mine, [3, 4]), BlockTransfer("b", theirs, [5, 6])],
@@ -234,7 +236,7 @@ def test_a_load_failing_on_one_tp_rank_keeps_every_rank_from_saving_over_it(tmp_
     repo = Path(__file__).resolve().parents[2]
     ranks = [subprocess.Popen([sys.executable, "-c", call.format(r)], cwd=repo) for r in (0, 1)]
     assert [p.wait(timeout=120) for p in ranks] == [0, 0]
-    mine, theirs = [bytes([7, i]) * 16 for i in range(2)], [bytes([8, i]) * 16 for i in range(2)]
+    mine, theirs = NEW_A, NEW_B
     for rank in (0, 1):
         assert store.lookup(rank_keys(mine + theirs, rank, 2)) == [False] * 4
     store.close()
