@@ -9,7 +9,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,21 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         return metric_totals(self.url)
+
+
+@contextmanager
+def serving(*servers: VLLMServer) -> Iterator[None]:
+    """These servers started at once and each ready (a start is mostly one core importing Python,
+    so several start in about the time of one); all stopped on exit."""
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def metric_totals(url: str) -> dict[str, float]:

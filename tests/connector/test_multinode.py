@@ -28,7 +28,7 @@ from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import store_keys
 from ucm_testing.engine_group import EngineGroup
 from ucm_testing.prompts import PROMPTS
-from ucm_testing.vllm_server import VLLMServer, cached_tokens
+from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
 pytestmark = pytest.mark.slow
 BS = 32
@@ -139,15 +139,10 @@ def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(t
         finally:
             server.stop()  # its cores to the next
 
-    # The three start at once (a start is mostly one core importing Python); each is asked nothing
-    # until the one before it has written, so only the store can serve it.
-    engines = [engine("prefill-tp2", 2), engine("decode-tp1", 1), engine("decode-tp2", 2)]
-    prefill, decode_tp1, decode_tp2 = engines
-    try:
-        for server in engines:
-            server.start()
-        for server in engines:
-            server.wait_ready()
+    # The three start at once; each is asked nothing until the one before it has written, so only
+    # the store can serve it.
+    prefill, decode_tp1, decode_tp2 = engine("prefill-tp2", 2), engine("decode-tp1", 1), engine("decode-tp2", 2)
+    with serving(prefill, decode_tp1, decode_tp2):
         answers(prefill, [0])
         read, written = answers(decode_tp1, [0, 1])  # reads prompt 0's shares, writes prompt 1's
         assert cached_tokens(read) == full[0]
@@ -158,6 +153,3 @@ def test_pools_of_different_tp_share_blocks_when_both_split_them_by_the_larger(t
         (read,) = answers(decode_tp2, [1])
         assert cached_tokens(read) == full[1]
         same_greedy_answer(read, want[1], CROSS_TP)
-    finally:
-        for server in engines:
-            server.stop()

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from ucm_testing.prompts import PROMPTS
-from ucm_testing.vllm_server import ServerFailed, VLLMServer
+from ucm_testing.vllm_server import ServerFailed, VLLMServer, serving
 
 pytestmark = pytest.mark.slow
 FULL_BUDGET = {
@@ -43,8 +43,8 @@ def dense(tiny_model, tmp_path_factory):
         server.stop()
 
 
-# Three sparse servers at a time: an engine's start is mostly one core importing Python, so three
-# start in about the time of one, and three (~3 GB each) fit beside the dense one.
+# Three sparse servers at a time: they start in about the time of one, and three (~3 GB each) fit
+# beside the dense one.
 BATCHES = [tuple(sorted(FULL_BUDGET))[:3], tuple(sorted(FULL_BUDGET))[3:]]
 
 
@@ -62,15 +62,8 @@ def sparse(request, tiny_model, tmp_path_factory):
         # Workers count the ucm_sparse_* metrics; the API server sums every process's samples from here.
         server.env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path_factory.mktemp(f"metrics-{algorithm}"))
         servers[algorithm] = server
-    try:
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready()
+    with serving(*servers.values()):
         yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def test_a_full_budget_decodes_token_identically_to_dense(dense, sparse):

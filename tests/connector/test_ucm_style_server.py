@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ucm_testing.prompts import PROMPTS
-from ucm_testing.vllm_server import VLLMServer, cached_tokens
+from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
 pytestmark = pytest.mark.slow
 BS = 32
@@ -52,19 +52,16 @@ def test_ucm_style_config_file_serves_correct_cached_answers(tiny_model, tmp_pat
 
     def ucm_server(name: str, cores: str) -> VLLMServer:
         server = VLLMServer(tiny_model, tmp_path / f"{name}.log", kv_transfer_config=kv, threads_bind=cores)
-        server.env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / f"metrics-{name}")
-        (tmp_path / f"metrics-{name}").mkdir()
+        metrics = tmp_path / f"metrics-{name}"
+        metrics.mkdir()
+        server.env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
         return server
 
-    # All three start at once (a start is mostly one core importing Python); the second is asked
-    # nothing until the first has written, so its own prefix cache cannot serve it.
+    # All three start at once; the second is asked nothing until the first has written, so its own
+    # prefix cache cannot serve it.
     plain = VLLMServer(tiny_model, tmp_path / "plain.log", threads_bind="0")
     first, second = ucm_server("first", "1"), ucm_server("second", "0-1")
-    try:
-        for server in (plain, first, second):
-            server.start()
-        for server in (plain, first, second):
-            server.wait_ready()
+    with serving(plain, first, second):
         want = [plain.complete(p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS[:2]]
         got = [first.complete(p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS[:2]]
         assert got == want
@@ -79,6 +76,3 @@ def test_ucm_style_config_file_serves_correct_cached_answers(tiny_model, tmp_pat
         assert reply["choices"][0]["text"] == want[0]
         assert cached_tokens(reply) >= BS  # loaded from the tiered store, not recomputed
         assert second.metrics()["ucm_connector_loaded_blocks_total"] >= 1
-    finally:
-        for server in (plain, first, second):
-            server.stop()
