@@ -46,6 +46,17 @@ def test_schema_is_structural():
             assert node["type"] == "object", path
 
 
+@pytest.mark.parametrize("part", ["spec", "status"])
+def test_every_field_is_described(part):
+    """`kubectl explain ucmdeployment.<path>` prints the description: none may be empty (nested
+    properties, array items and map values included). Describe a field with Field(description=...),
+    a model shared by several fields with a docstring or a description on each field using it."""
+    crd = yaml.safe_load((ROOT / "crds" / CRD_FILE).read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][part]
+    bare = [path for path, node in walk(schema, part) if not (node.get("description") or "").strip()]
+    assert not bare, f"{len(bare)} fields have no description:\n" + "\n".join(bare)
+
+
 def test_crd_passes_kubernetes_validate_strict():
     exe = Path(sys.executable).parent / "kubernetes-validate"
     r = subprocess.run([str(exe), "--strict", str(ROOT / "crds" / CRD_FILE)], capture_output=True, text=True)

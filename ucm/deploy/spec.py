@@ -8,7 +8,7 @@ module in :mod:`ucm.deploy.stores`; the proxy's own options are the proxy's (``p
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, create_model, model_validator
 
@@ -24,6 +24,11 @@ VERSION = "v1alpha1"
 KIND = "UCMDeployment"
 PLURAL = "ucmdeployments"
 
+# Element types that carry a description for the CRD (``kubectl explain``); no validation of their own.
+Arg = Annotated[str, Field(description="One argument, e.g. --enforce-eager")]
+LabelValue = Annotated[str, Field(description="The label's value")]
+ResourceQuantity = Annotated[Quantity, Field(description="A quantity: an integer or a string such as 500m, 16Gi")]
+
 
 class PVCPath(Spec):
     claim_name: str = Field(min_length=1, description="PersistentVolumeClaim holding the model")
@@ -37,7 +42,11 @@ class ModelSource(Spec):
             "model.source: exactly one of pvc, hostPath, hf must be set",
         ),
     )
-    pvc: PVCPath | None = None
+    pvc: PVCPath | None = Field(
+        None,
+        description="A PersistentVolumeClaim holding the model, mounted read-only at /models in every engine pod "
+        "(Kubernetes only: `ucm up` refuses it)",
+    )
     host_path: str | None = Field(None, min_length=1, description="Model directory on every node")
     hf: str | None = Field(None, min_length=1, description="Hugging Face id, for nodes that can reach a hub")
 
@@ -48,28 +57,44 @@ class ModelSource(Spec):
 
 
 class ModelSpec(Spec):
-    source: ModelSource
+    source: ModelSource = Field(description="Where every engine loads the model from: exactly one of pvc, hostPath, hf")
     served_name: str | None = Field(None, description="Name clients use; default: the source")
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    max_model_len: int | None = Field(None, gt=0)
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="Weights' and activations' dtype (vLLM --dtype); auto: the model's own"
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Longest request, prompt plus output, in tokens (vLLM --max-model-len); unset: the model's "
+        "context length",
+    )
     block_size: int = Field(128, gt=0, description="Tokens per KV block (vLLM CPU needs a multiple of 32)")
-    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments")
+    extra_args: list[Arg] = Field(
+        default_factory=list, description="More `vllm serve` arguments, for both pools' engines"
+    )
 
 
 class ImageSpec(Spec):
-    repository: str = Field("ucm/runtime", min_length=1)
+    repository: str = Field(
+        "ucm/runtime", min_length=1, description="The runtime image's registry and repository, without the tag"
+    )
     tag: str = Field(__version__, min_length=1, description="Default: this UCM release")
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    pull_secrets: list[str] = Field(default_factory=list)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="imagePullPolicy of every container of the deployment, the proxy's included"
+    )
+    pull_secrets: list[Annotated[str, Field(description="A Secret's name")]] = Field(
+        default_factory=list,
+        description="Secrets in the deployment's namespace that every pod pulls its image with (imagePullSecrets)",
+    )
 
 
 class SecretKeySelector(Spec):
     name: str = Field(min_length=1, description="A Secret in the deployment's namespace")
-    key: str = Field(min_length=1)
+    key: str = Field(min_length=1, description="The key of the Secret whose value the variable gets")
 
 
 class EnvSource(Spec):
-    secret_key_ref: SecretKeySelector
+    secret_key_ref: SecretKeySelector = Field(description="A key of a Secret")
 
 
 class EnvVar(Spec):
@@ -79,9 +104,11 @@ class EnvVar(Spec):
     model_config = Spec.model_config | cel(
         ("!(has(self.value) && has(self.valueFrom))", "env: give value or valueFrom, not both"),
     )
-    name: str = Field(min_length=1)
-    value: str | None = None
-    value_from: EnvSource | None = None
+    name: str = Field(min_length=1, description="The variable's name")
+    value: str | None = Field(None, description="Its literal value, readable by whoever can read the resource")
+    value_from: EnvSource | None = Field(
+        None, description="Its value from a Secret (Kubernetes only: for `ucm up` set it in your shell)"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvVar:
@@ -102,8 +129,8 @@ class EnvFromSource(Spec):
     model_config = Spec.model_config | cel(
         ("has(self.secretRef) != has(self.configMapRef)", "envFrom: set exactly one of secretRef, configMapRef"),
     )
-    secret_ref: ObjectName | None = None
-    config_map_ref: ObjectName | None = None
+    secret_ref: ObjectName | None = Field(None, description="A Secret whose keys become variables")
+    config_map_ref: ObjectName | None = Field(None, description="A ConfigMap whose keys become variables")
     prefix: str = Field("", description="Prepended to every variable's name")
 
     @model_validator(mode="after")
@@ -113,8 +140,15 @@ class EnvFromSource(Spec):
 
 
 class Resources(Spec):
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, ResourceQuantity] = Field(
+        default_factory=dict,
+        description="The container's resource requests by resource name (cpu: 8, memory: 64Gi); nvidia.com/gpu "
+        "comes from gpus",
+    )
+    limits: dict[str, ResourceQuantity] = Field(
+        default_factory=dict,
+        description="The container's resource limits by resource name (memory: 64Gi); nvidia.com/gpu comes from gpus",
+    )
     gpus: int = Field(1, ge=0, description="nvidia.com/gpu per pod (requests = limits)")
 
 
@@ -151,8 +185,15 @@ class AutoscalingSpec(Spec):
         ("self.minReplicas <= self.maxReplicas", "autoscaling: minReplicas must not exceed maxReplicas"),
     )
     min_replicas: int = Field(1, ge=0, le=1000, description="0: scale to zero when idle (KEDA only)")
-    max_replicas: int = Field(ge=1, le=1000)
-    signal: Literal["waiting_requests", "kv_cache_usage", "proxy_in_flight"] = "waiting_requests"
+    max_replicas: int = Field(
+        ge=1, le=1000, description="Most engines the autoscaler runs (with parallel.nodes > 1, groups of pods)"
+    )
+    signal: Literal["waiting_requests", "kv_cache_usage", "proxy_in_flight"] = Field(
+        "waiting_requests",
+        description="What the pool is sized by, per engine: waiting_requests (vllm:num_requests_waiting), "
+        "kv_cache_usage (vllm:kv_cache_usage_perc) or proxy_in_flight (the proxy's requests to the pool, "
+        "ucm_proxy_backend_in_flight)",
+    )
     target: float | None = Field(
         None, gt=0, description="Per engine; default 4 waiting requests, 0.8 KV cache usage, 8 proxy requests"
     )
@@ -223,13 +264,31 @@ class PoolSpec(Spec):
         ),
     )
     replicas: int = Field(1, ge=0, description="Engines (with parallel.nodes > 1, groups of pods)")
-    resources: Resources = Resources()
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    affinity: dict[str, Any] | None = None
-    env: list[EnvVar] = Field(default_factory=list)
-    env_from: list[EnvFromSource] = Field(default_factory=list)
-    extra_args: list[str] = Field(default_factory=list)
+    resources: Resources = Field(
+        Resources(), description="CPU, memory and GPUs of every pod of the pool (a multi-pod engine's workers too)"
+    )
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict, description="Node labels the pool's pods must run on (the pods' nodeSelector)"
+    )
+    tolerations: list[
+        Annotated[dict[str, Any], Field(description="A Kubernetes toleration (key, operator, value, effect)")]
+    ] = Field(default_factory=list, description="The pool's pods' tolerations, passed to the pods as given")
+    affinity: dict[str, Any] | None = Field(
+        None,
+        description="The pool's pods' affinity (nodeAffinity, podAffinity, podAntiAffinity), passed to the pods as "
+        "given; parallel.topologyKey adds a podAffinity preference",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Environment variables of the pool's engines; VLLM_API_KEY, POD_IP and POD_NAME are the "
+        "deployment's and refused",
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list, description="Secrets and ConfigMaps whose every key becomes a variable of the engines"
+    )
+    extra_args: list[Arg] = Field(
+        default_factory=list, description="More `vllm serve` arguments for this pool's engines, after model.extraArgs"
+    )
     rollout: RolloutSpec = RolloutSpec()
     autoscaling: AutoscalingSpec | None = None
     parallel: ParallelSpec = ParallelSpec()
@@ -254,8 +313,15 @@ class PoolSpec(Spec):
 
 
 class HashingSpec(Spec):
-    algorithm: HashAlgorithm = "sha256"
-    salt: str = ""
+    """How block ids are computed. Engines find a block only under the id they compute themselves, so
+    changing either field leaves the blocks already stored unused."""
+
+    algorithm: HashAlgorithm = Field("sha256", description="The hash function of block ids: sha256, blake3 or md5")
+    salt: str = Field(
+        "",
+        description="Hashed into every block id: deployments sharing a store under different salts share no "
+        "blocks (a request's cache_salt is hashed beside it)",
+    )
 
 
 FILE_KINDS = tuple(k.name for k in KINDS.values() if k.signs_blocks)  # block files; they can carry a MAC
@@ -358,25 +424,32 @@ StoreSpec = create_model(
     **{k.field: (k.options | None, Field(None, alias=k.field, description=k.description)) for k in KINDS.values()},
     cache_size=(Quantity | None, Field(None, description="A DRAM tier in front of the store, per vLLM pod")),
     files=(FileStoreSpec | None, Field(None, description="Capacity and I/O of a file store (posix, nfs, ds3fs)")),
-    hashing=(HashingSpec, HashingSpec()),
+    hashing=(HashingSpec, HashingSpec()),  # described by its docstring
 )
 
 
 class SecretKey(Spec):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="A Secret in the deployment's namespace")
     key: str = Field("api-keys", min_length=1, description="One accepted key per line")
 
 
 class ProxyService(Spec):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    port: int = Field(8000, ge=1, le=65535)
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        "ClusterIP",
+        description="The Service's type; NodePort and LoadBalancer need apiKeySecret (or allowAnonymous)",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="The Service's port, the one status.endpoint names")
 
 
 class ProxySpec(Spec):
     image: str | None = Field(None, description="Default: ucm/proxy:<this UCM release>")
-    replicas: int = Field(1, ge=0)
-    service: ProxyService = ProxyService()
-    api_key_secret: SecretKey | None = None
+    replicas: int = Field(1, ge=0, description="Proxy pods (`ucm up` runs one)")
+    service: ProxyService = Field(ProxyService(), description="The proxy's Service, <name>-proxy")
+    api_key_secret: SecretKey | None = Field(
+        None,
+        description="The API keys clients must send (Authorization: Bearer <key>), one per line in a Secret's key; "
+        "re-read when the Secret changes. Unset: no key is asked for",
+    )
     allow_anonymous: bool = Field(
         False,
         description="Serve a NodePort or LoadBalancer proxy without apiKeySecret (anyone who reaches it may use it)",
@@ -429,8 +502,8 @@ class Scraper(Spec):
             "scrapers: set namespaceSelector, podSelector or both",
         ),
     )
-    namespace_selector: dict[str, str] | None = Field(None, description="Namespace labels (matchLabels)")
-    pod_selector: dict[str, str] | None = Field(None, description="Pod labels (matchLabels)")
+    namespace_selector: dict[str, LabelValue] | None = Field(None, description="Namespace labels (matchLabels)")
+    pod_selector: dict[str, LabelValue] | None = Field(None, description="Pod labels (matchLabels)")
 
     @model_validator(mode="after")
     def _some(self) -> Scraper:
@@ -440,6 +513,9 @@ class Scraper(Spec):
 
 
 class MonitoringSpec(Spec):
+    """Who may read the engines' metrics; otherwise the engines accept only the deployment's proxy and
+    each other (NetworkPolicy)."""
+
     scrapers: list[Scraper] = Field(
         default_factory=list,
         description="Admitted to the engines' API port, where vLLM serves /metrics (its /v1 routes still need the "
@@ -454,6 +530,9 @@ SPLIT_RULE = (
 
 
 class UCMDeploymentSpec(Spec):
+    """A disaggregated vLLM deployment: a prefill and a decode pool of engines sharing a KV store, behind
+    a proxy that sends each request through them."""
+
     model_config = Spec.model_config | cel(
         (
             "(self.prefill.parallel.tensor == self.decode.parallel.tensor && "
@@ -464,18 +543,33 @@ class UCMDeploymentSpec(Spec):
             SPLIT_RULE,
         ),
     )
-    model: ModelSpec
-    image: ImageSpec = ImageSpec()
-    prefill: PoolSpec = PoolSpec()
-    decode: PoolSpec = PoolSpec()
-    store: StoreSpec  # type: ignore[valid-type]
+    model: ModelSpec = Field(description="The model both pools serve, and how vLLM runs it")
+    image: ImageSpec = Field(
+        ImageSpec(),
+        description="The runtime image of the engines (and of a Mooncake master without its own); the proxy's is "
+        "proxy.image. Kubernetes only",
+    )
+    prefill: PoolSpec = Field(
+        PoolSpec(), description="The prefill pool: engines that compute prompts' KV and save it to the store"
+    )
+    decode: PoolSpec = Field(
+        PoolSpec(),
+        description="The decode pool: engines that load prompts' KV from the store and generate; its replicas are "
+        "the scale subresource's",
+    )
+    store: StoreSpec = Field(  # type: ignore[valid-type]
+        description="The KV store both pools share: type names the kind, the field of that kind its options"
+    )
     connector: ConnectorSpec = ConnectorSpec()
-    proxy: ProxySpec = ProxySpec()
+    proxy: ProxySpec = Field(
+        ProxySpec(),
+        description="The proxy clients call (status.endpoint): an OpenAI-compatible API over the pools",
+    )
     sparse: SparseSpec | None = Field(None, description="Sparse attention for long decodes (decode engines)")
     blend: BlendSpec | None = Field(
         None, description="Reuse retrieved chunks' KV wherever a prompt places them (prefill engines)"
     )
-    monitoring: MonitoringSpec = MonitoringSpec()
+    monitoring: MonitoringSpec = MonitoringSpec()  # described by its docstring
 
     @model_validator(mode="after")
     def _blend_on_one_rank(self) -> UCMDeploymentSpec:
@@ -507,6 +601,8 @@ class UCMDeploymentSpec(Spec):
 
 
 class Condition(Spec):
+    """One aspect of the deployment's state, as in every Kubernetes resource's conditions."""
+
     type: Literal[
         "Ready",
         "StoreReady",
@@ -517,38 +613,59 @@ class Condition(Spec):
         "DisaggregationEffective",
         "Progressing",
         "Degraded",
-    ]
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    observed_generation: int | None = None
-    last_transition_time: str | None = None
+    ] = Field(
+        description="Ready: every role and the store ready, the last apply succeeded; StoreReady, PrefillReady, "
+        "DecodeReady, ProxyReady: that role; PDPathHealthy: the proxy's last check through prefill, store and "
+        "decode passed; DisaggregationEffective: recent requests went through prefill and decode loaded its KV; "
+        "Progressing: roles not all ready yet, nothing failed; Degraded: the spec is invalid or an apply failed"
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False, or Unknown (not known yet)")
+    reason: str = Field("", description="Why, in one CamelCase word (Waiting, InvalidSpec, NotChecked, ...)")
+    message: str = Field("", description="Details, for people")
+    observed_generation: int | None = Field(None, description="The metadata.generation the condition reflects")
+    last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339, UTC)")
 
 
 class ReadyReplicas(Spec):
-    prefill: int = 0
-    decode: int = 0
-    proxy: int = 0
+    """Ready replicas per role, as their workloads count them."""
+
+    prefill: int = Field(0, description="Ready prefill engines (a multi-pod engine counts once all its pods are)")
+    decode: int = Field(0, description="Ready decode engines (a multi-pod engine counts once all its pods are)")
+    proxy: int = Field(0, description="Ready proxy pods")
 
 
 class PDPathStatus(Spec):
     """Written by the proxy (``ucm_proxy.pdpath``), read by the operator into conditions."""
 
-    healthy: bool
+    healthy: bool = Field(description="The check passed: a prefill saved blocks to the store and a decode loaded them")
     reason: str = Field(description="Healthy, or the broken hop: NoPrefill, PrefillFailed, DecodeNotLoading, ...")
-    message: str = ""
-    checked_at: str | None = None
+    message: str = Field("", description="What the check found: the backends and blocks, or what failed")
+    checked_at: str | None = Field(None, description="When the check ran (RFC 3339, UTC)")
     effective: bool | None = Field(None, description="Most recent requests went through prefill and reused its KV")
-    effective_reason: str = ""
-    effective_message: str = ""
+    effective_reason: str = Field(
+        "",
+        description="Why effective is what it is: Disaggregated, NotDisaggregated, DecodeRecomputing, NoTraffic, ...",
+    )
+    effective_message: str = Field(
+        "", description="How many recent requests went through prefill, and how many PD answers loaded the KV"
+    )
     reporter: str = Field("", description="The proxy pod that checked")
 
 
 class UCMDeploymentStatus(Spec):
-    conditions: list[Condition] = Field(default_factory=list)
-    ready_replicas: ReadyReplicas = ReadyReplicas()
+    """What the operator observed (the proxy writes pdPath)."""
+
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, StoreReady, PrefillReady, DecodeReady, ProxyReady, PDPathHealthy, "
+        "DisaggregationEffective, Progressing and Degraded",
+    )
+    ready_replicas: ReadyReplicas = ReadyReplicas()  # described by its docstring
     endpoint: str | None = Field(None, description="The proxy's OpenAI base URL inside the cluster")
-    observed_generation: int | None = None
+    observed_generation: int | None = Field(
+        None,
+        description="The metadata.generation this status reflects; behind it, the latest change is not handled yet",
+    )
     decode_selector: str = Field(
         "",
         description="The serving decode pods' label selector (a multi-pod engine's leaders): the scale "

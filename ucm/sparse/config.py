@@ -38,7 +38,9 @@ OPTIONS: dict[str, type[StrictModel]] = {
 class SparseConfig(StrictModel):
     """Which algorithm decodes long requests, with its options (those of ``ucm.sparse``'s modules)."""
 
-    algorithm: Algorithm
+    algorithm: Algorithm = Field(
+        description="The algorithm; its options go in the field of its name (its defaults where absent)"
+    )
     min_tokens: int = Field(
         4096,
         ge=1,

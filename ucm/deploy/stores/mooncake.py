@@ -17,8 +17,10 @@ METRICS_PORT = 9003
 
 class MooncakeMaster(Spec):
     image: str | None = Field(None, description="Default: the runtime image (it ships mooncake_master)")
-    port: int = Field(50051, ge=1, le=65535)
-    metadata_port: int = Field(8080, ge=1, le=65535)
+    port: int = Field(50051, ge=1, le=65535, description="The master's RPC port (`ucm up` picks a free one)")
+    metadata_port: int = Field(
+        8080, ge=1, le=65535, description="The master's HTTP metadata server's port (`ucm up` picks a free one)"
+    )
 
 
 class MooncakeSpec(Spec):

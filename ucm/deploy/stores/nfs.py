@@ -12,8 +12,8 @@ from ucm.deploy.stores.base import StoreKind
 
 
 class NFSSpec(Spec):
-    server: str = Field(min_length=1)
-    path: str = Field(min_length=1)
+    server: str = Field(min_length=1, description="The NFS server's host name or IP address")
+    path: str = Field(min_length=1, description="The exported directory, mounted by every engine pod")
 
 
 class Nfs(StoreKind):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -12,10 +12,19 @@ from ucm.deploy.stores.base import StoreKind
 
 
 class NewClaim(Spec):
-    storage_class_name: str | None = None
+    storage_class_name: str | None = Field(
+        None, description="The claim's StorageClass; unset (or empty): the cluster's default StorageClass"
+    )
     size: Quantity = Field(description="e.g. 2Ti")
-    access_modes: list[Literal["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
-        default_factory=lambda: ["ReadWriteMany"], min_length=1
+    access_modes: list[
+        Annotated[
+            Literal["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"],
+            Field(description="A PersistentVolumeClaim access mode"),
+        ]
+    ] = Field(
+        default_factory=lambda: ["ReadWriteMany"],
+        min_length=1,
+        description="The claim's access modes; every engine pod mounts it read-write, hence ReadWriteMany by default",
     )
 
 
