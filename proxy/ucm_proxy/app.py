@@ -305,11 +305,10 @@ class Proxy:
 
     def authorize(self, authorization: str | None) -> str | None:
         """The client's API key, from its Authorization header (None when the proxy takes none);
-        401 for a wrong or missing one."""
-        keys = self.keys.current()
-        if not keys:
+        401 for a wrong or missing one, and for every request while the key file holds none."""
+        if not self.keys.required:
             return None
-        token = bearer(authorization, keys)
+        token = bearer(authorization, self.keys.current())
         if token is None:
             raise ProxyError(
                 401, "Invalid or missing API key (Authorization: Bearer <key>).", None, "authentication_error"

@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             print(config.model_dump_json(indent=2))
             return 0
-        ApiKeys(config.api_keys, config.api_keys_file)  # unreadable key files are startup errors
+        if config.api_keys_file is not None and not ApiKeys([], config.api_keys_file).current():
+            raise ConfigError(f"api_keys_file: {config.api_keys_file} holds no key")  # unreadable: OSError
         if config.metrics_token_file is not None and not ApiKeys([], config.metrics_token_file).current():
             raise ConfigError(f"metrics_token_file: {config.metrics_token_file} holds no token")
         config.backend_key()

@@ -25,6 +25,9 @@ def bearer(authorization: str | None, accepted: set[str]) -> str | None:
 class ApiKeys:
     def __init__(self, inline: list[str], path: Path | None, check_every_s: float = 1.0) -> None:
         self._inline, self._path, self._every = set(inline), path, check_every_s
+        # Configured keys mean authentication, whatever the file holds later: a Secret emptied by
+        # mistake must lock clients out, not let everyone in.
+        self.required = bool(inline) or path is not None
         self._file: set[str] = read_keys(path) if path is not None else set()  # unreadable at start: an error
         self._seen = self._identity()
         self._checked = time.monotonic()

@@ -182,6 +182,33 @@ def test_a_metrics_token_file_without_a_token_is_a_startup_error(tmp_path):
     assert r.returncode == 2 and "metrics_token_file" in r.stderr and "holds no token" in r.stderr
 
 
+def test_a_key_file_emptied_while_serving_locks_every_client_out(fakes, make_proxy, tmp_path):
+    """Fail closed: a Secret whose keys are all removed must not turn authentication off."""
+    p, d = fakes.add("p"), fakes.add("d")
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\n")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], api_keys_file=str(keys))
+
+    def status(headers: dict[str, str]) -> int:
+        with proxy.client() as c:
+            return c.post("/v1/completions", json=COMPLETION, headers=headers).status_code
+
+    assert status({"Authorization": "Bearer key-one"}) == 200
+    keys.write_text("\n")
+    deadline = time.monotonic() + 5
+    while status({"Authorization": "Bearer key-one"}) != 401 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status({"Authorization": "Bearer key-one"}) == 401 and status({}) == 401
+
+
+def test_a_key_file_without_a_key_is_a_startup_error(tmp_path):
+    (tmp_path / "keys").write_text("\n  \n")
+    path = tmp_path / "proxy.yaml"
+    path.write_text(f"decode: [http://d:8000]\nfallback_to_decode: true\napi_keys_file: {tmp_path / 'keys'}\n")
+    r = subprocess.run([sys.executable, "-m", "ucm_proxy", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "api_keys_file" in r.stderr and "holds no key" in r.stderr
+
+
 def test_a_revoked_key_stops_working_without_a_restart(fakes, make_proxy, tmp_path):
     """Kubernetes updates a mounted Secret by swapping a directory behind a symlink."""
     p, d = fakes.add("p"), fakes.add("d")
