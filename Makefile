@@ -102,6 +102,7 @@ generate: dev
 	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/crds/
 	$(BIN)/python -m ucm.deploy.rules charts/ucm-operator/files/ucm-rules.yaml
 	$(BIN)/python -m ucm.deploy.dashboard charts/ucm-operator/files/ucm-dashboard.json
+	$(BIN)/python -m ucm_testing.docs_reference docs/reference
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runtime/native/build

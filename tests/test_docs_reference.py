@@ -1,0 +1,140 @@
+"""docs/reference/ is generated from the code (ucm_testing.docs_reference): each checked-in page is
+what its generator returns now, and mentions what it must."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import yaml
+
+from ucm_testing import docs_reference
+from ucm_testing.docs_reference import PAGES, ROOT
+
+REFERENCE = ROOT / "docs" / "reference"
+
+
+@functools.cache
+def generated(name: str) -> str:
+    return PAGES[name]()
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_page_is_current(name: str) -> None:
+    path = REFERENCE / name
+    stale = f"docs/reference/{name} is out of date: run make generate"
+    if not path.exists():
+        pytest.fail(f"{stale} (the file is missing)")
+    checked_in, now = path.read_text(), generated(name)
+    if checked_in != now:
+        old, new = checked_in.splitlines(keepends=True), now.splitlines(keepends=True)
+        line = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+        pytest.fail(f"{stale} (first difference at line {line + 1})")
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_page_is_plain_markdown(name: str) -> None:
+    text = generated(name)
+    lines = text.splitlines()
+    assert lines[0].startswith("# ") and lines[1] == ""
+    assert lines[2].startswith("Generated from ") and lines[2].endswith(" by `make generate`; do not edit.")
+    fenced = False
+    columns = 0
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        prose = re.sub(r"(`+).+?\1", "", line)  # code spans show < as it is
+        assert not re.search(r"<[A-Za-z/!?]", prose), f"{name}:{number}: raw HTML: {line}"
+        if line.startswith("|"):
+            cells = len(re.findall(r"(?<!\\)\|", line)) - 1  # GitHub splits cells at | even in code spans
+            if not columns:
+                columns = cells  # the header row
+            assert cells == columns, f"{name}:{number}: {cells} cells in a table of {columns}: {line}"
+        else:
+            columns = 0
+    assert not fenced, f"{name}: a code block is not closed"
+
+
+def test_crd_page() -> None:
+    text = generated("crd.md")
+    crd = yaml.safe_load((ROOT / docs_reference.CRD).read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for field in spec["properties"]:
+        assert f"\n## spec.{field}\n" in text
+    for path in (
+        "spec.prefill.autoscaling.maxReplicas",
+        "spec.store.type",
+        "spec.store.pvc.create.accessModes",
+        "spec.prefill.env[].valueFrom.secretKeyRef.key",
+        "spec.proxy.service.port",
+        "status.pdPath.reporter",
+    ):
+        assert f"| `{path}` |" in text, path
+    assert "model.source: exactly one of pvc, hostPath, hf must be set" in text  # a CEL rule's message
+    assert "int-or-string" in text and "nullable" in text
+
+
+def test_cli_page() -> None:
+    text = generated("cli.md")
+    for command in ("ucm up", "ucm serve", "ucm store gc", "ucm config convert", "ucm-proxy", "ucm-operator"):
+        assert f"\n## {command}\n" in text, command
+    assert "usage: ucm up [-h]" in text and "`--monitor`" in text and "`--kv-config KV_CONFIG`" in text
+    for script, entry in docs_reference.console_scripts().items():
+        parser = docs_reference.tool_parser(entry)
+        for _prog, sub, _help in docs_reference.walk_parsers(script, parser):
+            for action in sub._actions:
+                for flag in action.option_strings:
+                    assert flag in text, f"{script}: {flag}"
+
+
+def test_configuration_page() -> None:
+    text = generated("configuration.md")
+    for key in (
+        "pd_wait_timeout_s",
+        "store_breaker.timeout_s",
+        "sparse.esa.sparse_ratio",
+        "store.posix.roots",
+        "store.cache.capacity",
+        "routing.kv_events.port",
+        "disaggregation.min_prefill_tokens",
+    ):
+        assert f"| `{key}` |" in text, key
+    for variable in ("UCM_LOG_LEVEL", "UCM_STORE_HEALTH_FILE", "UCM_STORAGE_BACKEND", "KUBERNETES_SERVICE_HOST"):
+        assert f"| `{variable}` |" in text, variable
+    assert "Path.home()" in text  # UCM_MODEL_CACHE's default as the code writes it, not this machine's
+
+
+def test_helm_values_page() -> None:
+    text = generated("helm-values.md")
+    assert '| `image.repository` | string | `"ucm/operator"` |' in text
+    for path in ("metrics.serviceMonitor.interval", "policy.allowedNfs", "monitoring.prometheusOperator"):
+        assert f"| `{path}` |" in text, path
+    assert "In values.yaml but not in the schema" not in text
+
+
+def test_metrics_page() -> None:
+    text = generated("metrics.md")
+    for name in (
+        "ucm_proxy_requests_total",
+        "ucm_proxy_backend_healthy",
+        "ucm_store_operation_seconds",
+        "ucm_operator_reconciles_total",
+        "ucm_connector_external_hit_tokens_total",
+    ):
+        assert f"| `{name}` |" in text, name
+
+
+def test_alerts_page() -> None:
+    text = generated("alerts.md")
+    rules = yaml.safe_load((ROOT / docs_reference.RULES).read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                assert f"\n## {rule['alert']}\n" in text
+            else:
+                assert f"| `{rule['record']}` |" in text
+    assert "\n## UCMPDPathBroken\n\n```promql\n" in text and "- Severity: critical" in text
