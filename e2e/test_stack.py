@@ -239,5 +239,5 @@ def test_killing_the_prefill_engine_falls_back_to_decode(stack: Stack):
     kill_role(stack, "prefill-0")
     time.sleep(0.5)
     status, body = post(stack.base_url + "/completions", {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 8})
-    assert status == 200, body  # fallbackToDecode: decode computes the whole request
+    assert status == 200, body  # fallback_to_decode: decode computes the whole request
     wait_served(stack)

@@ -15,6 +15,8 @@ command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 # node and npm: the tests validate rendered KEDA objects with kubernetes-models' schemas.
 command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+# chromium: the tests open the built docs site in a real browser (Playwright drives Debian's build).
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "system-deps: please install: ${missing[*]} (needs root and apt-get)" >&2
