@@ -158,6 +158,34 @@ def test_the_chart_ships_the_rules_and_the_dashboard(tmp_path):
     assert "PrometheusRule" not in off and "ucm-deployments.json" not in off
 
 
+def test_each_alert_links_its_runbook_where_the_docs_are_hosted(tmp_path):
+    helm = Path(sys.executable).parent / "helm"
+    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
+    args = [
+        str(helm),
+        "template",
+        "u",
+        str(ROOT / "charts" / "ucm-operator"),
+        "--set",
+        "monitoring.prometheusOperator=true",
+    ]
+    base = "https://docs.example.com/ucm/"
+    out = subprocess.run(
+        [*args, "--set", f"monitoring.runbookBaseUrl={base}"], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    rule = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule")
+    alerts = [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
+    runbooks = (ROOT / "docs" / "operations" / "troubleshooting.md").read_text()
+    for alert in alerts:
+        page, anchor = alert["annotations"]["runbook_url"].split("#")
+        assert page == "https://docs.example.com/ucm/operations/troubleshooting.html"
+        assert anchor == alert["alert"].lower()
+        assert f"\n### {alert['alert']}\n" in runbooks  # mkdocs gives that heading this anchor
+    assert {a["alert"] for a in alerts} == {a.name for a in rules.ALERTS}
+    bad = subprocess.run([*args, "--set", "monitoring.runbookBaseUrl=docs"], capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "runbookBaseUrl" in bad.stderr
+
+
 @pytest.mark.parametrize("served", [True, False], ids=["crds-installed", "no-crds"])
 def test_auto_follows_whether_the_cluster_serves_the_prometheus_operator(served, tmp_path):
     helm = Path(sys.executable).parent / "helm"
