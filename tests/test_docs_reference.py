@@ -3,6 +3,7 @@ what its generator returns now, and mentions what it must."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
 
@@ -89,6 +90,50 @@ def test_cli_page() -> None:
             for action in sub._actions:
                 for flag in action.option_strings:
                     assert flag in text, f"{script}: {flag}"
+
+
+def test_every_cli_option_has_help() -> None:
+    """Each command, subcommand, option and argument of the console scripts says what it is for: one
+    without help is a blank cell in cli.md (and in ``-h``)."""
+    bare = []
+    for script, entry in docs_reference.console_scripts().items():
+        root = docs_reference.tool_parser(entry)
+        for prog, parser, listed_help in docs_reference.walk_parsers(script, root):
+            if not (parser.description or listed_help or "").strip():
+                bare.append(f"{prog} (the command itself: no help= in add_parser, no description)")
+            for action in parser._actions:
+                if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                    continue  # argparse's own -h; subcommands are checked above, as commands
+                if action.help is argparse.SUPPRESS:
+                    continue  # not shown anywhere
+                if not (action.help or "").strip():
+                    bare.append(f"{prog} {', '.join(action.option_strings) or action.dest}")
+    assert not bare, "without help text: " + "; ".join(bare)
+
+
+def _config_models() -> list[tuple[str, object]]:
+    """The pydantic models configuration.md documents, each with the path prefix of its fields there."""
+    from ucm.integration.vllm.config import ConnectorConfig
+    from ucm.store import factory
+    from ucm_proxy.config import ProxyConfig
+
+    stores = [(f"store.{name}", factory.REGISTRY[name].config) for name in sorted(factory.REGISTRY)]
+    return [("", ConnectorConfig), *stores, ("", ProxyConfig)]
+
+
+def test_every_config_field_has_a_description() -> None:
+    """Every field of the connector's, the stores' and the proxy's config (nested models, list items
+    and map values included, as the page flattens them) has a description in its JSON schema."""
+    bare = []
+    for prefix, model in _config_models():
+        for row in docs_reference.model_rows(model, prefix):
+            if not row.description.strip():
+                bare.append(f"{model.__module__}.{model.__qualname__}: {row.path}")  # type: ignore[attr-defined]
+    from ucm.integration.vllm.config import ConnectorConfig
+
+    if not (ConnectorConfig.__doc__ or "").strip():
+        bare.append("ucm.integration.vllm.config.ConnectorConfig itself (no docstring; the page shows it)")
+    assert not bare, "without a description (Field(description=...), or a docstring on its model): " + "; ".join(bare)
 
 
 def test_configuration_page() -> None:

@@ -23,7 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' disables)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve ucm_operator_* metrics here (0: off)")
     p.add_argument("--server", help="API server URL without credentials (development); default: in-cluster/kubeconfig")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="less severe log records are dropped (the operator's and Kopf's)",
+    )
     policy.add_arguments(p)
     return p
 

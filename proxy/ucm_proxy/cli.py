@@ -9,35 +9,75 @@ import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
+from pydantic import BaseModel
+
 from ucm.config import ConfigError, load_mapping, parse_config
-from ucm_proxy.config import Policy, ProxyConfig
+from ucm_proxy.config import Policy, ProxyConfig, RoutingConfig
 from ucm_proxy.keys import ApiKeys
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ucm-proxy", description="OpenAI-compatible prefill/decode proxy for vLLM")
     p.add_argument("--config", "-c", help="YAML file with any of the options below (and more: routing, health...)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--mode", choices=["pd", "mixed"])
+    p.add_argument("--host", help=f"address to listen on (config: host; default {_default('host')})")
+    p.add_argument("--port", type=int, help=f"port to listen on (config: port; default {_default('port')})")
+    p.add_argument(
+        "--mode",
+        choices=["pd", "mixed"],
+        help="pd: prefill then decode; mixed: every backend serves whole requests "
+        f"(config: mode; default {_default('mode')})",
+    )
     p.add_argument("--prefill", action="append", metavar="URL", help="prefill backend (repeatable)")
     p.add_argument("--decode", action="append", metavar="URL", help="decode backend (repeatable)")
-    p.add_argument("--prefill-policy", choices=get_args(Policy))
-    p.add_argument("--decode-policy", choices=get_args(Policy))
-    p.add_argument("--retries", type=int)
-    p.add_argument("--fallback-to-decode", action="store_true", default=None)
+    p.add_argument(
+        "--prefill-policy",
+        choices=get_args(Policy),
+        help="how a prefill backend is chosen (config: routing.prefill; default "
+        f"{_default('prefill', RoutingConfig)}, kv_aware with routing.kv_events)",
+    )
+    p.add_argument(
+        "--decode-policy",
+        choices=get_args(Policy),
+        help="how a decode (or mixed) backend is chosen (config: routing.decode; default "
+        f"{_default('decode', RoutingConfig)}, kv_aware in mode mixed with routing.kv_events)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        help=f"extra attempts on another backend per request phase (config: retries; default {_default('retries')})",
+    )
+    p.add_argument(
+        "--fallback-to-decode",
+        action="store_true",
+        default=None,
+        help="pd: with no prefill backend, let decode do it all (config: fallback_to_decode)",
+    )
     p.add_argument("--api-keys-file", help="file with one accepted API key per line")
-    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        help=f"larger request bodies get 413 (config: max_body_bytes; default {_default('max_body_bytes')})",
+    )
     p.add_argument(
         "--min-prefill-tokens",
         type=int,
         help="pd: prefill remotely only prompts with about this many tokens not yet stored (0: every request)",
     )
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="less severe log records are dropped (the proxy's and uvicorn's)",
+    )
     p.add_argument(
         "--check", action="store_true", help="validate the configuration (not the files it names), print it, exit"
     )
     return p
+
+
+def _default(name: str, model: type[BaseModel] = ProxyConfig) -> Any:
+    """A config field's default, for the help of the flag that overrides it."""
+    return model.model_fields[name].default
 
 
 def load_config(args: argparse.Namespace) -> ProxyConfig:

@@ -16,6 +16,9 @@ Policy = Literal["round_robin", "least_outstanding", "prefix_affinity", "kv_awar
 
 
 class EventEndpoint(StrictModel):
+    """One backend's KV event endpoints; its key in ``endpoints`` is that backend's base URL, written as
+    in prefill/decode."""
+
     events: str = Field(description="The engine's KV event publisher, tcp://HOST:PORT or ipc://PATH")
     replay: str | None = Field(None, description="Its replay endpoint (vLLM's replay_endpoint), the same forms")
 
@@ -93,6 +96,8 @@ class KVEventsConfig(StrictModel):
 
 
 class RoutingConfig(StrictModel):
+    """How each pool chooses the backend for a request (``ucm_proxy.backends``)."""
+
     prefill: Policy = Field("prefix_affinity", description="How a prefill backend is chosen")
     decode: Policy = Field("least_outstanding", description="How a decode (or mixed) backend is chosen")
     prefix_chars: int = Field(512, ge=16, description="Leading prompt characters that prefix affinity hashes")
@@ -143,7 +148,14 @@ class RoutingConfig(StrictModel):
 
 
 class TimeoutsConfig(StrictModel):
-    connect_s: float = Field(5.0, gt=0)
+    """Time limits, in seconds."""
+
+    connect_s: float = Field(
+        5.0,
+        gt=0,
+        description="Opening a connection to a backend; also the whole of each health check, /metrics reading "
+        "and kv_aware /tokenize call to an engine",
+    )
     header_s: float = Field(
         10.0, gt=0, description="Until a request's line and headers are in, from its first byte (slower: 408)"
     )
@@ -160,12 +172,15 @@ class TimeoutsConfig(StrictModel):
 
 
 class HealthConfig(StrictModel):
+    """Active checks of every backend (a GET of ``path``), and ejection of a backend whose requests fail
+    in a row (passive)."""
+
     interval_s: float = Field(5.0, gt=0, description="Active health check period")
     unhealthy_interval_s: float = Field(0.5, gt=0, description="The period while some backend fails its check")
-    path: str = "/health"
+    path: str = Field("/health", description="The path each check GETs on a backend; anything but 200 fails")
     eject_after: int = Field(3, ge=1, description="Consecutive failures that eject a backend")
     backoff_s: float = Field(1.0, gt=0, description="First ejection length; doubles each time, up to backoff_max_s")
-    backoff_max_s: float = Field(60.0, gt=0)
+    backoff_max_s: float = Field(60.0, gt=0, description="The longest ejection, however often a backend fails")
 
 
 class PDCheckConfig(StrictModel):
@@ -211,21 +226,27 @@ class DisaggregationConfig(StrictModel):
 class DiscoveryConfig(StrictModel):
     """Backends from Kubernetes EndpointSlices (the proxy's ServiceAccount may list/watch them)."""
 
-    namespace: str
+    namespace: str = Field(description="The namespace of prefill_service, decode_service and resource")
     prefill_service: str | None = Field(None, description="Service whose EndpointSlices are prefill backends")
     decode_service: str = Field(description="Service whose EndpointSlices are decode backends")
     port_name: str = Field("http", description="EndpointSlice port name of the vLLM server")
     api_server: str | None = Field(None, description="Default: the in-cluster API server")
-    token_path: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
-    ca_path: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    token_path: Path = Field(
+        Path("/var/run/secrets/kubernetes.io/serviceaccount/token"),
+        description="Bearer token for the API server, re-read for every request (a missing file: none sent)",
+    )
+    ca_path: Path | None = Field(
+        Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"),
+        description="CA bundle that verifies the API server's certificate; null or a missing file: the system's CAs",
+    )
     resource: str | None = Field(
         None, description="The UCMDeployment whose status.pdPath this proxy writes (the PD path check's result)"
     )
 
 
 class ProxyConfig(StrictModel):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="The address the proxy listens on (0.0.0.0: every IPv4 interface)")
+    port: int = Field(8000, ge=0, le=65535, description="The port the proxy listens on")
     mode: Literal["pd", "mixed"] = Field("pd", description="pd: prefill then decode; mixed: whole requests")
     prefill: list[str] = Field(default_factory=list, description="Prefill backend base URLs")
     decode: list[str] = Field(default_factory=list, description="Decode (or mixed) backend base URLs")

@@ -56,8 +56,10 @@ def add_parsers(sub: Any) -> None:
     up.add_argument("--monitor-port", type=int, default=9090, help="Prometheus' port (0: any free port)")
     up.set_defaults(func=cmd_up)
     down = sub.add_parser("down", help="stop a stack started with ucm up")
-    down.add_argument("--name", default="local")
-    down.add_argument("--run-dir", default=".ucm")
+    down.add_argument("--name", default="local", help="the stack to stop: the --name it was started with")
+    down.add_argument(
+        "--run-dir", default=".ucm", help=f"the --run-dir it was started with (its state: RUN_DIR/NAME/{STATE_FILE})"
+    )
     down.set_defaults(func=cmd_down)
     restart = sub.add_parser(
         "restart", help="roll engine pools of a stack started with ucm up (new engines join before old ones drain)"
@@ -69,8 +71,10 @@ def add_parsers(sub: Any) -> None:
         help="a pool to roll (repeatable; default: both, or with -f the pools the change touches)",
     )
     restart.add_argument("-f", "--file", help="a changed UCMDeployment: its engines replace the running ones")
-    restart.add_argument("--name", default="local")
-    restart.add_argument("--run-dir", default=".ucm")
+    restart.add_argument("--name", default="local", help="the stack to roll: the --name it was started with")
+    restart.add_argument(
+        "--run-dir", default=".ucm", help=f"the --run-dir it was started with (its state: RUN_DIR/NAME/{STATE_FILE})"
+    )
     restart.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the rollout")
     restart.set_defaults(func=cmd_restart)
 

@@ -29,7 +29,9 @@ class MooncakeConfig(StrictModel):
     master_address: str = Field(description="host:port of mooncake_master's RPC service")
     metadata_server: str = Field(description="Transfer-engine metadata URL, e.g. http://host:port/metadata")
     local_hostname: str = Field("127.0.0.1", description="Address other clients reach this one at")
-    protocol: Literal["tcp", "rdma"] = "tcp"
+    protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="The transfer engine's transport between clients: tcp, or rdma over device_name's device(s)"
+    )
     device_name: str = Field("", description="RDMA device(s), protocol=rdma only")
     global_segment_size: ByteSize = Field(ByteSize(1 << 30), ge=0, description="DRAM this client adds to the pool")
     local_buffer_size: ByteSize = Field(ByteSize(128 << 20), gt=0, description="Client-side transfer buffer")

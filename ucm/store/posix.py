@@ -127,8 +127,18 @@ class NfsConfig(PosixConfig):
     """NFS: no shared page cache between clients, so fsync before rename makes a block visible to
     other hosts whole; renames and unlinks can leave other clients with stale handles (retried)."""
 
-    fsync: bool = True
-    stale_handle_retries: int = Field(3, ge=0, le=10)
+    fsync: bool = Field(
+        True,
+        description="fsync each block before its rename and its directory after: other hosts see the block "
+        "whole, and it survives power loss",
+    )
+    stale_handle_retries: int = Field(
+        3,
+        ge=0,
+        le=10,
+        description="Retries of a block read or write, or an existence check, that fails with ESTALE (a handle "
+        "another client's rename or unlink made stale), after 1 ms, 2 ms, 4 ms...",
+    )
 
 
 class Ds3fsConfig(PosixConfig):

@@ -77,6 +77,10 @@ class BlendConfig(StrictModel):
 
 
 class ConnectorConfig(StrictModel):
+    """UCMConnector's options, validated wherever they are written or read (the operator, ``ucm up``,
+    ``ucm serve``, and the connector in vLLM's scheduler and workers): an unknown key or a bad value is
+    an error naming the field."""
+
     store: dict[str, Any] = Field(description="Store configuration: {'spec': 'cache|posix', 'posix': {...}}")
     hash_algorithm: HashAlgorithm = Field("sha256", description=f"One of {', '.join(HASH_ALGORITHMS)}")
     model_id: str | None = Field(
