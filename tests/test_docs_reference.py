@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import re
+from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -159,6 +161,34 @@ def test_helm_values_page() -> None:
     for path in ("metrics.serviceMonitor.interval", "policy.allowedNfs", "monitoring.prometheusOperator"):
         assert f"| `{path}` |" in text, path
     assert "In values.yaml but not in the schema" not in text
+
+
+def _schema_paths(node: dict, path: str) -> Iterator[tuple[str, dict]]:
+    """Every value path under a JSON Schema node, as the page writes it (``a.b``, ``a[]``,
+    ``a.<key>``): properties, recursively; an array's items and a map's values where they have
+    properties of their own (a plain string list's items are its path's, not a path)."""
+    for name, sub in (node.get("properties") or {}).items():
+        child = f"{path}.{name}" if path else name
+        yield child, sub
+        yield from _schema_paths(sub, child)
+    for key, suffix in (("items", "[]"), ("additionalProperties", ".<key>")):
+        sub = node.get(key)
+        if isinstance(sub, dict) and sub.get("properties"):
+            yield path + suffix, sub
+            yield from _schema_paths(sub, path + suffix)
+
+
+def test_every_chart_value_has_a_description() -> None:
+    """Every value path of the chart's values schema says what it does in its own ``description``
+    (helm-values.md joins it with the comment above the key in values.yaml, which may add to it)."""
+    schema = json.loads((ROOT / docs_reference.VALUES_SCHEMA).read_text())
+    paths = dict(_schema_paths(schema, ""))
+    rows = [
+        r.path for name, sub in schema["properties"].items() for r in docs_reference.flatten(sub, name, schema).rows
+    ]
+    assert sorted(paths) == sorted(rows), "the walk and helm-values.md disagree on the value paths"
+    bare = [path for path, node in paths.items() if not str(node.get("description", "")).strip()]
+    assert not bare, f"without a description in {docs_reference.VALUES_SCHEMA}: " + ", ".join(bare)
 
 
 def test_metrics_page() -> None:
