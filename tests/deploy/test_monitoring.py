@@ -186,6 +186,19 @@ def test_each_alert_links_its_runbook_where_the_docs_are_hosted(tmp_path):
     assert bad.returncode != 0 and "runbookBaseUrl" in bad.stderr
 
 
+def test_a_dashboard_without_labels_is_refused_by_the_values_schema(tmp_path):
+    """Without a label Grafana's sidecar never finds the ConfigMap (and the template broke on {})."""
+    helm = Path(sys.executable).parent / "helm"
+    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
+    values = tmp_path / "values.yaml"
+    # null removes the chart's default label (an empty map would merge with it)
+    values.write_text("monitoring: {grafanaDashboard: {enabled: true, labels: null}}\n")
+    args = [str(helm), "template", "u", str(ROOT / "charts" / "ucm-operator"), "-f", str(values)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "monitoring.grafanaDashboard.labels: give at least one label" in r.stderr, r.stderr
+    assert "YAML parse error" not in r.stderr
+
+
 @pytest.mark.parametrize("served", [True, False], ids=["crds-installed", "no-crds"])
 def test_auto_follows_whether_the_cluster_serves_the_prometheus_operator(served, tmp_path):
     helm = Path(sys.executable).parent / "helm"
