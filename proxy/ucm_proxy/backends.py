@@ -193,6 +193,7 @@ class Pool:
     async def wait_available(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until some backend is available; False if none became so."""
         deadline = time.monotonic() + timeout_s
+        metrics.UNSERVED.labels(self.role).inc()
         metrics.WAITING.labels(self.role).inc()
         try:
             while not self.available():

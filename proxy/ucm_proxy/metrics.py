@@ -50,6 +50,13 @@ REJECTED = Counter(
     ["reason"],
 )
 WAITING = Gauge("ucm_proxy_waiting_requests", "Requests waiting for a backend of a pool with none available", ["role"])
+# A counter, unlike WAITING: a request waits seconds (timeouts.queue_s), too briefly for a scrape to see,
+# and a pool scaled to zero has no series of its own to wake it by (ucm.deploy.autoscaling).
+UNSERVED = Counter(
+    "ucm_proxy_unserved_requests",
+    "Requests that found no backend of the pool available (each then waits up to timeouts.queue_s)",
+    ["role"],
+)
 RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])
 PD_PATH_HEALTHY = Gauge(
     "ucm_proxy_pd_path_healthy", "1 when the last check through prefill, store and decode passed (decode loaded KV)"

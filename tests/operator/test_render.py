@@ -215,6 +215,39 @@ def test_rendered_objects_are_valid_kubernetes(name, spec, provider, tmp_path):
     assert all(o["metadata"]["annotations"][DESIRED_HASH] for o in objects)
 
 
+def test_a_pool_scaled_to_zero_is_woken_by_the_requests_that_found_it_empty(tmp_path):
+    """At zero the pool's own series are gone (KEDA reads that as 0, which never activates): a second
+    trigger on the proxy's count of requests that found no backend asks for one engine."""
+    spec = UCMDeploymentSpec.model_validate(
+        {**VARIANTS["autoscaled-rolling-monitored"], "decode": {"autoscaling": {"minReplicas": 0, "maxReplicas": 4}}}
+    )
+    objects = render(
+        Owner("demo", "serving", "u"), spec, build_plan("demo", spec, Site("kubernetes", namespace="serving"))
+    )
+    validate_models(objects)
+    scaled = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "ScaledObject"}
+    assert [t.get("name") for t in scaled["demo-prefill"]["triggers"]] == [None]  # minReplicas 1: no wake
+    signal, wake = scaled["demo-decode"]["triggers"]
+    assert scaled["demo-decode"]["minReplicaCount"] == 0
+    assert wake["name"] == "wake-from-zero"
+    assert (wake["metadata"]["threshold"], wake["metadata"]["activationThreshold"]) == ("1", "0")
+    query = wake["metadata"]["query"]
+    assert query.startswith("clamp_max(") and query.endswith(", 1)")
+    assert 'ucm_proxy_unserved_requests_total{namespace="serving",pod=~"demo-proxy-.*",role="decode"}' in query
+    # Both queries are PromQL Prometheus accepts (promtool parses them as recording rules).
+    rules = {
+        "groups": [
+            {
+                "name": "q",
+                "rules": [{"record": f"q{i}", "expr": t["metadata"]["query"]} for i, t in enumerate((signal, wake))],
+            }
+        ]
+    }
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    r = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_render_is_deterministic_and_hash_tracks_content():
     spec = UCMDeploymentSpec.model_validate(VARIANTS["nfs-cache-gpus"])
     site = Site("kubernetes", namespace="serving")

@@ -271,17 +271,20 @@ def test_no_prefill_gives_503_or_decode_only_with_fallback(fakes, make_proxy):
     assert r.json()["error"]["message"] == "No prefill backend is available; retry shortly."
     lenient = make_proxy(prefill=[down.url], decode=[d.url], retries=0, fallback_to_decode=True)
     with lenient.client() as c:
-        before = fallbacks(c.get("/metrics").text)
+        before = series(c.get("/metrics").text, FALLBACKS)
         r = c.post("/v1/completions", json=COMPLETION)
-        after = fallbacks(c.get("/metrics").text)
+        after = series(c.get("/metrics").text, FALLBACKS)
     assert r.status_code == 200
     assert "kv_transfer_params" not in d.requests[-1]["body"]
     assert after == before + 1  # the counter is the process's: other tests count too
 
 
-def fallbacks(metrics: str) -> float:
-    series = 'ucm_proxy_requests_total{path="fallback",route="/v1/completions",status="200"}'
-    return next((float(line.split()[1]) for line in metrics.splitlines() if line.startswith(series)), 0.0)
+FALLBACKS = 'ucm_proxy_requests_total{path="fallback",route="/v1/completions",status="200"}'
+
+
+def series(text: str, name: str) -> float:
+    """One series' value in a /metrics page (0 when absent)."""
+    return next((float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
 
 @pytest.mark.parametrize("failure", ["500", "close", "abort"])
@@ -370,18 +373,24 @@ def test_a_request_waits_for_a_restarting_engine_instead_of_bouncing(fakes, make
     assert 0.8 < waited < 3  # back after 1 s, found within a check interval
 
 
+UNSERVED = 'ucm_proxy_unserved_requests_total{role="decode"}'
+
+
 def test_a_request_waits_no_longer_than_queue_s(fakes, make_proxy):
     d = fakes.add("d")
     proxy = make_proxy(mode="mixed", decode=[d.url], health={"interval_s": 0.2}, timeouts={"queue_s": 0.5})
     with proxy.client() as c:
         d.behaviour.healthy = False
         wait_until(lambda: not proxy.proxy.ready())
+        unserved = series(c.get("/metrics").text, UNSERVED)  # the counter is the process's: other tests count too
         started = time.monotonic()
         r = c.post("/v1/completions", json=COMPLETION)
         waited = time.monotonic() - started
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert 0.4 < waited < 2
         assert 'ucm_proxy_waiting_requests{role="decode"} 0.0' in c.get("/metrics").text
+        # ... and counted, for what wakes a pool scaled to zero (a gauge back at 0 shows nothing).
+        assert series(c.get("/metrics").text, UNSERVED) == unserved + 1
     assert d.requests == []
 
 

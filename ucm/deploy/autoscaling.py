@@ -60,7 +60,9 @@ def _scaled_object(
     else:
         series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{target["name"]}-.*"}}'
     query = {"serverAddress": prometheus, "query": f"sum({series})", "threshold": _number(scaling.target_value)}
-    trigger = {"type": "prometheus", "metadata": query}
+    triggers = [{"type": "prometheus", "metadata": query}]
+    if scaling.min_replicas == 0:
+        triggers.append(_wake(namespace, proxy, role, prometheus))
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -69,9 +71,21 @@ def _scaled_object(
             "scaleTargetRef": dict(target),
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
-            "triggers": [trigger],
+            "triggers": triggers,
         },
     }
+
+
+def _wake(namespace: str, proxy: str, role: Role, prometheus: str) -> dict[str, Any]:
+    """What brings a pool back from zero: at zero its engines' series (and the proxy's per-backend
+    ones) are gone, and KEDA reads an empty result as 0, which never activates. The proxy counts
+    the requests that found the pool empty; one in the last two minutes activates the pool, and
+    the query is capped at 1 so that with a threshold of 1 this trigger asks for one engine, never
+    more: the pool's own signal sizes it once its engines report."""
+    unserved = f'ucm_proxy_unserved_requests_total{{namespace="{namespace}",pod=~"{proxy}-.*",role="{role.component}"}}'
+    query = f"clamp_max(sum(increase({unserved}[2m])), 1)"
+    metadata = {"serverAddress": prometheus, "query": query, "threshold": "1", "activationThreshold": "0"}
+    return {"type": "prometheus", "name": "wake-from-zero", "metadata": metadata}
 
 
 def _hpa(
