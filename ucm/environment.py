@@ -33,8 +33,10 @@ _HANDLER_NAME = "ucm-environment"
 DEFAULT_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 
-def apply_environment(environ: Mapping[str, str]) -> None:
-    """Check the documented variables and set up the ``ucm`` loggers as they ask (idempotent)."""
+def check_environment(environ: Mapping[str, str]) -> str:
+    """Refuse what the documented variables cannot mean; the ``ucm`` loggers' level they ask for
+    ("" when none). Without side effects, so that a deployment's spec can be checked before an
+    engine starts (the operator, ``ucm up``), not only when it does."""
     for name, why in REFUSED.items():
         if environ.get(name):
             raise ConfigError(f"{name}: not supported: {why}; unset it")
@@ -48,6 +50,17 @@ def apply_environment(environ: Mapping[str, str]) -> None:
         if level and level != "DEBUG":
             raise ConfigError(f"UCM_DEBUG=true and UCM_LOG_LEVEL={level} disagree; set one")
         level = "DEBUG"
+    if environ.get("UCM_LOG_FORMAT"):
+        try:
+            logging.Formatter(environ["UCM_LOG_FORMAT"], validate=True)
+        except ValueError as exc:
+            raise ConfigError(f"UCM_LOG_FORMAT: {exc}") from None
+    return level
+
+
+def apply_environment(environ: Mapping[str, str]) -> None:
+    """Check the documented variables and set up the ``ucm`` loggers as they ask (idempotent)."""
+    level = check_environment(environ)
     fmt, path = environ.get("UCM_LOG_FORMAT"), environ.get("UCM_LOG_FILE")
     if not (level or fmt or path):
         return  # logging stays as the host process (vLLM, a test) set it up
@@ -57,10 +70,7 @@ def apply_environment(environ: Mapping[str, str]) -> None:
         handler: logging.Handler = logging.FileHandler(path) if path else logging.StreamHandler()
     except OSError as exc:
         raise ConfigError(f"UCM_LOG_FILE: cannot open {path}: {exc.strerror}") from None
-    try:
-        handler.setFormatter(logging.Formatter(fmt or DEFAULT_FORMAT))
-    except ValueError as exc:
-        raise ConfigError(f"UCM_LOG_FORMAT: {exc}") from None
+    handler.setFormatter(logging.Formatter(fmt or DEFAULT_FORMAT))
     handler.set_name(_HANDLER_NAME)
     for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
         root.removeHandler(old)

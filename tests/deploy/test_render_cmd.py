@@ -9,6 +9,7 @@ import yaml
 
 from ucm.cli import main
 from ucm.deploy.kubernetes import DESIRED_HASH
+from ucm.deploy.spec import UCMDeploymentSpec
 
 RESOURCE = {
     "apiVersion": "ucm.io/v1alpha1",
@@ -81,9 +82,28 @@ def test_the_operators_bounds_apply_and_widen_with_the_same_flags(tmp_path, caps
             {"spec": {**RESOURCE["spec"], "proxy": {"config": {"routing": {"prefill": "bogus"}}}}},
             "spec.proxy.config: ucm-proxy refuses it: proxy.routing.prefill: Input should be",
         ),
+        # UCM's own variables an engine would refuse at startup, over and over.
+        (
+            {"spec": {**RESOURCE["spec"], "decode": {"env": [{"name": "UCM_STORAGE_BACKEND", "value": "nfs"}]}}},
+            "spec.decode: env: UCM_STORAGE_BACKEND: not supported",
+        ),
+        (
+            {"spec": {**RESOURCE["spec"], "prefill": {"env": [{"name": "UCM_LOG_LEVEL", "value": "LOUD"}]}}},
+            "spec.prefill: env: UCM_LOG_LEVEL: 'LOUD' is not one of",
+        ),
     ],
 )
 def test_what_the_operator_refuses_is_refused_naming_the_field(tmp_path, capsys, change, message):
     code, _, err = render(tmp_path, {**RESOURCE, **change}, capsys=capsys)
     assert code == 2
     assert message in err, err
+
+
+def test_ucm_variables_an_engine_honours_pass_and_a_secret_cannot_hide_a_refused_one():
+    secret = {"secretKeyRef": {"name": "s", "key": "k"}}
+    env = [{"name": "UCM_LOG_LEVEL", "value": "debug"}, {"name": "UCM_STORE_HEALTH_FILE", "value": "/tmp/h"}]
+    env.append({"name": "UCM_LOG_FORMAT", "valueFrom": secret})  # its value is unseen: checked at startup
+    UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"env": env}})
+    hidden = [{"name": "UCM_STORAGE_BACKEND", "valueFrom": secret}]
+    with pytest.raises(ValueError, match="UCM_STORAGE_BACKEND: not supported"):
+        UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"env": hidden}})

@@ -13,8 +13,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, model_validator
 
 from ucm import __version__
+from ucm.config import ConfigError
 from ucm.deploy.schema import Quantity, Spec, cel, one_of
 from ucm.deploy.stores import KINDS, StoreKind
+from ucm.environment import REFUSED as REFUSED_UCM_ENV
+from ucm.environment import check_environment
 from ucm.hashing import HashAlgorithm
 from ucm.integration.vllm.config import BlendConfig
 from ucm.sparse.config import OPTIONS, SparseConfig
@@ -300,6 +303,18 @@ class PoolSpec(Spec):
         "holds before they are cut (vLLM's --shutdown-timeout; 0 aborts them at once). New requests are refused "
         "meanwhile and the proxy retries them elsewhere. The pod's grace period follows.",
     )
+
+    @model_validator(mode="after")
+    def _ucm_variables(self) -> PoolSpec:
+        """UCM's own variables (UCM_*) the engine would refuse at startup, in a crash loop. A Secret's
+        value is unseen here: only names refused whatever their value are checked for those."""
+        literal = {e.name: e.value for e in self.env if e.value is not None}
+        secret = {e.name: "set" for e in self.env if e.value_from is not None and e.name in REFUSED_UCM_ENV}
+        try:
+            check_environment(literal | secret)
+        except ConfigError as exc:
+            raise ValueError(f"env: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _gpus_per_rank(self) -> PoolSpec:
