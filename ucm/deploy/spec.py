@@ -437,7 +437,14 @@ StoreSpec = create_model(
     __base__=_StoreSpec,
     type=(Literal[tuple(KINDS)], Field(description="The kind of shared store: " + ", ".join(KINDS))),
     **{k.field: (k.options | None, Field(None, alias=k.field, description=k.description)) for k in KINDS.values()},
-    cache_size=(Quantity | None, Field(None, description="A DRAM tier in front of the store, per vLLM pod")),
+    cache_size=(
+        Quantity | None,
+        Field(
+            None,
+            description="A DRAM tier in front of the store, this size in every rank's process: a pod running "
+            "tensor x pipeline / nodes ranks holds that many",
+        ),
+    ),
     files=(FileStoreSpec | None, Field(None, description="Capacity and I/O of a file store (posix, nfs, ds3fs)")),
     hashing=(HashingSpec, HashingSpec()),  # described by its docstring
 )

@@ -31,7 +31,11 @@ class MooncakeSpec(Spec):
     master: MooncakeMaster | None = Field(None, description="Run a master in the deployment")
     address: str | None = Field(None, description="An external master, host:port")
     metadata_server: str | None = Field(None, description="With address: its metadata URL")
-    segment_size: Quantity = Field("4Gi", description="DRAM each vLLM pod adds to the pool")
+    segment_size: Quantity = Field(
+        "4Gi",
+        description="DRAM each rank's process adds to the pool: a pod running tensor x pipeline / nodes "
+        "ranks adds that many times this",
+    )
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="How engines move blocks to and from the pool")
     device_name: str | None = Field(
         None, min_length=1, description="RDMA device(s) to use, e.g. mlx5_0 (protocol rdma only)"
