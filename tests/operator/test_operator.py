@@ -457,7 +457,10 @@ async def test_an_autoscaled_pool_is_left_to_its_autoscaler(kmock, cluster, prov
         if provider == "keda":
             assert (scaler["minReplicaCount"], scaler["maxReplicaCount"]) == (1, 4)
             trigger = scaler["triggers"][0]["metadata"]
-            assert trigger["query"] == 'sum(vllm:kv_cache_usage_perc{namespace="serving",pod=~"a-decode-.*"})'
+            assert (
+                trigger["query"]
+                == 'sum(vllm:kv_cache_usage_perc{namespace="serving",pod=~"a-decode-[a-z0-9]+-[a-z0-9]+"})'
+            )
             assert trigger["threshold"] == "0.8"
         else:
             assert (scaler["minReplicas"], scaler["maxReplicas"]) == (1, 4)

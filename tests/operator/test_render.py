@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from tests.operator.conftest import CHART, ROOT, helm
-from ucm.deploy.autoscaling import Autoscaler
+from ucm.deploy.autoscaling import Autoscaler, pods_of
 from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.monitors import Monitors
 from ucm.deploy.monitors import from_args as monitors_from_args
@@ -233,7 +234,10 @@ def test_a_pool_scaled_to_zero_is_woken_by_the_requests_that_found_it_empty(tmp_
     assert (wake["metadata"]["threshold"], wake["metadata"]["activationThreshold"]) == ("1", "0")
     query = wake["metadata"]["query"]
     assert query.startswith("clamp_max(") and query.endswith(", 1)")
-    assert 'ucm_proxy_unserved_requests_total{namespace="serving",pod=~"demo-proxy-.*",role="decode"}' in query
+    assert (
+        'ucm_proxy_unserved_requests_total{namespace="serving",pod=~"demo-proxy-[a-z0-9]+-[a-z0-9]+",role="decode"}'
+        in query
+    )
     # Both queries are PromQL Prometheus accepts (promtool parses them as recording rules).
     rules = {
         "groups": [
@@ -246,6 +250,22 @@ def test_a_pool_scaled_to_zero_is_woken_by_the_requests_that_found_it_empty(tmp_
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     r = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    ("workload", "kind", "mine", "not_mine"),
+    [
+        ("llama-decode", "Deployment", ["llama-decode-7d9c5b8f6-x2x9k"], ["llama-decode-prefill-5c6d7-abcde"]),
+        ("llama-proxy", "Deployment", ["llama-proxy-6b7f9d-9zq2w"], ["llama-proxy-decode-6b7f9-q2w9z"]),
+        ("a-decode-group", "LeaderWorkerSet", ["a-decode-group-0", "a-decode-group-3-1"], ["a-decode-group-x-0-1"]),
+    ],
+)
+def test_autoscalers_count_the_pools_pods_and_no_neighbours(workload, kind, mine, not_mine):
+    """A deployment named `llama-decode` beside `llama` has pods `llama-decode-prefill-...`: a
+    `llama-decode-.*` query would count them into llama's decode pool. PromQL regexes are anchored."""
+    pattern = re.compile(pods_of(workload, kind))
+    assert all(pattern.fullmatch(name) for name in mine)
+    assert not any(pattern.fullmatch(name) for name in not_mine)
 
 
 def test_render_is_deterministic_and_hash_tracks_content():

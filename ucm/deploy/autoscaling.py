@@ -56,9 +56,9 @@ def _scaled_object(
     # for sum/target replicas, i.e. the target is per engine, as with the HPA.
     namespace = meta["namespace"]
     if scaling.signal == "proxy_in_flight":
-        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{proxy}-.*",role="{role.component}"}}'
+        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{pods_of(proxy)}",role="{role.component}"}}'
     else:
-        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{target["name"]}-.*"}}'
+        series = f'{scaling.metric}{{namespace="{namespace}",pod=~"{pods_of(target["name"], target["kind"])}"}}'
     query = {"serverAddress": prometheus, "query": f"sum({series})", "threshold": _number(scaling.target_value)}
     triggers = [{"type": "prometheus", "metadata": query}]
     if scaling.min_replicas == 0:
@@ -76,13 +76,25 @@ def _scaled_object(
     }
 
 
+def pods_of(workload: str, kind: str = "Deployment") -> str:
+    """A PromQL regex (anchored, as PromQL's are) for the names of ``workload``'s pods and no one
+    else's: ``name-.*`` would also take the pods of a deployment named ``<name>-decode``. A
+    Deployment's pods are ``<name>-<ReplicaSet hash>-<suffix>``; a LeaderWorkerSet's
+    ``<name>-<group>`` (leaders) and ``<name>-<group>-<index>`` (workers)."""
+    if kind == "LeaderWorkerSet":
+        return f"{workload}-[0-9]+(-[0-9]+)?"
+    return f"{workload}-[a-z0-9]+-[a-z0-9]+"
+
+
 def _wake(namespace: str, proxy: str, role: Role, prometheus: str) -> dict[str, Any]:
     """What brings a pool back from zero: at zero its engines' series (and the proxy's per-backend
     ones) are gone, and KEDA reads an empty result as 0, which never activates. The proxy counts
     the requests that found the pool empty; one in the last two minutes activates the pool, and
     the query is capped at 1 so that with a threshold of 1 this trigger asks for one engine, never
     more: the pool's own signal sizes it once its engines report."""
-    unserved = f'ucm_proxy_unserved_requests_total{{namespace="{namespace}",pod=~"{proxy}-.*",role="{role.component}"}}'
+    unserved = (
+        f'ucm_proxy_unserved_requests_total{{namespace="{namespace}",pod=~"{pods_of(proxy)}",role="{role.component}"}}'
+    )
     query = f"clamp_max(sum(increase({unserved}[2m])), 1)"
     metadata = {"serverAddress": prometheus, "query": query, "threshold": "1", "activationThreshold": "0"}
     return {"type": "prometheus", "name": "wake-from-zero", "metadata": metadata}
