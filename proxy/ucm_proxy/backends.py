@@ -106,6 +106,9 @@ class Pool:
         self.backends: list[Backend] = []
         self._rr = itertools.count()
         self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped on news
+        # Exported at 0 from the start: Prometheus' increase() cannot see a series' first sample, so
+        # a count born at 1 would hide the request that finds a pool scaled to zero (what wakes it).
+        metrics.UNSERVED.labels(role)
         self.set_urls(urls)
 
     def set_urls(self, urls: Iterable[str]) -> None:
@@ -193,7 +196,8 @@ class Pool:
     async def wait_available(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until some backend is available; False if none became so."""
         deadline = time.monotonic() + timeout_s
-        metrics.UNSERVED.labels(self.role).inc()
+        if not self.available():
+            metrics.UNSERVED.labels(self.role).inc()
         metrics.WAITING.labels(self.role).inc()
         try:
             while not self.available():

@@ -54,7 +54,8 @@ WAITING = Gauge("ucm_proxy_waiting_requests", "Requests waiting for a backend of
 # and a pool scaled to zero has no series of its own to wake it by (ucm.deploy.autoscaling).
 UNSERVED = Counter(
     "ucm_proxy_unserved_requests",
-    "Requests that found no backend of the pool available (each then waits up to timeouts.queue_s)",
+    "Requests that found no backend of the pool available (then waiting up to timeouts.queue_s, or none for "
+    "prefill with fallback_to_decode)",
     ["role"],
 )
 RETRIES = Counter("ucm_proxy_retries_total", "Upstream attempts repeated on another backend", ["role"])

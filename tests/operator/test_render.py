@@ -230,12 +230,14 @@ def test_a_pool_scaled_to_zero_is_woken_by_the_requests_that_found_it_empty(tmp_
     assert [t.get("name") for t in scaled["demo-prefill"]["triggers"]] == [None]  # minReplicas 1: no wake
     signal, wake = scaled["demo-decode"]["triggers"]
     assert scaled["demo-decode"]["minReplicaCount"] == 0
+    assert scaled["demo-decode"]["cooldownPeriod"] == 1800  # a woken engine outlives its loading
+    assert "cooldownPeriod" not in scaled["demo-prefill"]
     assert wake["name"] == "wake-from-zero"
     assert (wake["metadata"]["threshold"], wake["metadata"]["activationThreshold"]) == ("1", "0")
     query = wake["metadata"]["query"]
     assert query.startswith("clamp_max(") and query.endswith(", 1)")
     assert (
-        'ucm_proxy_unserved_requests_total{namespace="serving",pod=~"demo-proxy-[a-z0-9]+-[a-z0-9]+",role="decode"}'
+        'ucm_proxy_unserved_requests_total{namespace="serving",pod=~"demo-proxy-[a-z0-9]+(-[a-z0-9]+)?",role="decode"}'
         in query
     )
     # Both queries are PromQL Prometheus accepts (promtool parses them as recording rules).
@@ -252,10 +254,15 @@ def test_a_pool_scaled_to_zero_is_woken_by_the_requests_that_found_it_empty(tmp_
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+LONG = "llama-3-1-70b-instruct-production-eu1-ab-decode"  # 48 characters
+
+
 @pytest.mark.parametrize(
     ("workload", "kind", "mine", "not_mine"),
     [
         ("llama-decode", "Deployment", ["llama-decode-7d9c5b8f6-x2x9k"], ["llama-decode-prefill-5c6d7-abcde"]),
+        # A ReplicaSet cuts its pods' prefix to 58 characters: the hash and the suffix run together.
+        (LONG, "Deployment", [(LONG + "-5d8f9c7b4")[:58] + "x2x9k"], [LONG + "-prefill-5d8f9c7b4-x2x9k"]),
         ("llama-proxy", "Deployment", ["llama-proxy-6b7f9d-9zq2w"], ["llama-proxy-decode-6b7f9-q2w9z"]),
         ("a-decode-group", "LeaderWorkerSet", ["a-decode-group-0", "a-decode-group-3-1"], ["a-decode-group-x-0-1"]),
     ],

@@ -382,7 +382,9 @@ def test_a_request_waits_no_longer_than_queue_s(fakes, make_proxy):
     with proxy.client() as c:
         d.behaviour.healthy = False
         wait_until(lambda: not proxy.proxy.ready())
-        unserved = series(c.get("/metrics").text, UNSERVED)  # the counter is the process's: other tests count too
+        text = c.get("/metrics").text
+        assert UNSERVED + " " in text  # at 0 before any: increase() cannot see a series' first sample
+        unserved = series(text, UNSERVED)  # the counter is the process's: other tests count too
         started = time.monotonic()
         r = c.post("/v1/completions", json=COMPLETION)
         waited = time.monotonic() - started

@@ -18,6 +18,10 @@ from ucm.deploy.roles import ENGINES, Role, fail
 from ucm.deploy.spec import AutoscalingSpec, UCMDeploymentSpec
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+# How long a pool that can scale to zero stays up after its last activity (KEDA's default is 300 s):
+# an engine woken by one request must outlive its own loading (the startup probe allows 30 min), and
+# while it loads neither trigger is active.
+COOLDOWN_FROM_ZERO_S = 1800
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ def _scaled_object(
         "spec": {
             "scaleTargetRef": dict(target),
             "minReplicaCount": scaling.min_replicas,
+            **({"cooldownPeriod": COOLDOWN_FROM_ZERO_S} if scaling.min_replicas == 0 else {}),
             "maxReplicaCount": scaling.max_replicas,
             "triggers": triggers,
         },
@@ -83,7 +88,9 @@ def pods_of(workload: str, kind: str = "Deployment") -> str:
     ``<name>-<group>`` (leaders) and ``<name>-<group>-<index>`` (workers)."""
     if kind == "LeaderWorkerSet":
         return f"{workload}-[0-9]+(-[0-9]+)?"
-    return f"{workload}-[a-z0-9]+-[a-z0-9]+"
+    # The second dash is optional: a ReplicaSet cuts its pods' name prefix to 58 characters, so
+    # with a long name the hash and the suffix run together.
+    return f"{workload}-[a-z0-9]+(-[a-z0-9]+)?"
 
 
 def _wake(namespace: str, proxy: str, role: Role, prometheus: str) -> dict[str, Any]:
