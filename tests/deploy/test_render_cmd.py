@@ -103,6 +103,7 @@ def test_ucm_variables_an_engine_honours_pass_and_a_secret_cannot_hide_a_refused
     secret = {"secretKeyRef": {"name": "s", "key": "k"}}
     env = [{"name": "UCM_LOG_LEVEL", "value": "debug"}, {"name": "UCM_STORE_HEALTH_FILE", "value": "/tmp/h"}]
     env.append({"name": "UCM_LOG_FORMAT", "valueFrom": secret})  # its value is unseen: checked at startup
+    env += [{"name": "LEVEL", "value": "DEBUG"}, {"name": "UCM_DEBUG", "value": "$(LEVEL)"}]  # the pod expands it
     UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"env": env}})
     hidden = [{"name": "UCM_STORAGE_BACKEND", "valueFrom": secret}]
     with pytest.raises(ValueError, match="UCM_STORAGE_BACKEND: not supported"):

@@ -308,7 +308,8 @@ class PoolSpec(Spec):
     def _ucm_variables(self) -> PoolSpec:
         """UCM's own variables (UCM_*) the engine would refuse at startup, in a crash loop. A Secret's
         value is unseen here: only names refused whatever their value are checked for those."""
-        literal = {e.name: e.value for e in self.env if e.value is not None}
+        # "$(VAR)" is Kubernetes' own expansion of an earlier variable: known only in the pod.
+        literal = {e.name: e.value for e in self.env if e.value is not None and "$(" not in e.value}
         secret = {e.name: "set" for e in self.env if e.value_from is not None and e.name in REFUSED_UCM_ENV}
         try:
             check_environment(literal | secret)
