@@ -153,8 +153,8 @@ class TimeoutsConfig(StrictModel):
     connect_s: float = Field(
         5.0,
         gt=0,
-        description="Opening a connection to a backend; also the whole of each health check, /metrics reading "
-        "and kv_aware /tokenize call to an engine",
+        description="Opening a connection to a backend; also the whole of each request of a health check "
+        "(/health, /v1/models), each /metrics reading and each kv_aware /tokenize call to an engine",
     )
     header_s: float = Field(
         10.0, gt=0, description="Until a request's line and headers are in, from its first byte (slower: 408)"

@@ -136,8 +136,8 @@ class NfsConfig(PosixConfig):
         3,
         ge=0,
         le=10,
-        description="Retries of a block read or write, or an existence check, that fails with ESTALE (a handle "
-        "another client's rename or unlink made stale), after 1 ms, 2 ms, 4 ms...",
+        description="Retries of a block read or write that fails with ESTALE (a handle another client's rename "
+        "or unlink made stale), after 1 ms, 2 ms, 4 ms...",
     )
 
 
