@@ -106,7 +106,9 @@ def page(title: str, sources: list[str], blocks: list[str], also: str = "") -> s
     note = f"Generated from {_series(named)} by `make generate`; do not edit."
     out = "\n\n".join([f"# {title}", note, *[b.strip("\n") for b in blocks if b]]) + "\n"
     for local in {str(ROOT), str(Path.home())} - {"/"}:
-        if local in out:
+        # As a path of its own (after a space, quote or backtick, then / or the end): a checkout at
+        # /ucm must not trip on crds/ucm.io_... or /etc/ucm.
+        if re.search(rf"(?:^|[\s`'\"(]){re.escape(local)}(?:/|[\s`'\")]|$)", out):
             raise ValueError(f"{title}: the page names {local}, a path of this machine")
     return out
 
