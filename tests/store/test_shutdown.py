@@ -41,17 +41,26 @@ HUNG_ENGINE = textwrap.dedent(
 
 
 def test_an_engine_whose_store_hangs_still_exits(tmp_path):
-    # A hung exit never ends, so the subprocess timeout catches it; the timeout is generous since
-    # the child's imports (torch) alone take 15-30 s on a slow CI machine. Close itself is timed
-    # in the child, where the imports do not count.
-    done = subprocess.run(
-        [sys.executable, "-c", HUNG_ENGINE, str(tmp_path)], capture_output=True, text=True, timeout=180
+    """Timed in parts, since the child's imports (torch, vLLM: 15-35 s on a slow machine) and its
+    interpreter's finalization (~10 s of gc over vLLM's modules) are not what is checked: close()
+    is timed in the child, the exit after it here."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", HUNG_ENGINE, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert done.returncode == 0, done.stderr
-    closed = re.search(r"closed in ([0-9.]+) s", done.stdout)
-    assert closed, done.stdout
+    try:
+        closed = None
+        for line in child.stdout:  # until close() is done (or the child ends without it)
+            if closed := re.search(r"closed in ([0-9.]+) s", line):
+                break
+        exited = time.monotonic()
+        _, stderr = child.communicate(timeout=120)
+        exited = time.monotonic() - exited
+    finally:
+        child.kill()
+    assert child.returncode == 0 and closed, stderr
     assert float(closed.group(1)) < 10  # CLOSE_WAIT_S is 1 s per pool of threads
-    assert "left behind at close" in done.stderr  # and it says so
+    assert exited < 60  # the threads left behind do not hold the exit
+    assert "left behind at close" in stderr  # and it says so
 
 
 def test_io_threads_run_calls_in_order_and_close_waits_for_queued_ones():
