@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from ucm.config import ConfigError, load_mapping, parse_config
 from ucm_proxy.config import Policy, ProxyConfig, RoutingConfig
-from ucm_proxy.keys import ApiKeys
+from ucm_proxy.keys import read_keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,10 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             print(config.model_dump_json(indent=2))
             return 0
-        if config.api_keys_file is not None and not ApiKeys([], config.api_keys_file).current():
-            raise ConfigError(f"api_keys_file: {config.api_keys_file} holds no key")  # unreadable: OSError
-        if config.metrics_token_file is not None and not ApiKeys([], config.metrics_token_file).current():
-            raise ConfigError(f"metrics_token_file: {config.metrics_token_file} holds no token")
+        # A key file that holds nothing is a mistake at startup (unreadable: OSError); while serving,
+        # it refuses everyone (ucm_proxy.keys).
+        for field, path, what in (
+            ("api_keys_file", config.api_keys_file, "key"),
+            ("metrics_token_file", config.metrics_token_file, "token"),
+        ):
+            if path is not None and not read_keys(path):
+                raise ConfigError(f"{field}: {path} holds no {what}")
         config.backend_key()
     except (ConfigError, OSError) as exc:
         print(f"ucm-proxy: error: {exc}", file=sys.stderr)
