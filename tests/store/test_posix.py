@@ -378,6 +378,24 @@ def test_nfs_retries_stale_handles(tmp_path, monkeypatch):
     plain.close()
 
 
+def test_nfs_lookups_retry_stale_handles(tmp_path, monkeypatch):
+    ids, data = blocks(1, 1000)
+    nfs = create_store({"spec": "nfs", "nfs": {"roots": [str(tmp_path)], "fsync": False}})
+    nfs.wait(nfs.dump(ids, data))
+    real_stat = os.stat
+    failures = {"left": 2}
+
+    def stale_stat(path, *a, **kw):
+        if failures["left"] and str(path).endswith(ids[0].hex()):
+            failures["left"] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", stale_stat)
+    assert nfs.lookup(ids) == [True] and failures["left"] == 0
+    nfs.close()
+
+
 def test_nfs_defaults_fsync_and_retries():
     from ucm.store.posix import NfsConfig, PosixConfig
 

@@ -136,8 +136,8 @@ class NfsConfig(PosixConfig):
         3,
         ge=0,
         le=10,
-        description="Retries of a block read or write that fails with ESTALE (a handle another client's rename "
-        "or unlink made stale), after 1 ms, 2 ms, 4 ms...",
+        description="Retries of a block read or write, or an existence check, that fails with ESTALE (a handle "
+        "another client's rename or unlink made stale), after 1 ms, 2 ms, 4 ms...",
     )
 
 
@@ -359,10 +359,11 @@ class PosixStore(PerBlockStore):
         return fn(*args)
 
     def _exists(self, path: str) -> bool:
-        try:
-            return self._retry_stale(os.path.exists, path)
-        except OSError:
+        try:  # os.stat, not os.path.exists: that one reads ESTALE as "missing", never to be retried
+            self._retry_stale(os.stat, path)
+        except OSError:  # missing, or still stale after the retries
             return False
+        return True
 
     def _maybe_touch(self, path: str, mtime: float) -> None:
         now = time.time()
