@@ -13,6 +13,7 @@ import yaml
 
 from ucm.cli import main
 from ucm.config import ConfigError
+from ucm.deploy.spec import UCMDeploymentSpec
 from ucm.environment import apply_environment
 from ucm.integration.vllm.config import native_config, parse_connector_config
 from ucm.serve import load_kv_config
@@ -280,3 +281,12 @@ def test_convert_to_a_resource_fragment(tmp_path, capsys):
         "algorithm": "gsa_ondevice",
         "gsa_ondevice": {"hash_topk_tokens": 2048, "sink_token": 32, "recent_token": 256},
     }
+    # UCM's Blend (a ucm_sparse_config that chooses it) becomes spec.blend, the resource accepting it.
+    blend = tmp_path / "blend.yaml"
+    blend.write_text(yaml.safe_dump({"ucm_sparse_config": {"Blend": {"separator": "\n##\n"}}}))
+    assert main(["config", "convert", str(blend), "--to", "resource"]) == 0
+    spec = yaml.safe_load(capsys.readouterr().out)["spec"]
+    assert spec["blend"]["separator"] == "\n##\n" and "sparse" not in spec
+    UCMDeploymentSpec.model_validate(
+        {**spec, "model": {"source": {"hf": "x"}}, "store": {"type": "posix", "pvc": {"claimName": "kv"}}}
+    )

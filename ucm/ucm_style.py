@@ -113,7 +113,7 @@ def _summary(config: Mapping[str, Any]) -> str:
     store = config.get("store") or {}
     parts = [f"store {store.get('spec')!r}"] if store else []
     if "ucm_sparse_config" in config:
-        parts.append("ucm_sparse_config as sparse")
+        parts.append("ucm_sparse_config")
     return ", ".join(parts) or "no store"
 
 

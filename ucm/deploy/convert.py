@@ -63,7 +63,7 @@ def kv_transfer_config(path: str | Path, need_store: bool = True) -> dict[str, A
 
 
 def resource_fragment(native: dict[str, Any]) -> str:
-    """``spec.store`` and ``spec.sparse`` of a UCMDeployment for a native connector config, as YAML;
+    """``spec.store``, ``spec.sparse`` and ``spec.blend`` of a UCMDeployment for a native connector config, as YAML;
     comments name what a resource's store (one volume every engine mounts) cannot say."""
     notes: list[str] = []
     spec: dict[str, Any] = {}
@@ -86,14 +86,15 @@ def resource_fragment(native: dict[str, Any]) -> str:
             if options.get("mac_key_file"):
                 notes.append("store: mac_key_file becomes store.mac: true (the deployment generates the key)")
             notes.append(
-                f"store.{kind}: the volume every engine mounts (README: The UCMDeployment resource); "
+                f"store.{kind}: the volume every engine mounts (docs: concepts/resource.md); "
                 f"UCM's storage_backends were {', '.join(options.get('roots', []))}"
             )
         elif kind == "mooncake":
             out["mooncake"] = {MOONCAKE_FIELDS[k]: v for k, v in options.items() if k in MOONCAKE_FIELDS}
         spec["store"] = out
-    if native.get("sparse"):
-        spec["sparse"] = native["sparse"]
+    for section in ("sparse", "blend"):  # the same shape in the resource as in the connector config
+        if native.get(section) is not None:
+            spec[section] = native[section]
     text = yaml.safe_dump({"spec": spec}, sort_keys=False) if spec else "spec: {}\n"
     return "".join(f"# {n}\n" for n in notes) + text
 
