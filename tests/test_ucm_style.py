@@ -28,7 +28,7 @@ EXAMPLES = {
     "ch05_pc_store.yaml": r"ucm_connector_config\.buffer_number: not supported",
     "ch05_cache_store.yaml": None,
     "ch05_ds3fs_store.yaml": r"ucm_connector_config\.ior_entries: not supported",
-    "ch05_mooncake_store.yaml": r"store\.mooncake\.master_address: Field required",
+    "ch05_mooncake_store.yaml": r"ucm_connector_config\.master_server_address: required",
     "ch05_pipeline.yaml": None,
     "ch14_config_yaml.yaml": r"kv_connector_extra_config\.storage: unknown field",
     "ch14_nvidia_kv_config.json": None,
@@ -160,6 +160,14 @@ def test_ucms_pipeline_cache_posix_nfs_keeps_our_capacity_key_for_the_middle_tie
             r"storage_policy: 'striped' is not one of tiered, round_robin, random",
         ),
         ({"storage_backend": "posix"}, "storage_path: required"),
+        (  # under the name UCM's own documentation uses, not ours (master_address)
+            {
+                "ucm_connectors": [
+                    {"ucm_connector_name": "UcmMooncakeStore", "ucm_connector_config": {"protocol": "tcp"}}
+                ]
+            },
+            r"ucm_connector_config\.master_server_address: required",
+        ),
         ({"load_only_first_rank": True}, "load_only_first_rank: not supported: each tensor-parallel worker"),
         ({"enable_prefix_cache": False}, "enable_prefix_cache: false is not supported"),
         (

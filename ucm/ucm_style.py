@@ -206,6 +206,10 @@ def _stage(kind: str, options: Mapping[str, Any], where: str) -> dict[str, Any]:
             accepted = ", ".join(sorted({*names, *ucm_only, *model.model_fields} - set(names.values())))
             raise ConfigError(f"{where}.{key}: unknown option for {kind}; accepted: {accepted}")
         out[ours] = value
+    for theirs, ours in names.items():  # a missing required option under the name UCM's users wrote
+        field = model.model_fields.get(ours)
+        if ours not in out and field is not None and field.is_required():
+            raise ConfigError(f"{where}.{theirs}: required ({field.description or ours})")
     roots = out.get("roots")
     if isinstance(roots, str):  # UCM's "/mnt/a:/mnt/b"
         out["roots"] = [r for r in roots.split(":") if r]
