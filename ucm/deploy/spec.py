@@ -408,7 +408,7 @@ class _StoreSpec(Spec):
         False,
         description="Sign every block with a key the deployment generates (a keyed BLAKE3 in the block's "
         "trailer, kept in the <name>-credentials Secret): whoever can write the shared volume but lacks the key "
-        "cannot plant KV that engines load. File stores (posix, nfs, ds3fs); loads cost more (README).",
+        "cannot plant KV that engines load. File stores (posix, nfs, ds3fs); loads cost more (store_bench).",
     )
 
     @property

@@ -75,7 +75,7 @@ class GSAConfig(TopKConfig):
     each channel's smallest and largest key (Quest's bound); ``block_repre: both`` averages it with
     the mean key's estimate. The bound alone reads two thirds of the bytes per block, which is what
     selection costs at long context (selection 4.5% of a 32k step against 5.4%), with needles no
-    worse on SmolLM2 (benchmarks/sparse_serving.py; README). (UCM's design note scores blocks by past
+    worse on SmolLM2 (docs/benchmarks/sparse_serving.md). (UCM's design note scores blocks by past
     accesses and position, which cannot see what the current query needs.)"""
 
     block_repre: Literal["both", "bound"] = Field(

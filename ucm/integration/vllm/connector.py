@@ -146,7 +146,7 @@ class UCMConnector(KVConnectorBase_V1):
                 staging_bytes=int(config.load_staging),
                 pd_save_wait_s=config.pd_save_wait_s,
                 blend=config.blend,
-                # the TP ranks of a stage run each step together; pipeline stages do not (see README)
+                # the TP ranks of a stage run each step together; pipeline stages do not (see docs/not-done-yet.md)
                 any_rank=functools.partial(or_across, group=get_tp_group().cpu_group) if tp > 1 else None,
             )
         self._num_blocks = kv_cache_config.num_blocks
