@@ -5,12 +5,12 @@ That every query returns data from a real stack: e2e/test_monitor.py."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.operator.conftest import CHART, helm, run_helm
 from ucm.deploy import dashboard, rules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,40 +139,28 @@ def test_the_rules_record_and_alert_as_documented(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def template(tmp_path: Path, *args: str) -> str:
+    """The chart as `helm template` renders it with ``args``."""
+    return helm("template", "u", str(CHART), *args, tmp=tmp_path)
+
+
 def test_the_chart_ships_the_rules_and_the_dashboard(tmp_path):
-    helm = Path(sys.executable).parent / "helm"
-    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
     sets = ["monitoring.prometheusOperator=true", "monitoring.grafanaDashboard.enabled=true"]
     sets.append("monitoring.grafanaDashboard.namespace=grafana")
-    args = [str(helm), "template", "u", str(ROOT / "charts" / "ucm-operator")]
-    out = subprocess.run(
-        [*args, *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, check=True, env=env
-    ).stdout
+    out = template(tmp_path, *(x for s in sets for x in ("--set", s)))
     docs = {d["kind"]: d for d in yaml.safe_load_all(out) if d}
     assert docs["PrometheusRule"]["spec"] == rules.rule_groups()
     config_map = docs["ConfigMap"]
     assert config_map["metadata"]["namespace"] == "grafana"
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(config_map["data"]["ucm-deployments.json"]) == dashboard.dashboard()
-    off = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
+    off = template(tmp_path)
     assert "PrometheusRule" not in off and "ucm-deployments.json" not in off
 
 
 def test_each_alert_links_its_runbook_where_the_docs_are_hosted(tmp_path):
-    helm = Path(sys.executable).parent / "helm"
-    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
-    args = [
-        str(helm),
-        "template",
-        "u",
-        str(ROOT / "charts" / "ucm-operator"),
-        "--set",
-        "monitoring.prometheusOperator=true",
-    ]
-    base = "https://docs.example.com/ucm/"
-    out = subprocess.run(
-        [*args, "--set", f"monitoring.runbookBaseUrl={base}"], capture_output=True, text=True, check=True, env=env
-    ).stdout
+    on = ("--set", "monitoring.prometheusOperator=true")
+    out = template(tmp_path, *on, "--set", "monitoring.runbookBaseUrl=https://docs.example.com/ucm/")
     rule = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule")
     alerts = [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
     runbooks = (ROOT / "docs" / "operations" / "troubleshooting.md").read_text()
@@ -182,42 +170,26 @@ def test_each_alert_links_its_runbook_where_the_docs_are_hosted(tmp_path):
         assert anchor == alert["alert"].lower()
         assert f"\n### {alert['alert']}\n" in runbooks  # mkdocs gives that heading this anchor
     assert {a["alert"] for a in alerts} == {a.name for a in rules.ALERTS}
-    bad = subprocess.run([*args, "--set", "monitoring.runbookBaseUrl=docs"], capture_output=True, text=True, env=env)
+    bad = run_helm("template", "u", str(CHART), *on, "--set", "monitoring.runbookBaseUrl=docs", tmp=tmp_path)
     assert bad.returncode != 0 and "runbookBaseUrl" in bad.stderr
 
 
 def test_a_dashboard_without_labels_is_refused_by_the_values_schema(tmp_path):
     """Without a label Grafana's sidecar never finds the ConfigMap (and the template broke on {})."""
-    helm = Path(sys.executable).parent / "helm"
-    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
     values = tmp_path / "values.yaml"
     # null removes the chart's default label (an empty map would merge with it)
     values.write_text("monitoring: {grafanaDashboard: {enabled: true, labels: null}}\n")
-    args = [str(helm), "template", "u", str(ROOT / "charts" / "ucm-operator"), "-f", str(values)]
-    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    r = run_helm("template", "u", str(CHART), "-f", str(values), tmp=tmp_path)
     assert r.returncode != 0 and "monitoring.grafanaDashboard.labels: give at least one label" in r.stderr, r.stderr
     assert "YAML parse error" not in r.stderr
 
 
 @pytest.mark.parametrize("served", [True, False], ids=["crds-installed", "no-crds"])
 def test_auto_follows_whether_the_cluster_serves_the_prometheus_operator(served, tmp_path):
-    helm = Path(sys.executable).parent / "helm"
-    env = {f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
-    args = [
-        str(helm),
-        "template",
-        "u",
-        str(ROOT / "charts" / "ucm-operator"),
-        "--set",
-        "monitoring.prometheusOperator=auto",
-    ]
+    args = ["--set", "monitoring.prometheusOperator=auto"]
     if served:
         args += ["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
-    docs = [
-        d
-        for d in yaml.safe_load_all(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
-        if d
-    ]
+    docs = [d for d in yaml.safe_load_all(template(tmp_path, *args)) if d]
     operator_args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0][
         "args"
     ]

@@ -18,9 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ucm-operator"
 
 
-def helm(*args: str, tmp: Path) -> str:
+def run_helm(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """The venv's helm, its cache, config and data under ``tmp``."""
     env = {**os.environ, **{f"HELM_{k}_HOME": str(tmp / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
-    r = subprocess.run([str(Path(sys.executable).parent / "helm"), *args], capture_output=True, text=True, env=env)
+    return subprocess.run([str(Path(sys.executable).parent / "helm"), *args], capture_output=True, text=True, env=env)
+
+
+def helm(*args: str, tmp: Path) -> str:
+    r = run_helm(*args, tmp=tmp)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
