@@ -174,12 +174,13 @@ def test_metrics_and_the_pd_path_need_the_scrape_token_when_one_is_set(fakes, ma
     assert refused and float(refused[0].split()[-1]) >= 8
 
 
-def test_a_metrics_token_file_without_a_token_is_a_startup_error(tmp_path):
-    (tmp_path / "token").write_text("\n")
+@pytest.mark.parametrize(("field", "what"), [("api_keys_file", "key"), ("metrics_token_file", "token")])
+def test_a_key_file_that_holds_nothing_is_a_startup_error(tmp_path, field, what):
+    (tmp_path / "keys").write_text("\n  \n")
     path = tmp_path / "proxy.yaml"
-    path.write_text(f"decode: [http://d:8000]\nfallback_to_decode: true\nmetrics_token_file: {tmp_path / 'token'}\n")
+    path.write_text(f"decode: [http://d:8000]\nfallback_to_decode: true\n{field}: {tmp_path / 'keys'}\n")
     r = subprocess.run([sys.executable, "-m", "ucm_proxy", "-c", str(path)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "metrics_token_file" in r.stderr and "holds no token" in r.stderr
+    assert r.returncode == 2 and f"{field}: " in r.stderr and f"holds no {what}" in r.stderr
 
 
 def test_a_key_file_emptied_while_serving_locks_every_client_out(fakes, make_proxy, tmp_path):
@@ -199,14 +200,6 @@ def test_a_key_file_emptied_while_serving_locks_every_client_out(fakes, make_pro
     while status({"Authorization": "Bearer key-one"}) != 401 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert status({"Authorization": "Bearer key-one"}) == 401 and status({}) == 401
-
-
-def test_a_key_file_without_a_key_is_a_startup_error(tmp_path):
-    (tmp_path / "keys").write_text("\n  \n")
-    path = tmp_path / "proxy.yaml"
-    path.write_text(f"decode: [http://d:8000]\nfallback_to_decode: true\napi_keys_file: {tmp_path / 'keys'}\n")
-    r = subprocess.run([sys.executable, "-m", "ucm_proxy", "-c", str(path)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "api_keys_file" in r.stderr and "holds no key" in r.stderr
 
 
 def test_a_revoked_key_stops_working_without_a_restart(fakes, make_proxy, tmp_path):
