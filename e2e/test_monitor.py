@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from e2e.conftest import Stack, running
-from e2e.test_sparse_stack import SPARSE
+from e2e.test_sparse_stack import SPARSE_SPEC
 from e2e.test_stack import post
 from ucm.deploy import prometheus, rules
 from ucm.deploy.local import default_spec
@@ -36,7 +36,7 @@ NAME = "monitored"
 
 @pytest.fixture(scope="module")
 def monitored(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = {**default_spec(tiny), "sparse": SPARSE}
+    spec = {**default_spec(tiny), "sparse": SPARSE_SPEC}
     spec["store"] = {**spec["store"], "files": {"capacity": "256Mi"}}
     spec["proxy"] = {**spec["proxy"], "metricsAuth": True}  # Prometheus scrapes the proxy with the generated token
     args = ("--monitor", "--monitor-port", "0")

@@ -15,6 +15,7 @@ import pytest
 from e2e.conftest import Stack, running
 from e2e.test_stack import metric, post, text_of
 from ucm.deploy.local import default_spec
+from ucm.deploy.spec import SparseSpec
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer
 
@@ -26,11 +27,13 @@ SPARSE = {
     "dense_layers": 0,
     "esa": {"sparse_ratio": 0.3, "min_blocks": 1, "local_window_sz": 1},
 }
+# The same settings as a resource spells them (camelCase).
+SPARSE_SPEC = SparseSpec.model_validate(SPARSE).model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 @pytest.fixture(scope="module")
 def sparse_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = {**default_spec(tiny), "sparse": SPARSE}
+    spec = {**default_spec(tiny), "sparse": SPARSE_SPEC}
     # The tests count decode's sparse requests: the proxy's PD path check would add its own.
     spec["proxy"] = {"config": {**spec["proxy"]["config"], "pd_check": {"interval_s": 0}}}
     with running(Stack(tmp_path_factory.mktemp("sparse"), spec, name="sparse")) as s:

@@ -13,7 +13,7 @@ import yaml
 
 from ucm.cli import main
 from ucm.config import ConfigError
-from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.deploy.spec import UCMDeploymentSpec, deprecated_fields
 from ucm.environment import apply_environment
 from ucm.integration.vllm.config import native_config, parse_connector_config
 from ucm.serve import load_kv_config
@@ -287,7 +287,7 @@ def test_convert_to_a_resource_fragment(tmp_path, capsys):
     sparse = yaml.safe_load(capsys.readouterr().out)["spec"]["sparse"]
     assert sparse == {
         "algorithm": "gsa_ondevice",
-        "gsa_ondevice": {"hash_topk_tokens": 2048, "sink_token": 32, "recent_token": 256},
+        "gsaOndevice": {"hashTopkTokens": 2048, "sinkToken": 32, "recentToken": 256},  # the resource's spelling
     }
     # UCM's Blend (a ucm_sparse_config that chooses it) becomes spec.blend, the resource accepting it.
     blend = tmp_path / "blend.yaml"
@@ -295,6 +295,6 @@ def test_convert_to_a_resource_fragment(tmp_path, capsys):
     assert main(["config", "convert", str(blend), "--to", "resource"]) == 0
     spec = yaml.safe_load(capsys.readouterr().out)["spec"]
     assert spec["blend"]["separator"] == "\n##\n" and "sparse" not in spec
-    UCMDeploymentSpec.model_validate(
-        {**spec, "model": {"source": {"hf": "x"}}, "store": {"type": "posix", "pvc": {"claimName": "kv"}}}
-    )
+    full = {**spec, "model": {"source": {"hf": "x"}}, "store": {"type": "posix", "pvc": {"claimName": "kv"}}}
+    UCMDeploymentSpec.model_validate(full)
+    assert deprecated_fields(full) == []

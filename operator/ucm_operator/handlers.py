@@ -40,7 +40,7 @@ from ucm.deploy.kubernetes import (
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.policy import Policy
 from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
-from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec
+from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec, deprecated_fields
 from ucm_operator.api import INSTALLED_WITH, KINDS, Api, ApiError, MissingKind, NameConflict, controlled_by
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
 from ucm_operator.status import WORKLOADS, Child, child_from, computed_status, invalid_status
@@ -67,9 +67,10 @@ class State:
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     failures: dict[tuple[str, str], ApiError] = field(default_factory=dict)
     pd_paths: dict[tuple[str, str], Any] = field(default_factory=dict)  # the proxy's status.pdPath, as reflected
+    warned: dict[tuple[str, str], Any] = field(default_factory=dict)  # the generation whose old spellings were told
 
     def forget(self, key: tuple[str, str]) -> None:
-        for memo in (self.written, self.failures, self.locks, self.pd_paths):
+        for memo in (self.written, self.failures, self.locks, self.pd_paths, self.warned):
             memo.pop(key, None)
 
 
@@ -213,13 +214,19 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
 @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
 async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo, **kwargs: Any) -> None:
     state: State = memo.ucm
-    planned = plan_of(_owner(body), state.policy)
+    owner = _owner(body)
+    planned = plan_of(owner, state.policy)
     if isinstance(planned, str):
         # Nothing is touched: running pods keep serving the last valid spec.
         RECONCILES.labels("invalid").inc()
         await refresh(state, namespace, name, kwargs)
         return
     spec, plan = planned
+    generation = (owner.get("metadata") or {}).get("generation")
+    if state.warned.get((namespace, name)) != generation:  # once per spec, however often it is reconciled
+        state.warned[(namespace, name)] = generation
+        for message in deprecated_fields(owner.get("spec") or {}):
+            kopf.warn(owner, reason="DeprecatedField", message=message)
     desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler, state.policy.monitors)
     failure: ApiError | None = None
     with RECONCILE_SECONDS.time():

@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from ucm.deploy.schema import DEPRECATED_SPELLING
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD = "crds/ucm.io_ucmdeployments.yaml"
 VALUES_SCHEMA = "charts/ucm-operator/values.schema.json"
@@ -349,6 +351,7 @@ def field_table(rows: list[Row]) -> str:
 
 
 def rules_list(rules: list[tuple[str, str, str]]) -> str:
+    rules = [r for r in rules if DEPRECATED_SPELLING not in r[1]]  # one sentence on the page says them all
     if not rules:
         return ""
     lines = ["Validation rules (CEL, checked by the API server when the resource is written):", ""]
@@ -380,6 +383,13 @@ def crd_page() -> str:
             "`<key>` for each key of a map. A field that is not required may be left out; "
             '"nullable" fields also take `null`. An object whose default is "its fields\' defaults" '
             "is filled in from the defaults of the fields below it."
+        )
+        blocks.append(
+            "`spec.sparse` and `spec.blend` once took the engines' snake_case names (`sparse_ratio`, "
+            "`recompute_ratio`, ...). Those names are still accepted, each as a deprecated twin of its camelCase "
+            "field (listed below it, without a default: the default is applied by UCM, as the description says); "
+            "a resource that uses one gets a `DeprecatedField` Event from the operator and a warning from "
+            "`ucm render` and `ucm up`, and one that gives both spellings of a field is refused."
         )
         scale = version.get("subresources", {}).get("scale")
         if scale:

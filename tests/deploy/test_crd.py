@@ -2,17 +2,22 @@
 validate against it; every CEL rule's Python twin rejects what the rule rejects."""
 
 import copy
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
 from ucm.deploy.crd import CRD_FILE, generate, render
-from ucm.deploy.spec import SPLIT_RULE, UCMDeploymentSpec
+from ucm.deploy.schema import both_spellings
+from ucm.deploy.spec import SPLIT_RULE, BlendSpec, SparseSpec, UCMDeploymentSpec, deprecated_fields
+from ucm.sparse.config import OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
@@ -97,24 +102,64 @@ def test_there_is_an_example_per_store_type():
 
 
 def test_a_bad_blend_section_fails_the_schema():
-    for bad in ({"recompute_ratio": 1.5}, {"separator": ""}, {"ratio": 0.1}):
+    for bad in ({"recomputeRatio": 1.5}, {"recompute_ratio": 1.5}, {"separator": ""}, {"ratio": 0.1}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("blend", bad)})
-    jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("blend", {"recompute_ratio": 0.2, "check_layer": 2})})
+    jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("blend", {"recomputeRatio": 0.2, "checkLayer": 2})})
 
 
 def test_a_bad_sparse_section_fails_the_schema():
-    for bad in ({"algorithm": "quest"}, {"algorithm": "esa", "esa": {"sparse_ratio": 1.5}}, {"esa": {}}):
+    for bad in ({"algorithm": "quest"}, {"algorithm": "esa", "esa": {"sparseRatio": 1.5}}, {"esa": {}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", bad)})
     jsonschema.Draft4Validator(SCHEMA).validate(
-        {"spec": with_("sparse", {"algorithm": "esa", "esa": {"sparse_ratio": 0.2}})}
+        {"spec": with_("sparse", {"algorithm": "esa", "esa": {"sparseRatio": 0.2}})}
     )
-    static = {"algorithm": "static", "static": {"retrieval_stride": 1}}
+    static = {"algorithm": "static", "static": {"retrievalStride": 1}}
     jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", static)})  # a one-value integer
-    static["static"]["retrieval_stride"] = 2
+    static["static"]["retrievalStride"] = 2
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", static)})
+
+
+def test_old_spellings_still_validate_and_mean_the_same():
+    """Resources written before sparse and blend took camelCase keep working (the CRD keeps the old
+    names as deprecated twins, without defaults that would set both), each use reported."""
+    old = with_("sparse", {"algorithm": "gsa_ondevice", "min_tokens": 64, "gsa_ondevice": {"hash_bits": 64}})
+    old["blend"] = {"recompute_ratio": 0.2}
+    new = with_("sparse", {"algorithm": "gsa_ondevice", "minTokens": 64, "gsaOndevice": {"hashBits": 64}})
+    new["blend"] = {"recomputeRatio": 0.2}
+    for doc in (old, new):
+        jsonschema.Draft4Validator(SCHEMA).validate({"spec": doc})
+    parsed = [UCMDeploymentSpec.model_validate(doc) for doc in (old, new)]
+    assert parsed[0] == parsed[1]
+    # what the engines read keeps their own (snake_case) names
+    assert parsed[0].sparse.model_dump(exclude_unset=True) == {
+        "algorithm": "gsa_ondevice",
+        "min_tokens": 64,
+        "gsa_ondevice": {"hash_bits": 64},
+    }
+    assert deprecated_fields(new) == []
+    assert deprecated_fields(old) == [
+        "spec.sparse.min_tokens is deprecated: write spec.sparse.minTokens",
+        "spec.sparse.gsa_ondevice is deprecated: write spec.sparse.gsaOndevice",
+        "spec.sparse.gsaOndevice.hash_bits is deprecated: write spec.sparse.gsaOndevice.hashBits",
+        "spec.blend.recompute_ratio is deprecated: write spec.blend.recomputeRatio",
+    ]
+
+
+def test_renamed_fields_have_no_defaults_in_the_crd():
+    renamed = [
+        (f"{path}.{name}", child)
+        for path, node in walk(generate()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+        for name, child in (node.get("properties") or {}).items()
+        if any(
+            f"has(self.{name})" in r["rule"] and "deprecated" in r["message"]
+            for r in node.get("x-kubernetes-validations", [])
+        )
+    ]
+    assert len(renamed) >= 2 * len(TWIN_CASES)  # both spellings, some fields at several places
+    assert [path for path, child in renamed if "default" in child] == []
 
 
 def test_unknown_fields_and_bad_values_fail_the_schema():
@@ -213,12 +258,43 @@ CEL_CASES = [
     ),
     *(
         (
-            with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", name: {}}),
-            f"sparse.{name}: options of another algorithm",
+            with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", to_camel(name): {}}),
+            f"sparse.{to_camel(name)}: options of another algorithm",
         )
-        for name in ("esa", "gsa", "gsa_ondevice", "kvstar", "psa", "static")
+        for name in OPTIONS
     ),
 ]
+
+
+def _both_spellings(model: type, spec_of: Callable[[dict], dict]) -> list[tuple[dict, str]]:
+    """For each renamed field of ``model``: the spec ``spec_of`` makes of it given under both names."""
+    cases = []
+    for field, info in model.model_fields.items():
+        new = to_camel(field)
+        if new != field:
+            value = {} if info.default is None else info.default
+            cases.append((spec_of({new: value, field: value}), both_spellings(new, field)))
+    return cases
+
+
+# A field renamed to camelCase keeps its old name as a deprecated twin; giving both is refused.
+TWIN_CASES = [
+    *_both_spellings(BlendSpec, lambda given: with_("blend", given)),
+    *_both_spellings(SparseSpec, lambda given: with_("sparse", {"algorithm": "gsa_ondevice", **given})),
+    *(
+        case
+        for name, options in OPTIONS.items()
+        for case in _both_spellings(
+            options, lambda given, name=name: with_("sparse", {"algorithm": name, to_camel(name): given})
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), TWIN_CASES)
+def test_a_field_given_under_both_spellings_is_refused(spec, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        UCMDeploymentSpec.model_validate(spec)
 
 
 @pytest.mark.parametrize(("spec", "message"), CEL_CASES)
@@ -233,7 +309,7 @@ def test_python_twins_of_the_cel_rules(spec, message):
 def test_every_cel_rule_has_a_case():
     schema = generate()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = {rule["message"] for _, node in walk(schema) for rule in node.get("x-kubernetes-validations", [])}
-    assert rules == {m for _, m in CEL_CASES}
+    assert rules == {m for _, m in CEL_CASES + TWIN_CASES}
 
 
 def test_defaults_fill_a_minimal_spec():

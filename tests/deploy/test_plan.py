@@ -108,7 +108,7 @@ def test_bad_quantities_name_the_field(bad):
 
 
 def test_sparse_attention_reaches_the_decode_engines_only():
-    plan = plan_for({"sparse": {"algorithm": "kvstar", "kvstar": {"sparse_ratio": 0.2, "retrieval_stride": 8}}})
+    plan = plan_for({"sparse": {"algorithm": "kvstar", "kvstar": {"sparseRatio": 0.2, "retrievalStride": 8}}})
     decode, prefill = plan.role("decode"), plan.role("prefill")
     assert decode.files == [KV_DECODE_CONFIG_FILE] and prefill.files == [KV_CONFIG_FILE]
     assert decode.command[3].endswith(KV_DECODE_CONFIG_FILE) and prefill.command[3].endswith(KV_CONFIG_FILE)
@@ -119,7 +119,7 @@ def test_sparse_attention_reaches_the_decode_engines_only():
 
 
 def test_blend_reaches_the_prefill_engines_only():
-    plan = plan_for({"blend": {"recompute_ratio": 0.2}})
+    plan = plan_for({"blend": {"recomputeRatio": 0.2}})
     assert "blend" not in kv(plan_for({}))
     assert parse_connector_config(kv(plan)).blend.recompute_ratio == 0.2
     decode = json.loads(plan.files[KV_DECODE_CONFIG_FILE])["kv_connector_extra_config"]

@@ -108,3 +108,13 @@ def test_ucm_variables_an_engine_honours_pass_and_a_secret_cannot_hide_a_refused
     hidden = [{"name": "UCM_STORAGE_BACKEND", "valueFrom": secret}]
     with pytest.raises(ValueError, match="UCM_STORAGE_BACKEND: not supported"):
         UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"env": hidden}})
+
+
+def test_an_old_spelling_renders_with_a_warning(tmp_path, capsys):
+    new = {**RESOURCE["spec"], "blend": {"recomputeRatio": 0.2}}
+    old = {**RESOURCE["spec"], "blend": {"recompute_ratio": 0.2}}
+    code, with_new, err = render(tmp_path, {**RESOURCE, "spec": new}, capsys=capsys)
+    assert code == 0 and "warning" not in err
+    code, with_old, err = render(tmp_path, {**RESOURCE, "spec": old}, capsys=capsys)
+    assert code == 0 and with_old == with_new
+    assert "warning: " in err and "spec.blend.recompute_ratio is deprecated: write spec.blend.recomputeRatio" in err

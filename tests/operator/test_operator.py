@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import json
 import signal
 import subprocess
 import sys
@@ -431,6 +432,31 @@ async def test_a_name_taken_by_another_object_is_a_conflict_not_an_adoption(kmoc
         got = await cluster.call("GET", child_path("Service", NS, "c-proxy"))
         assert "ownerReferences" not in got["metadata"] and got["spec"]["ports"] == [{"port": 1}]
         assert not [c for c in kmock.calls if c.verb == "patch" and c.path.endswith("/services/c-proxy")]
+
+
+@pytest.mark.asyncio
+async def test_an_old_spelling_is_served_and_reported(kmock, cluster):
+    """A resource written before spec.sparse took camelCase keeps working (the decode engines get its
+    options) and gets a Warning Event naming the field and its new spelling."""
+    spec = copy.deepcopy(SPEC)
+    spec["sparse"] = {"algorithm": "esa", "min_tokens": 64, "esa": {"sparseRatio": 0.5}}
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "a", spec, uid="uid-a")
+
+        async def sparse_decoders() -> None:
+            config = (await cluster.children(NS, "a"))[("ConfigMap", "a-config")]["data"]
+            decode = json.loads(config["kv-transfer-config-decode.json"])["kv_connector_extra_config"]
+            assert decode["sparse"] == {"algorithm": "esa", "min_tokens": 64, "esa": {"sparse_ratio": 0.5}}
+
+        await eventually(sparse_decoders)
+
+        async def warned() -> None:
+            events = [e for e in posted_events(kmock.calls) if e.get("reason") == "DeprecatedField"]
+            (event,) = events
+            assert event["type"] == "Warning"
+            assert event["message"] == "spec.sparse.min_tokens is deprecated: write spec.sparse.minTokens"
+
+        await eventually(warned)
 
 
 @pytest.mark.parametrize("provider", ["keda", "hpa"])

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from ucm.config import ConfigError, load_mapping
-from ucm.deploy.spec import FILE_KINDS
+from ucm.deploy.spec import FILE_KINDS, BlendSpec, SparseSpec
 from ucm.integration.vllm.config import ConnectorConfig, parse_connector_config
 from ucm.serve import native_kv_config
 from ucm.sparse.config import parse_sparse_config
@@ -92,9 +92,11 @@ def resource_fragment(native: dict[str, Any]) -> str:
         elif kind == "mooncake":
             out["mooncake"] = {MOONCAKE_FIELDS[k]: v for k, v in options.items() if k in MOONCAKE_FIELDS}
         spec["store"] = out
-    for section in ("sparse", "blend"):  # the same shape in the resource as in the connector config
+    for section, model in (("sparse", SparseSpec), ("blend", BlendSpec)):  # the resource spells them camelCase
         if native.get(section) is not None:
-            spec[section] = native[section]
+            spec[section] = model.model_validate(native[section]).model_dump(
+                mode="json", by_alias=True, exclude_unset=True
+            )
     text = yaml.safe_dump({"spec": spec}, sort_keys=False) if spec else "spec: {}\n"
     return "".join(f"# {n}\n" for n in notes) + text
 

@@ -9,12 +9,14 @@ drifts from what the models generate.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ucm.deploy.schema import DEPRECATED_NAME, both_spellings
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION, UCMDeploymentSpec, UCMDeploymentStatus
 
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
@@ -68,7 +70,16 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         props = schema.get("properties")
         extra = schema.get("additionalProperties")
         if props is not None:
-            out["properties"] = {name: structural(p, defs) for name, p in props.items()}
+            out["properties"] = {}
+            for name, p in props.items():
+                out["properties"].update(_spellings(name, structural(p, defs), p.get(DEPRECATED_NAME)))
+            twins = [
+                {"rule": f"!has(self.{name}) || !has(self.{old})", "message": both_spellings(name, old)}
+                for name, p in props.items()
+                if (old := p.get(DEPRECATED_NAME))
+            ]
+            if twins:
+                out["x-kubernetes-validations"] = out.get("x-kubernetes-validations", []) + twins
             if schema.get("required"):
                 out["required"] = list(schema["required"])
         elif isinstance(extra, dict) and extra:
@@ -84,6 +95,17 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if out.get("default") is None:
         out.pop("default", None)
     return out
+
+
+def _spellings(name: str, node: dict[str, Any], old: str | None) -> dict[str, dict[str, Any]]:
+    """A field's property, and with an ``old`` name its deprecated twin. Neither has a default: the API
+    server would set it on the spelling left out, and both would then be given (UCM applies it)."""
+    if old is None:
+        return {name: node}
+    default = node.pop("default", None)
+    if default is not None:
+        node["description"] = f"{node.get('description', '').rstrip('.')}. Default: {json.dumps(default)}"
+    return {name: node, old: {**node, "description": f"Deprecated: write {name}. {node.get('description', '')}"}}
 
 
 def open_api_schema(model: type, defs_key: str = "$defs") -> dict[str, Any]:

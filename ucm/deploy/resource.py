@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from ucm.config import ConfigError, format_validation_error, load_mapping
-from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec
+from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec, deprecated_fields
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class Resource:
 
 
 def load_resource(path: str, where: str = "-f") -> Resource:
-    """``path`` ("-": standard input) holding a UCMDeployment or its spec, validated."""
+    """``path`` ("-": standard input) holding a UCMDeployment or its spec, validated; old spellings of
+    fields are reported on standard error."""
     if path == "-":
         try:
             doc: Any = yaml.safe_load(sys.stdin.read())
@@ -44,4 +45,6 @@ def load_resource(path: str, where: str = "-f") -> Resource:
         spec = UCMDeploymentSpec.model_validate(doc)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, "spec")) from None
+    for message in deprecated_fields(doc):
+        print(f"ucm: warning: {path}: {message}", file=sys.stderr)
     return Resource(spec, meta.get("name"), meta.get("namespace"), meta.get("uid"))

@@ -8,13 +8,15 @@ module in :mod:`ucm.deploy.stores`; the proxy's own options are the proxy's (``p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, create_model, model_validator
+from pydantic.alias_generators import to_camel
 
 from ucm import __version__
 from ucm.config import ConfigError
-from ucm.deploy.schema import Quantity, Spec, cel, one_of
+from ucm.deploy.schema import Quantity, Spec, camel, cel, deprecated_spellings, one_of
 from ucm.deploy.stores import KINDS, StoreKind
 from ucm.environment import REFUSED as REFUSED_UCM_ENV
 from ucm.environment import check_environment
@@ -490,29 +492,40 @@ class ProxySpec(Spec):
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
-        description="ucm-proxy's own options as in its config file (routing, timeouts, health, retries, "
-        "fallback_to_decode, ...); validated by the proxy. Backends, discovery, host, port and API keys "
-        "come from the deployment.",
+        description="ucm-proxy's own options as in its config file, snake_case names included: the file's "
+        "content, passed through (routing, timeouts, health, retries, fallback_to_decode, ...); validated by the "
+        "proxy. Backends, discovery, host, port and API keys come from the deployment.",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
 
-class SparseSpec(SparseConfig):
-    """Sparse attention for the engines that decode (prefill stays dense): ``ucm.sparse``'s settings,
-    with UCM's parameter names (``sparse_ratio``, ``init_window_sz``, ...) as in its documentation."""
+def _absent(name: str) -> str:
+    """CEL: the field is given under neither its name nor its deprecated one."""
+    if to_camel(name) == name:
+        return f"!has(self.{name})"
+    return f"(!has(self.{to_camel(name)}) && !has(self.{name}))"
+
+
+class _Sparse(SparseConfig):
+    """Sparse attention for the engines that decode (prefill stays dense): ``ucm.sparse``'s settings
+    (UCM's parameters, ``sparse_ratio`` written ``sparseRatio`` here)."""
 
     model_config = SparseConfig.model_config | cel(
         *(
-            (f"!has(self.{name}) || self.algorithm == '{name}'", f"sparse.{name}: options of another algorithm")
+            (f"{_absent(name)} || self.algorithm == '{name}'", f"sparse.{to_camel(name)}: options of another algorithm")
             for name in OPTIONS
         )
     )
 
 
-class BlendSpec(BlendConfig):
+class _Blend(BlendConfig):
     """Blend for the engines that prefill: a prompt's chunks (between separators) reuse their cached KV
     wherever they appear, the tokens that deviate most recomputed. A chunk is cached when prefilled
     alone or as a prompt's start. Engines run UCM's Blend model class (Llama-shaped models)."""
+
+
+SparseSpec = camel(_Sparse, "SparseSpec")
+BlendSpec = camel(_Blend, "BlendSpec")
 
 
 class Scraper(Spec):
@@ -695,3 +708,9 @@ class UCMDeploymentStatus(Spec):
         "subresource's, for an HorizontalPodAutoscaler",
     )
     pd_path: PDPathStatus | None = Field(None, description="The proxy's last check through prefill, store and decode")
+
+
+def deprecated_fields(spec: Mapping[str, Any]) -> list[str]:
+    """Where a resource's ``spec`` uses a field's old (snake_case) spelling, one message each: still
+    accepted, reported as a warning (``ucm render``/``ucm up`` on standard error, the operator as an Event)."""
+    return deprecated_spellings(UCMDeploymentSpec, spec, "spec")
