@@ -40,7 +40,7 @@ from ucm.deploy.kubernetes import (
 from ucm.deploy.plan import PROXY_CONFIG_FILE, build_plan
 from ucm.deploy.policy import Policy
 from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
-from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec, deprecated_fields
+from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec, deprecated_fields, read_spec
 from ucm_operator.api import INSTALLED_WITH, KINDS, Api, ApiError, MissingKind, NameConflict, controlled_by
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
 from ucm_operator.status import WORKLOADS, Child, child_from, computed_status, invalid_status
@@ -105,7 +105,7 @@ def plan_of(owner: Mapping[str, Any], policy: Policy) -> tuple[UCMDeploymentSpec
     """The spec and its plan, or a message naming the field that makes it unusable."""
     meta = owner["metadata"]
     try:
-        spec = UCMDeploymentSpec.model_validate(dict(owner.get("spec") or {}))
+        spec = read_spec(dict(owner.get("spec") or {}))
         policy.check(spec)
         plan = build_plan(meta["name"], spec, Site("kubernetes", namespace=meta["namespace"]))
         # The proxy's own options are the proxy's to judge (the plan passes them through).

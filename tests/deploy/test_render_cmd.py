@@ -118,3 +118,10 @@ def test_an_old_spelling_renders_with_a_warning(tmp_path, capsys):
     code, with_old, err = render(tmp_path, {**RESOURCE, "spec": old}, capsys=capsys)
     assert code == 0 and with_old == with_new
     assert "warning: " in err and "spec.blend.recompute_ratio is deprecated: write spec.blend.recomputeRatio" in err
+
+
+def test_a_field_by_its_python_name_is_refused_as_the_api_server_would(tmp_path, capsys):
+    """The CRD knows proxy.apiKeySecret only; `kubectl apply` refuses api_key_secret, so render does too."""
+    spec = {**RESOURCE["spec"], "proxy": {"api_key_secret": {"name": "keys"}}}
+    code, _, err = render(tmp_path, {**RESOURCE, "spec": spec}, capsys=capsys)
+    assert code == 2 and "spec.proxy.api_key_secret: unknown field" in err

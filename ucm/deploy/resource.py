@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from ucm.config import ConfigError, format_validation_error, load_mapping
-from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec, deprecated_fields
+from ucm.deploy.spec import GROUP, KIND, VERSION, UCMDeploymentSpec, deprecated_fields, read_spec
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def load_resource(path: str, where: str = "-f") -> Resource:
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: {path} must hold a {KIND} (or its spec)")
     try:
-        spec = UCMDeploymentSpec.model_validate(doc)
+        spec = read_spec(doc)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, "spec")) from None
     for message in deprecated_fields(doc):

@@ -710,6 +710,13 @@ class UCMDeploymentStatus(Spec):
     pd_path: PDPathStatus | None = Field(None, description="The proxy's last check through prefill, store and decode")
 
 
+def read_spec(spec: Mapping[str, Any]) -> UCMDeploymentSpec:
+    """A resource's ``spec``, validated as the API server reads it: fields by their names in the resource
+    only (``apiKeySecret``, not ``api_key_secret``, which the CRD does not know) or a deprecated twin.
+    (Python code builds models by field name; users write resources.)"""
+    return UCMDeploymentSpec.model_validate(spec, by_name=False)
+
+
 def deprecated_fields(spec: Mapping[str, Any]) -> list[str]:
     """Where a resource's ``spec`` uses a field's old (snake_case) spelling, one message each: still
     accepted, reported as a warning (``ucm render``/``ucm up`` on standard error, the operator as an Event)."""

@@ -30,7 +30,7 @@ from ucm.deploy.local import (
 )
 from ucm.deploy.resource import load_resource
 from ucm.deploy.roles import PlanError
-from ucm.deploy.spec import UCMDeploymentSpec
+from ucm.deploy.spec import UCMDeploymentSpec, read_spec
 
 STATE_FILE = "stack.json"
 RESTART_FILE = "restart.json"
@@ -85,7 +85,7 @@ def load_spec(path: str | None) -> tuple[UCMDeploymentSpec, bool]:
         from ucm.deploy.demo_model import TINY, ensure_model
 
         print("ucm up: preparing the tiny model (generated once, cached in ~/.cache/ucm/models)", flush=True)
-        return UCMDeploymentSpec.model_validate(default_spec(ensure_model(TINY))), False
+        return read_spec(default_spec(ensure_model(TINY))), False
     return load_resource(path).spec, True
 
 
