@@ -104,6 +104,9 @@ class Pool:
         self.routing = routing
         self.health = health
         self.backends: list[Backend] = []
+        # Pods of the pool that exist but are not ready, as discovery sees them; None where the list is
+        # configured (a configured pool without backends is a configuration, not a pool at zero).
+        self.starting: int | None = None
         self._rr = itertools.count()
         self._changed: asyncio.Event | None = None  # made by the first waiter, set and dropped on news
         # Exported at 0 from the start: Prometheus' increase() cannot see a series' first sample, so
@@ -111,9 +114,10 @@ class Pool:
         metrics.UNSERVED.labels(role)
         self.set_urls(urls)
 
-    def set_urls(self, urls: Iterable[str]) -> None:
-        """Replace the member list (discovery), keeping the state of backends that stay; the
-        metric series of backends that left go with them."""
+    def set_urls(self, urls: Iterable[str], starting: int | None = None) -> None:
+        """Replace the member list (discovery, which also says how many pods are ``starting``),
+        keeping the state of backends that stay; the metric series of backends that left go with them."""
+        self.starting = starting
         current = {b.url: b for b in self.backends}
         self.backends = [current.get(u) or Backend(u, self.role) for u in dict.fromkeys(urls)]
         kept = {b.url for b in self.backends}
@@ -123,6 +127,12 @@ class Pool:
             metrics.BACKEND_HEALTHY.labels(b.url, self.role).set(1 if b.healthy else 0)
         if kept - current.keys():  # a new endpoint: requests waiting for one may go
             self._notify()
+
+    @property
+    def at_zero(self) -> bool:
+        """Discovery finds no pod of the pool at all, ready or starting: it is scaled to zero (or its
+        pods cannot be scheduled, which the resource's pool conditions tell)."""
+        return not self.backends and self.starting == 0
 
     def available(self, exclude: frozenset[str] = frozenset()) -> list[Backend]:
         now = time.monotonic()

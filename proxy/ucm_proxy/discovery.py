@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -34,9 +34,14 @@ RESOURCE_API = "apis/ucm.io/v1alpha1"  # the UCMDeployment CRD's group and versi
 STATUS_HEARTBEAT_S = 300.0  # an unchanged check result is written again this often: readers see it is current
 
 
-def slice_urls(slices: dict[str, dict[str, Any]], service: str, port_name: str) -> list[str]:
-    """Base URLs of the ready endpoints of the Service's EndpointSlices, in a stable order."""
-    urls = []
+class Endpoints(NamedTuple):
+    ready: list[str]  # base URLs, in a stable order
+    starting: int  # endpoints listed but not ready yet (nor terminating): pods that exist
+
+
+def slice_endpoints(slices: dict[str, dict[str, Any]], service: str, port_name: str) -> Endpoints:
+    """The ready endpoints of the Service's EndpointSlices, and how many more are starting."""
+    urls, starting = [], 0
     for name in sorted(slices):
         s = slices[name]
         if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_LABEL) != service:
@@ -46,12 +51,15 @@ def slice_urls(slices: dict[str, dict[str, Any]], service: str, port_name: str) 
             continue
         for ep in s.get("endpoints") or []:
             conditions = ep.get("conditions") or {}
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
+            if conditions.get("terminating") is True:
+                continue
+            if conditions.get("ready") is False:
+                starting += 1
                 continue
             for address in (ep.get("addresses") or [])[:1]:
                 host = f"[{address}]" if ":" in address else address
                 urls.append(f"http://{host}:{ports[0]}")
-    return urls
+    return Endpoints(urls, starting)
 
 
 async def watch_backends_file(proxy: Any, path: Path, interval_s: float = 0.25) -> None:
@@ -117,7 +125,7 @@ async def _watch(
                 r.raise_for_status()
                 listing = await r.json()
             slices = {s["metadata"]["name"]: s for s in listing.get("items", [])}
-            pool.set_urls(slice_urls(slices, service, port_name))
+            pool.set_urls(*slice_endpoints(slices, service, port_name))
             version = listing.get("metadata", {}).get("resourceVersion", "")
             params = {**selector, "watch": "true", "allowWatchBookmarks": "true"}
             if version:
@@ -140,7 +148,7 @@ async def _watch(
                         break  # e.g. 410 Gone: list again
                     else:
                         continue
-                    pool.set_urls(slice_urls(slices, service, port_name))
+                    pool.set_urls(*slice_endpoints(slices, service, port_name))
         except asyncio.CancelledError:
             raise
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as exc:

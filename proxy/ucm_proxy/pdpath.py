@@ -11,6 +11,8 @@ prefill's cached tokens on a decode, so it cannot tell). The reason of a failed 
 broken hop:
 
 - ``NoPrefill`` / ``NoDecode``: no backend of that pool is available;
+- ``ScaledToZero`` (not a failure): discovery finds no pod of a pool at all, so there is no path to
+  check; requests that arrive wake the pool (its autoscaler's ``wake-from-zero`` trigger);
 - ``Unpaired``: no available decode has the prefills' pairing identity (mid-rollout);
 - ``PrefillFailed`` / ``DecodeFailed``: the backend answered an error or not at all;
 - ``StoreWritesFailing``: the prefill promised no blocks: its saves to the store fail (or the
@@ -127,6 +129,10 @@ class PathChecker:
 
     async def check(self) -> PathCheck:
         proxy, now, turn = self.proxy, time.time(), next(self._turn)
+        idle = [pool.role for pool in (proxy.prefill, proxy.decode) if pool.at_zero]
+        if idle:
+            message = f"the {' and '.join(idle)} pool has no pods (scaled to zero): nothing to check until one starts"
+            return PathCheck(True, "ScaledToZero", message, now)
         prefill = _in_turn(proxy.prefill, turn, unpaired(proxy.prefill, proxy.decode))
         if prefill is None and proxy.prefill.available():
             message = "no available decode shares a configuration with the available prefills (a rollout?)"

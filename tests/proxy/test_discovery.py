@@ -8,7 +8,7 @@ import pytest
 
 from ucm_proxy.backends import Pool
 from ucm_proxy.config import DiscoveryConfig, HealthConfig, RoutingConfig
-from ucm_proxy.discovery import SERVICE_LABEL, slice_urls, watch_endpoints
+from ucm_proxy.discovery import SERVICE_LABEL, Endpoints, slice_endpoints, watch_endpoints
 
 NS = "serving"
 
@@ -24,15 +24,16 @@ def endpoint_slice(name: str, service: str, addresses: list[tuple[str, bool]], p
     }
 
 
-def test_slice_urls_keeps_ready_endpoints_of_the_service():
+def test_slice_endpoints_keeps_ready_endpoints_of_the_service_and_counts_starting_ones():
     slices = {
         "a": endpoint_slice("a", "decode", [("10.0.0.1", True), ("10.0.0.2", False)]),
         "b": endpoint_slice("b", "decode", [("fd00::3", True)]),
         "c": endpoint_slice("c", "prefill", [("10.0.0.9", True)]),
     }
     slices["a"]["endpoints"].append({"addresses": ["10.0.0.4"], "conditions": {"ready": True, "terminating": True}})
-    assert slice_urls(slices, "decode", "http") == ["http://10.0.0.1:8000", "http://[fd00::3]:8000"]
-    assert slice_urls(slices, "decode", "metrics") == []
+    assert slice_endpoints(slices, "decode", "http") == Endpoints(["http://10.0.0.1:8000", "http://[fd00::3]:8000"], 1)
+    assert slice_endpoints(slices, "decode", "metrics") == Endpoints([], 0)
+    assert slice_endpoints(slices, "gone", "http") == Endpoints([], 0)  # a pool scaled to zero
 
 
 @pytest.mark.asyncio
@@ -82,8 +83,10 @@ async def test_pools_follow_endpointslices(kmock, tmp_path):
                 )
             ).release()
             await urls(proxy.decode, ["http://10.1.0.2:8000"])
+            assert proxy.decode.starting == 1 and not proxy.decode.at_zero
             await (await http.delete(f"{base}/pre-1")).release()
             await urls(proxy.prefill, [])
+            assert proxy.prefill.at_zero  # no pod at all: scaled to zero
         finally:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -85,6 +85,23 @@ def test_a_broken_hop_is_named(fakes, make_proxy, prefill, decode, reason, names
     assert metric(text, f'ucm_proxy_pd_path_checks_total{{result="{reason}"}}') >= 1
 
 
+@pytest.mark.parametrize(("starting", "reason"), [(0, "ScaledToZero"), (1, "NoPrefill")])
+def test_a_pool_scaled_to_zero_is_not_a_broken_path(fakes, make_proxy, starting, reason):
+    """Discovery finding no pod of a pool at all (autoscaled to zero) leaves nothing to check and must
+    not page anyone (UCMPDPathBroken); a pod that exists but is not ready is a broken hop."""
+    p, d = fakes.add("p"), fakes.add("d")
+    proxy = make_proxy(prefill=[p.url], decode=[d.url], pd_check=FAST, fallback_to_decode=True)
+    with proxy.client() as c:
+        wait_check(c, lambda check: check is not None and check["healthy"])
+        proxy.proxy.prefill.set_urls([], starting=starting)  # what discovery does when the pods go
+        report = wait_check(c, lambda check: check is not None and check["reason"] == reason)
+        text = c.get("/metrics").text
+    assert report["check"]["healthy"] is (reason == "ScaledToZero")
+    assert metric(text, "ucm_proxy_pd_path_healthy ") == (1.0 if reason == "ScaledToZero" else 0.0)
+    if reason == "ScaledToZero":
+        assert "prefill pool has no pods" in report["check"]["message"]
+
+
 def test_checks_take_backends_in_turn(fakes, make_proxy):
     p = fakes.add("p")
     good, bad = fakes.add("good"), fakes.add("bad", Behaviour(loads=False))

@@ -674,7 +674,10 @@ class PDPathStatus(Spec):
     """Written by the proxy (``ucm_proxy.pdpath``), read by the operator into conditions."""
 
     healthy: bool = Field(description="The check passed: a prefill saved blocks to the store and a decode loaded them")
-    reason: str = Field(description="Healthy, or the broken hop: NoPrefill, PrefillFailed, DecodeNotLoading, ...")
+    reason: str = Field(
+        description="Healthy, ScaledToZero (a pool has no pod: nothing to check), or the broken hop: NoPrefill, "
+        "PrefillFailed, DecodeNotLoading, ..."
+    )
     message: str = Field("", description="What the check found: the backends and blocks, or what failed")
     checked_at: str | None = Field(None, description="When the check ran (RFC 3339, UTC)")
     effective: bool | None = Field(None, description="Most recent requests went through prefill and reused its KV")
