@@ -288,6 +288,28 @@ def test_render_is_deterministic_and_hash_tracks_content():
     assert differ == {"demo-decode/Deployment"}
 
 
+def test_engines_follow_the_operators_release_unless_their_tag_is_pinned(monkeypatch):
+    """The CRD stores no tag default in the resource: an upgraded operator (which renders the engines'
+    commands) moves unpinned engines to its own release, as it does the proxy."""
+
+    def images(spec: dict) -> set[str]:
+        parsed = UCMDeploymentSpec.model_validate(spec)
+        objects = render(Owner("d", "ns", "u"), parsed, build_plan("d", parsed, Site("kubernetes", namespace="ns")))
+        return {
+            c["image"]
+            for o in objects
+            if o["kind"] == "Deployment"
+            for c in o["spec"]["template"]["spec"]["containers"]
+        }
+
+    spec = VARIANTS["nfs-cache-gpus"]
+    monkeypatch.setattr("ucm.deploy.spec.__version__", "9.9.9")
+    monkeypatch.setattr("ucm.deploy.plan.__version__", "9.9.9")
+    assert images(spec) == {"ucm/runtime:9.9.9", "ucm/proxy:9.9.9"}
+    pinned = {**spec, "image": {"tag": "0.1.0"}}
+    assert images(pinned) == {"ucm/runtime:0.1.0", "ucm/proxy:9.9.9"}
+
+
 def test_gpus_and_scheduling_reach_the_pod():
     spec = UCMDeploymentSpec.model_validate(VARIANTS["nfs-cache-gpus"])
     objects = render(Owner("d", "ns", "u"), spec, build_plan("d", spec, Site("kubernetes", namespace="ns")))

@@ -207,7 +207,7 @@ def _template(
     ]
     container: dict[str, Any] = {
         "name": role.component,
-        "image": role.image or f"{spec.image.repository}:{spec.image.tag}",
+        "image": role.image or spec.image.reference,
         "imagePullPolicy": spec.image.pull_policy,
         "command": command,
         "env": env,

@@ -83,7 +83,12 @@ class ImageSpec(Spec):
     repository: str = Field(
         "ucm/runtime", min_length=1, description="The runtime image's registry and repository, without the tag"
     )
-    tag: str = Field(__version__, min_length=1, description="Default: this UCM release")
+    tag: str | None = Field(
+        None,
+        min_length=1,
+        description="Default: the operator's own UCM release, so that engines move with the operator on an "
+        "upgrade (the operator renders their commands); set it to pin them",
+    )
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="imagePullPolicy of every container of the deployment, the proxy's included"
     )
@@ -91,6 +96,11 @@ class ImageSpec(Spec):
         default_factory=list,
         description="Secrets in the deployment's namespace that every pod pulls its image with (imagePullSecrets)",
     )
+
+    @property
+    def reference(self) -> str:
+        """The engines' image, resolved by the UCM release that renders it when no tag is given."""
+        return f"{self.repository}:{self.tag or __version__}"
 
 
 class SecretKeySelector(Spec):
