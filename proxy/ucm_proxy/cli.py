@@ -48,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fallback-to-decode",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="pd: with no prefill backend, let decode do it all (config: fallback_to_decode)",
+        help="pd: with no prefill backend, let decode do it all (config: fallback_to_decode; "
+        "--no-fallback-to-decode turns off what the config file turns on)",
     )
     p.add_argument("--api-keys-file", help="file with one accepted API key per line")
     p.add_argument(

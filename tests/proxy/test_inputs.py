@@ -345,6 +345,12 @@ def test_yaml_config_and_flags(tmp_path):
     assert config.prefill == ["http://p:8000"] and config.port == 9
     assert (config.routing.prefill, config.routing.decode) == ("round_robin", "prefix_affinity")
     assert (config.disaggregation.min_prefill_tokens, config.disaggregation.chars_per_token) == (0, 3.5)
+    # a flag turns a file's setting either way; no flag leaves it
+    path.write_text("prefill: [http://p:8000]\ndecode: [http://d:8000]\nfallback_to_decode: true\n")
+    read = [
+        load_config(build_parser().parse_args(["-c", str(path), *flag])) for flag in ([], ["--no-fallback-to-decode"])
+    ]
+    assert [c.fallback_to_decode for c in read] == [True, False]
 
 
 def test_check_validates_without_serving_or_reading_key_files(tmp_path):
