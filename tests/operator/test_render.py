@@ -394,6 +394,7 @@ def test_chart_renders_valid_manifests(values, tmp_path):
         ("policy.allowedNfs={nfs.example.com}", "allowedNfs"),
         ("policy.allowedNfs={nfs.example.com:exports/a}", "allowedNfs"),
         ("policy.allowedNfs={:/exports/a}", "allowedNfs"),
+        ("healthPort=9090", "healthPort and metrics.port are both 9090"),
     ],
 )
 def test_chart_values_are_validated(flag, complaint, tmp_path):
