@@ -18,7 +18,7 @@ import asyncio
 import logging
 import secrets
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,23 @@ def plan_of(owner: Mapping[str, Any], policy: Policy) -> tuple[UCMDeploymentSpec
     except ConfigError as exc:
         return str(exc)
     return spec, plan
+
+
+def ignored_replicas(spec: UCMDeploymentSpec, diff: Iterable[Any]) -> list[str]:
+    """A pool's ``replicas`` changed (``kubectl scale``, an HPA on the resource, an edit) while its
+    autoscaler decides the count: the change does nothing, which the user should hear."""
+    messages = []
+    for op, path, _, new in diff:
+        if op != "change" or len(path) != 3 or path[0] != "spec" or path[2] != "replicas":
+            continue
+        pool = getattr(spec, path[1], None)
+        scaling = getattr(pool, "autoscaling", None)
+        if scaling is not None:
+            messages.append(
+                f"spec.{path[1]}.replicas changed to {new}, which does nothing: spec.{path[1]}.autoscaling sizes "
+                f"the pool ({scaling.min_replicas} to {scaling.max_replicas}); change those, or remove it"
+            )
+    return messages
 
 
 @kopf.on.login(registry=registry)
@@ -227,6 +244,8 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
         state.warned[(namespace, name)] = generation
         for message in deprecated_fields(owner.get("spec") or {}):
             kopf.warn(owner, reason="DeprecatedField", message=message)
+        for message in ignored_replicas(spec, kwargs.get("diff") or ()):
+            kopf.warn(owner, reason="ReplicasIgnored", message=message)
     desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler, state.policy.monitors)
     failure: ApiError | None = None
     with RECONCILE_SECONDS.time():

@@ -452,7 +452,8 @@ async def test_an_old_spelling_is_served_and_reported(kmock, cluster):
 
         async def warned() -> None:
             events = [e for e in posted_events(kmock.calls) if e.get("reason") == "DeprecatedField"]
-            (event,) = events
+            assert len(events) == 1
+            event = events[0]
             assert event["type"] == "Warning"
             assert event["message"] == "spec.sparse.min_tokens is deprecated: write spec.sparse.minTokens"
 
@@ -515,6 +516,21 @@ async def test_an_autoscaled_pool_is_left_to_its_autoscaler(kmock, cluster, prov
         assert deployment["spec"]["replicas"] == 3
         patches = [c for c in kmock.calls[since:] if c.verb == "patch" and c.path.endswith("/deployments/a-decode")]
         assert patches and not [c for c in patches if "replicas" in (c.data or {}).get("spec", {})]
+
+        # `kubectl scale ucmd a --replicas 5` changes spec.decode.replicas: nothing moves, and the user is told.
+        spec["decode"]["replicas"] = 5
+        await cluster.update_ucmd(NS, "a", spec, generation=3)
+
+        async def told() -> None:
+            events = [e for e in posted_events(kmock.calls) if e.get("reason") == "ReplicasIgnored"]
+            assert len(events) == 1
+            event = events[0]
+            assert event["type"] == "Warning" and event["message"].startswith(
+                "spec.decode.replicas changed to 5, which does nothing: spec.decode.autoscaling sizes the pool (1 to 4)"
+            )
+
+        await eventually(told)
+        assert (await cluster.children(NS, "a"))[("Deployment", "a-decode")]["spec"]["replicas"] == 3
 
 
 @pytest.mark.asyncio
