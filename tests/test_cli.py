@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ucm.integration.vllm.config import kv_transfer_config
 from ucm.store import create_store
 
 UCM = shutil.which("ucm", path=str(Path(sys.executable).parent)) or "ucm"
@@ -95,3 +96,24 @@ def test_stores_that_cannot_list_say_so(tmp_path):
     path.write_text("spec: empty\n")
     r = ucm("store", "stats", "-c", str(path))
     assert r.returncode == 2 and "empty: this store cannot list its blocks" in r.stderr
+
+
+def test_an_engines_kv_transfer_config_is_accepted(filled, tmp_path):
+    """What an admin has at hand on an engine pod: the kv-transfer-config it was started with
+    (``${VAR}``s filled in from the environment, as ``ucm serve`` does)."""
+    path, root, _ = filled
+    store = yaml.safe_load(path.read_text())
+    store["posix"]["roots"] = [str(root).replace(str(tmp_path), "${POD_NAMESPACE}")]
+    kv = tmp_path / "kv-transfer-config.json"
+    kv.write_text(json.dumps(kv_transfer_config(store, "kv_both", hash_algorithm="sha256")))
+    r = subprocess.run(
+        [UCM, "store", "stats", "-c", str(kv), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "POD_NAMESPACE": str(tmp_path)},
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["blocks"] == 10
+    r = ucm("store", "stats", "-c", str(kv))  # the variable unset: said, as ucm serve says it
+    assert r.returncode == 2 and "${POD_NAMESPACE}, which is not set in the environment" in r.stderr

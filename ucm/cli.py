@@ -18,8 +18,15 @@ from ucm.store import StoreError, create_store
 
 
 def _load_store_config(path: str) -> dict[str, Any]:
-    """A store configuration file, or any UCM config file with a ``store`` section."""
+    """A store configuration file, any UCM config file with a ``store`` section, or an engine's
+    kv-transfer-config (read as ``ucm serve --kv-config`` reads it, ``${VAR}``s filled in)."""
     data = load_mapping(path, "--config", "a mapping with 'spec' and per-stage options")
+    if "kv_connector_extra_config" in data:
+        from ucm.integration.vllm.config import scheduler_store_config
+        from ucm.serve import load_kv_config
+
+        # A lookup-only client, as the engines' scheduler runs: no Mooncake segment joins the pool.
+        return scheduler_store_config(load_kv_config(path)["kv_connector_extra_config"]["store"])
     if isinstance(data.get("store"), dict):
         data = data["store"]
     return data
@@ -93,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = actions.add_parser(name, help=help_text)
         p.add_argument(
-            "--config", "-c", required=True, help="store config (YAML/JSON), or a file with a 'store' section"
+            "--config",
+            "-c",
+            required=True,
+            help="store config (YAML/JSON), a file with a 'store' section, or an engine's kv-transfer-config",
         )
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "verify":
