@@ -19,6 +19,7 @@ from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.monitors import Monitors
 from ucm.deploy.monitors import from_args as monitors_from_args
 from ucm.deploy.plan import build_plan
+from ucm.deploy.policy import allowable_env_pattern
 from ucm.deploy.policy import from_args as policy_from_args
 from ucm.deploy.roles import PlanError, Site
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -381,6 +382,11 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+def test_the_charts_allowed_env_names_are_the_operators():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["policy"]["properties"]["allowedEnv"]["items"]["pattern"] == allowable_env_pattern()
+
+
 @pytest.mark.parametrize(
     ("flag", "complaint"),
     [
@@ -395,6 +401,7 @@ def test_chart_renders_valid_manifests(values, tmp_path):
         ("policy.allowedNfs={nfs.example.com:exports/a}", "allowedNfs"),
         ("policy.allowedNfs={:/exports/a}", "allowedNfs"),
         ("healthPort=9090", "healthPort and metrics.port are both 9090"),
+        ("policy.allowedEnv={HF_TOKEN}", "allowedEnv"),  # not refused, so the operator would stop at it
     ],
 )
 def test_chart_values_are_validated(flag, complaint, tmp_path):

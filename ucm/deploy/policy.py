@@ -257,6 +257,15 @@ def _refused_args(field: str, args: list[str]) -> None:
                 raise fail(f"{field}[{i}]", f"{written}: the key {refused[0]} is not allowed: {why}")
 
 
+def allowable_env_pattern() -> str:
+    """The names ``--allow-env`` takes (those refused otherwise), as a regular expression in the
+    dialect JSON Schema and Go share: the chart's values schema carries it, so that ``helm install``
+    refuses a name the operator would stop at."""
+    prefixes = "|".join(re.escape(p) for p in REFUSED_ENV_PREFIXES)
+    names = "|".join(re.escape(n) for n in REFUSED_ENV)
+    return f"^(?:(?:{prefixes})[A-Za-z0-9_]*|{names})$"
+
+
 def _refused_env(name: str) -> str | None:
     """Why a spec may not set the environment variable ``name``; None where it may."""
     for start, why in REFUSED_ENV_PREFIXES.items():
