@@ -107,8 +107,13 @@ def test_bad_quantities_name_the_field(bad):
         quantity_bytes(bad, "store.cacheSize")
 
 
+CPU = {"resources": {"gpus": 0}}
+
+
 def test_sparse_attention_reaches_the_decode_engines_only():
-    plan = plan_for({"sparse": {"algorithm": "kvstar", "kvstar": {"sparseRatio": 0.2, "retrievalStride": 8}}})
+    plan = plan_for(
+        {"sparse": {"algorithm": "kvstar", "kvstar": {"sparseRatio": 0.2, "retrievalStride": 8}}, "decode": CPU}
+    )
     decode, prefill = plan.role("decode"), plan.role("prefill")
     assert decode.files == [KV_DECODE_CONFIG_FILE] and prefill.files == [KV_CONFIG_FILE]
     assert decode.command[3].endswith(KV_DECODE_CONFIG_FILE) and prefill.command[3].endswith(KV_CONFIG_FILE)
@@ -119,12 +124,26 @@ def test_sparse_attention_reaches_the_decode_engines_only():
 
 
 def test_blend_reaches_the_prefill_engines_only():
-    plan = plan_for({"blend": {"recomputeRatio": 0.2}})
+    plan = plan_for({"blend": {"recomputeRatio": 0.2}, "prefill": CPU})
     assert "blend" not in kv(plan_for({}))
     assert parse_connector_config(kv(plan)).blend.recompute_ratio == 0.2
     decode = json.loads(plan.files[KV_DECODE_CONFIG_FILE])["kv_connector_extra_config"]
     assert "blend" not in decode
     assert plan.role("decode").command[3].endswith(KV_DECODE_CONFIG_FILE)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pool"), [("sparse", {"algorithm": "gsa"}, "decode"), ("blend", {}, "prefill")]
+)
+def test_sparse_and_blend_need_cpu_engines_in_a_cluster(tmp_path, field, value, pool):
+    """They run inside vLLM's CPU attention backend: on a GPU pod sparse would do nothing, Blend would
+    stop the engine at start. Locally the engines are this machine's vLLM, whatever the spec's GPUs."""
+    with pytest.raises(
+        PlanError, match=rf"^{field}: runs on CPU engines only .*{pool}.resources.gpus is 1: set it to 0"
+    ):
+        plan_for({field: value})
+    plan_for({field: value, pool: CPU})
+    plan_for({field: value}, local_site(tmp_path))
 
 
 def test_pools_of_different_tp_keep_blocks_in_the_larger_tps_shares():

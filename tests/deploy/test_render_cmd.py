@@ -111,8 +111,9 @@ def test_ucm_variables_an_engine_honours_pass_and_a_secret_cannot_hide_a_refused
 
 
 def test_an_old_spelling_renders_with_a_warning(tmp_path, capsys):
-    new = {**RESOURCE["spec"], "blend": {"recomputeRatio": 0.2}}
-    old = {**RESOURCE["spec"], "blend": {"recompute_ratio": 0.2}}
+    cpu = {**RESOURCE["spec"], "prefill": {"resources": {"gpus": 0}}}
+    new = {**cpu, "blend": {"recomputeRatio": 0.2}}
+    old = {**cpu, "blend": {"recompute_ratio": 0.2}}
     code, with_new, err = render(tmp_path, {**RESOURCE, "spec": new}, capsys=capsys)
     assert code == 0 and "warning" not in err
     code, with_old, err = render(tmp_path, {**RESOURCE, "spec": old}, capsys=capsys)

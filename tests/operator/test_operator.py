@@ -440,6 +440,7 @@ async def test_an_old_spelling_is_served_and_reported(kmock, cluster):
     options) and gets a Warning Event naming the field and its new spelling."""
     spec = copy.deepcopy(SPEC)
     spec["sparse"] = {"algorithm": "esa", "min_tokens": 64, "esa": {"sparseRatio": 0.5}}
+    spec["decode"]["resources"] = {"gpus": 0}  # sparse attention runs on CPU engines
     async with operator_running(cluster.url):
         await cluster.apply_ucmd(NS, "a", spec, uid="uid-a")
 

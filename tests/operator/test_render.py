@@ -309,6 +309,9 @@ def test_engines_follow_the_operators_release_unless_their_tag_is_pinned(monkeyp
     assert images(spec) == {"ucm/runtime:9.9.9", "ucm/proxy:9.9.9"}
     pinned = {**spec, "image": {"tag": "0.1.0"}}
     assert images(pinned) == {"ucm/runtime:0.1.0", "ucm/proxy:9.9.9"}
+    # pods without GPUs run the runtime's CPU flavour
+    cpu = {**spec, "decode": {**spec["decode"], "resources": {"gpus": 0}}}
+    assert images(cpu) == {"ucm/runtime:9.9.9", "ucm/runtime:9.9.9-cpu", "ucm/proxy:9.9.9"}
 
 
 def test_gpus_and_scheduling_reach_the_pod():

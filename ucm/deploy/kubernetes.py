@@ -207,7 +207,7 @@ def _template(
     ]
     container: dict[str, Any] = {
         "name": role.component,
-        "image": role.image or spec.image.reference,
+        "image": role.image or spec.image.reference(cpu=role.pool is not None and role.pool.resources.gpus == 0),
         "imagePullPolicy": spec.image.pull_policy,
         "command": command,
         "env": env,

@@ -77,6 +77,21 @@ PROXY_PLANNED = (
 )
 
 
+def _cpu_engines(spec: UCMDeploymentSpec) -> None:
+    """Sparse attention and Blend run inside vLLM's CPU attention backend: on a GPU engine sparse would
+    do nothing and Blend would stop it at start. (The GPU kernels in runtime/native serve no request
+    yet.) Locally the engines are this machine's vLLM, which says so itself; in a cluster the pool's
+    GPUs tell."""
+    for field, pool in (("sparse", "decode"), ("blend", "prefill")):
+        gpus = getattr(spec, pool).resources.gpus
+        if getattr(spec, field) is not None and gpus:
+            raise fail(
+                field,
+                f"runs on CPU engines only (vLLM's CPU attention backend), and {pool}.resources.gpus is {gpus}: "
+                f"set it to 0 (the runtime's CPU image) or leave {field} out",
+            )
+
+
 def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     """The roles of one deployment. Raises :class:`PlanError` for a spec that cannot work."""
     store = spec.store
@@ -92,6 +107,8 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         stage = {backend: {**stage[backend], "mac_key_file": f"{site.credentials_dir}/{MAC_KEY}"}}
         credentials.append(MAC_KEY)
         store_volumes = [*store_volumes, *_credentials_volume(name, site, MAC_KEY)]
+    if not site.local:
+        _cpu_engines(spec)
     # Prefill is where Blend pays, decoding where sparse attention does: each pool its own settings.
     files[KV_CONFIG_FILE] = _json(_kv_config(spec, stage, blend=True))
     kv_files = {"prefill": KV_CONFIG_FILE, "decode": KV_CONFIG_FILE}

@@ -86,8 +86,9 @@ class ImageSpec(Spec):
     tag: str | None = Field(
         None,
         min_length=1,
-        description="Default: the operator's own UCM release, so that engines move with the operator on an "
-        "upgrade (the operator renders their commands); set it to pin them",
+        description="Default: the operator's own UCM release, <release> for pods with GPUs and the CPU flavour "
+        "<release>-cpu for pods without, so that engines move with the operator on an upgrade (the operator "
+        "renders their commands); set it to pin them",
     )
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="imagePullPolicy of every container of the deployment, the proxy's included"
@@ -97,10 +98,10 @@ class ImageSpec(Spec):
         description="Secrets in the deployment's namespace that every pod pulls its image with (imagePullSecrets)",
     )
 
-    @property
-    def reference(self) -> str:
-        """The engines' image, resolved by the UCM release that renders it when no tag is given."""
-        return f"{self.repository}:{self.tag or __version__}"
+    def reference(self, cpu: bool) -> str:
+        """A pod's runtime image; without a tag, the rendering UCM release's, in the CPU flavour for
+        pods without GPUs (``make images`` builds both)."""
+        return f"{self.repository}:{self.tag or (f'{__version__}-cpu' if cpu else __version__)}"
 
 
 class SecretKeySelector(Spec):
