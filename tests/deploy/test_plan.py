@@ -146,6 +146,22 @@ def test_sparse_and_blend_need_cpu_engines_in_a_cluster(tmp_path, field, value, 
     plan_for({field: value}, local_site(tmp_path))
 
 
+@pytest.mark.parametrize("arg", ["--hf-overrides", "--hf_overrides={}"])
+def test_blend_refuses_the_model_overrides_it_sets(tmp_path, arg):
+    """ucm serve gives blending engines --hf-overrides (UCM's Blend model class) and refuses one of
+    the spec's; render and the operator say so instead of prefill pods failing at start."""
+    for field in ("model", "prefill"):
+        spec = {"blend": {}, "prefill": CPU}
+        spec[field] = {**spec.get(field, {}), "extraArgs": ["--max-num-seqs", "8", arg, '{"a": 1}']}
+        if field == "model":
+            spec["model"] = {**BASE["model"], **spec["model"]}
+        with pytest.raises(
+            PlanError, match=rf"^{field}.extraArgs\[2\]: {arg.partition('=')[0]}: set by the deployment"
+        ):
+            plan_for(spec)
+        plan_for({k: v for k, v in spec.items() if k != "blend"})  # without blend it is the user's
+
+
 def test_pools_of_different_tp_keep_blocks_in_the_larger_tps_shares():
     cpu = {"resources": {"gpus": 0}}
     plan = plan_for({"prefill": {"parallel": {"tensor": 2}, **cpu}, "decode": {"parallel": {"tensor": 1}, **cpu}})

@@ -20,6 +20,7 @@ import yaml
 
 from ucm import __version__
 from ucm.config import ConfigError
+from ucm.deploy import engine_args
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
@@ -92,6 +93,23 @@ def _cpu_engines(spec: UCMDeploymentSpec) -> None:
             )
 
 
+def _blend_args(spec: UCMDeploymentSpec) -> None:
+    """With blend, ``ucm serve`` gives prefill engines ``--hf-overrides`` (UCM's Blend model class) and
+    refuses one of the spec's: say so here, not in a crash-looping pod."""
+    for field, args in (("model.extraArgs", spec.model.extra_args), ("prefill.extraArgs", spec.prefill.extra_args)):
+        for i, arg in enumerate(args):
+            try:
+                overrides = "hf_overrides" in engine_args.dests(arg)
+            except engine_args.EngineArgError:
+                continue  # the policy names what it cannot read
+            if overrides:
+                raise fail(
+                    f"{field}[{i}]",
+                    f"{arg.partition('=')[0]}: set by the deployment with blend (UCM's Blend model class); "
+                    "leave it out, or leave blend out",
+                )
+
+
 def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     """The roles of one deployment. Raises :class:`PlanError` for a spec that cannot work."""
     store = spec.store
@@ -109,6 +127,8 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         store_volumes = [*store_volumes, *_credentials_volume(name, site, MAC_KEY)]
     if not site.local:
         _cpu_engines(spec)
+    if spec.blend is not None:
+        _blend_args(spec)
     # Prefill is where Blend pays, decoding where sparse attention does: each pool its own settings.
     files[KV_CONFIG_FILE] = _json(_kv_config(spec, stage, blend=True))
     kv_files = {"prefill": KV_CONFIG_FILE, "decode": KV_CONFIG_FILE}
