@@ -117,3 +117,20 @@ def test_an_engines_kv_transfer_config_is_accepted(filled, tmp_path):
     assert json.loads(r.stdout)["blocks"] == 10
     r = ucm("store", "stats", "-c", str(kv))  # the variable unset: said, as ucm serve says it
     assert r.returncode == 2 and "${POD_NAMESPACE}, which is not set in the environment" in r.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`ucm render -f x | head`: the pipe closes before ucm writes; ucm stops quietly, as tools do."""
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "metadata": {"name": "chat"},
+                "spec": {"model": {"source": {"hf": "m"}}, "store": {"type": "posix", "pvc": {"claimName": "kv"}}},
+            }
+        )
+    )
+    p = subprocess.Popen([UCM, "render", "-f", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before ucm has imported what it needs, let alone written
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and err == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -156,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StoreError) as exc:
         print(f"ucm: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (`ucm render ... | head`): nothing to say, and nothing more to flush to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process killed by SIGPIPE
 
 
 if __name__ == "__main__":

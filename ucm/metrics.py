@@ -118,8 +118,9 @@ SPARSE_BLOCKS_AVAILABLE = Counter(
 )
 SPARSE_DECODE_TOKENS = Counter(
     "ucm_sparse_decode_tokens_total",
-    "Decode tokens of an engine with sparse attention, by path: sparse, or dense because the request is "
-    "shorter than min_tokens (below that length selection does not pay for itself)",
+    "Decode tokens of an engine with sparse attention, by path: sparse; dense_short, the request shorter than "
+    "min_tokens (below that length selection does not pay for itself); dense_first, a prompt's last token "
+    "computed alone (a PD decode's first step), which attends densely as at the end of a computed prompt",
     ["algorithm", "path"],
 )
 SPARSE_SELECTION_SECONDS = Histogram(

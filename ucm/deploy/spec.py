@@ -531,8 +531,9 @@ class _Sparse(SparseConfig):
 
 class _Blend(BlendConfig):
     """Blend for the engines that prefill: a prompt's chunks (between separators) reuse their cached KV
-    wherever they appear, the tokens that deviate most recomputed. A chunk is cached when prefilled
-    alone or as a prompt's start. Engines run UCM's Blend model class (Llama-shaped models)."""
+    wherever they appear, a share of their tokens recomputed (by default those the question attends to
+    most). A chunk is cached when prefilled alone or as a prompt's start. Engines run UCM's Blend model
+    class (Llama-shaped models)."""
 
 
 SparseSpec = camel(_Sparse, "SparseSpec")
