@@ -123,6 +123,19 @@ def test_sparse_attention_reaches_the_decode_engines_only():
     assert KV_DECODE_CONFIG_FILE not in plan_for({}).files
 
 
+def test_with_blend_every_request_goes_through_prefill_unless_the_user_says():
+    """Blend runs on prefill; a prompt the proxy sent straight to decode (short, or its prefix stored)
+    would be computed in full there."""
+
+    def disaggregation(spec: dict) -> dict:
+        return yaml.safe_load(plan_for(spec).files[PROXY_CONFIG_FILE]).get("disaggregation", {})
+
+    assert disaggregation({"blend": {}, "prefill": CPU}) == {"min_prefill_tokens": 0}
+    assert disaggregation({}) == {}
+    mine = {"proxy": {"config": {"disaggregation": {"min_prefill_tokens": 64, "balance_gap": 0}}}}
+    assert disaggregation({"blend": {}, "prefill": CPU, **mine}) == {"min_prefill_tokens": 64, "balance_gap": 0}
+
+
 def test_blend_reaches_the_prefill_engines_only():
     plan = plan_for({"blend": {"recomputeRatio": 0.2}, "prefill": CPU})
     assert "blend" not in kv(plan_for({}))

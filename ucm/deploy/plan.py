@@ -352,6 +352,11 @@ def _proxy_config(name: str, spec: UCMDeploymentSpec, site: Site, port: int) -> 
             raise fail("proxy.config.routing.kv_events", "set by the deployment (proxy.kvEvents)")
         where = {"ipc_name": name} if site.local else {"port": KV_EVENTS_PORT, "replay_port": KV_REPLAY_PORT}
         config["routing"] = {**(routing if isinstance(routing, dict) else {}), "kv_events": where}
+    disaggregation = config.get("disaggregation", {})
+    if spec.blend is not None and isinstance(disaggregation, dict):
+        # Blend runs on prefill: a prompt the proxy judged short or stored and sent straight to decode
+        # would be computed in full there. Every request goes through prefill, unless the user says.
+        config["disaggregation"] = {"min_prefill_tokens": 0, **disaggregation}
     config["backend_api_key_file"] = f"{site.credentials_dir}/{BACKEND_KEY}"
     if p.metrics_auth:
         config["metrics_token_file"] = f"{site.credentials_dir}/{METRICS_TOKEN}"
