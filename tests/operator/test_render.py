@@ -336,7 +336,15 @@ def test_chart_lints(tmp_path):
     [
         [],
         ["--set", "metrics.service.enabled=true", "--set", "watchNamespaces={serving,batch}"],
-        ["--set", "metrics.serviceMonitor.enabled=true", "--set", "image.tag=dev"],
+        # a Prometheus duration of two units, checked against the Prometheus Operator's own schema
+        [
+            "--set",
+            "metrics.serviceMonitor.enabled=true",
+            "--set",
+            "metrics.serviceMonitor.interval=1m30s",
+            "--set",
+            "image.tag=dev",
+        ],
         [
             "--set",
             "policy.hostPathPrefixes={/data/models}",
@@ -404,6 +412,7 @@ def test_the_charts_allowed_env_names_are_the_operators():
         ("policy.allowedNfs={nfs.example.com:exports/a}", "allowedNfs"),
         ("policy.allowedNfs={:/exports/a}", "allowedNfs"),
         ("healthPort=9090", "healthPort and metrics.port are both 9090"),
+        ("metrics.serviceMonitor.interval=90", "interval"),
         ("policy.allowedEnv={HF_TOKEN}", "allowedEnv"),  # not refused, so the operator would stop at it
     ],
 )
