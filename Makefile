@@ -81,7 +81,8 @@ images-offline: dev
 	docker image prune -f --filter label=ucm.image >/dev/null  # the build stage (GBs)
 	rm -rf $(RUNTIME_WHEELS)  # in the image now (0.9 GB)
 
-# What benchmarks/sparse_serving.py and sparse_eval.py need for the real model (not make test).
+# What the real-model benchmarks (sparse_serving, sparse_eval, blend_serving, routing) and
+# fault_serving's FUSE store (mfusepy) need; not make test.
 bench-deps: dev
 	$(BIN)/python -m pip install -q -e '.[bench]'
 

@@ -32,7 +32,7 @@ never land, the measured outage for a restart. ``none``: requests no fault touch
     python benchmarks/fault_serving.py --quick --json OUT.json
 
 Needs root (or /dev/fuse access) and libfuse 3 with mfusepy (``make bench-deps``) for the store
-mount; the Mooncake fault needs the ``mooncake`` extra.
+mount; the Mooncake fault runs on the non-CUDA Mooncake client that ``make dev`` installs.
 """
 
 from __future__ import annotations

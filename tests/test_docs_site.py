@@ -5,6 +5,7 @@ exist), and a real browser renders it. The generated reference pages are checked
 
 from __future__ import annotations
 
+import ast
 import functools
 import http.server
 import os
@@ -284,3 +285,55 @@ def test_a_real_browser_renders_the_site_its_navigation_and_search(served):
             assert failed == []
         finally:
             browser.close()
+
+
+def test_every_benchmark_page_says_how_to_reproduce_it():
+    """Every page of docs/benchmarks/ but the index has a `## Reproduce` section whose sh block runs
+    a script of benchmarks/, and every flag on that line (its comment's included) is one the
+    script's argparse defines. The flags are read from the scripts' source: importing one imports
+    vLLM."""
+
+    def flags(script: Path) -> set[str]:
+        return {
+            arg.value
+            for node in ast.walk(ast.parse(script.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+            for arg in node.args
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")
+        }
+
+    fence = re.compile(r"^```sh\n(.*?)^```", re.M | re.S)
+    section = re.compile(r"^## Reproduce\n(.*?)(?=^## |\Z)", re.M | re.S)
+    pages = [page for page in sorted(ROOT.glob("docs/benchmarks/*.md")) if page.name != "index.md"]
+    assert len(pages) >= 10
+    wrong = []
+    for page in pages:
+        name = page.relative_to(ROOT)
+        found = section.search(page.read_text())
+        if found is None:
+            wrong.append(f"{name}: no '## Reproduce' section")
+            continue
+        runs = 0
+        for text in fence.findall(found.group(1)):
+            for line in text.replace("\\\n", " ").splitlines():
+                code, comment = re.fullmatch(r"(.*?)(?:(?<!\S)#(.*))?", line).groups(default="")
+                words = shlex.split(code)
+                at = [i for i, word in enumerate(words) if re.fullmatch(r"benchmarks/\w+\.py", word)]
+                if not at:
+                    continue
+                script = ROOT / words[at[0]]
+                if not script.is_file():
+                    wrong.append(f"{name}: {words[at[0]]} does not exist")
+                    continue
+                runs += 1
+                args = []
+                for word in words[at[0] + 1 :]:
+                    if word in {"|", "&", "&&", "||", ";"}:
+                        break
+                    args.append(word)
+                shown = {word.split("=", 1)[0] for word in args if word.startswith("--")}
+                shown |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", comment))
+                wrong += [f"{name}: {script.name} has no {flag}" for flag in sorted(shown - flags(script))]
+        if not runs:
+            wrong.append(f"{name}: no sh block in its Reproduce section runs a script of benchmarks/")
+    assert wrong == []
