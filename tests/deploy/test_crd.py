@@ -115,11 +115,12 @@ def test_a_bad_sparse_section_fails_the_schema():
     jsonschema.Draft4Validator(SCHEMA).validate(
         {"spec": with_("sparse", {"algorithm": "esa", "esa": {"sparseRatio": 0.2}})}
     )
-    static = {"algorithm": "static", "static": {"retrievalStride": 1}}
+    static = {"algorithm": "static", "static": {"retrievalStride": 1, "observationWindow": 0}}
     jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", static)})  # a one-value integer
-    static["static"]["retrievalStride"] = 2
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", static)})
+    for field in ("retrievalStride", "observationWindow"):  # static neither retrieves nor scores
+        with pytest.raises(jsonschema.ValidationError):
+            bad = {**static, "static": {**static["static"], field: 2}}
+            jsonschema.Draft4Validator(SCHEMA).validate({"spec": with_("sparse", bad)})
 
 
 def test_old_spellings_still_validate_and_mean_the_same():

@@ -94,6 +94,7 @@ class StaticConfig(TopKConfig):
     and so the bound a scored algorithm at the same ``sparse_ratio`` is measured against."""
 
     retrieval_stride: Literal[1] = Field(1, description="Nothing is retrieved: the selection follows the request")
+    observation_window: Literal[0] = Field(0, description="Nothing is scored, so no prompt attention is kept")
 
     def scoring(self, head_dim: int) -> None:
         return None
