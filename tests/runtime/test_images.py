@@ -125,6 +125,9 @@ def test_image_tags_agree_with_the_chart_and_the_operator():
     values = yaml.safe_load((ROOT / "charts" / "ucm-operator" / "values.yaml").read_text())
     assert chart["appVersion"] == version and values["image"]["tag"] == ""  # "" means appVersion
     assert values["image"]["repository"] in built
+    # The engines' default images, by the rendering release: CUDA for pods with GPUs, the CPU flavour without.
     runtime = ImageSpec()
-    assert (runtime.repository, runtime.tag) == ("ucm/runtime", version)
+    assert runtime.reference(cpu=False) == f"ucm/runtime:{version}"
+    assert runtime.reference(cpu=True) == f"ucm/runtime:{version}-cpu"
+    assert "-t ucm/runtime:$(VERSION)-cpu" in (ROOT / "Makefile").read_text()
     assert PROXY_IMAGE in built
