@@ -50,6 +50,7 @@ def camel(model: type[M], name: str | None = None) -> type[M]:
     nested models too. The snake_case names stay accepted, deprecated (:func:`deprecated_spellings`);
     ``model_dump()`` still gives the engine its own names. ``name``: the class's (default ``model``'s)."""
     fields: dict[str, Any] = {}
+    renamed: dict[str, str] = {}  # camelCase name -> the old one
     for field, info in model.model_fields.items():
         annotation = _camel_types(info.annotation)
         alias = to_camel(field)
@@ -57,13 +58,13 @@ def camel(model: type[M], name: str | None = None) -> type[M]:
             continue
         extra: dict[str, Any] = {}
         if alias != field:
+            renamed[alias] = field
             extra = {
                 "validation_alias": AliasChoices(alias, field),
                 "serialization_alias": alias,
                 "json_schema_extra": {**(info.json_schema_extra or {}), DEPRECATED_NAME: field},  # type: ignore[dict-item]
             }
         fields[field] = (annotation, FieldInfo.merge_field_infos(info, annotation=annotation, **extra))
-    renamed = {to_camel(n): n for n in model.model_fields if to_camel(n) != n}
 
     def one_spelling(data: Any) -> Any:
         if isinstance(data, Mapping):
