@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one command (CI has none; run it on a machine with one, e.g. the
 # device machine, from the repository root): build the native layer with its CUDA kernels, run the
-# tests that skip without a GPU, run the CUDA copy under compute-sanitizer, and time the GPU paths.
+# tests that skip without a GPU, time the GPU paths, and run the CUDA copy under compute-sanitizer
+# (the slowest, last). Each step is bounded so the whole fits a 10-minute call with room to spare.
 # Logs and the benchmark's JSON go to $OUT (default ./gpu-check-out). Uses the python3 that holds
 # torch and Triton there (PYTHON overrides); needs nvcc, cmake, nanobind, pytest and hypothesis.
 set -uo pipefail
@@ -23,20 +24,20 @@ cmake -S runtime/native -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DUCM_CU
   -DUCM_CUDA_ARCHITECTURES="$ARCH" -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
   -Dnanobind_DIR="$("$PYTHON" -c 'import nanobind; print(nanobind.cmake_dir())')" >"$OUT/build.log" 2>&1 &&
   cmake --build "$BUILD" >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-export PYTHONPATH="$BUILD:$PWD"
+export PYTHONPATH="$BUILD:$PWD:$PWD/testing"  # testing/: pytest loads ucm_testing.ci_report (pyproject)
 
 step "tests that need a GPU (and the native kernels' CPU tests beside them)"
-timeout 420 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_native.py \
+timeout 240 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_native.py \
   tests/connector/test_layout.py tests/sparse/test_kernel.py tests/sparse/test_triton.py 2>&1 |
   tee "$OUT/tests.log" | tail -25 || status=1
 
+step "benchmarks/gpu_paths.py"
+timeout 150 "$PYTHON" benchmarks/gpu_paths.py --json "$OUT/gpu_paths.json" 2>&1 | tee "$OUT/gpu_paths.log" || status=1
+
 step "the CUDA copy under compute-sanitizer memcheck"
-timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$PYTHON" -m pytest -q -p no:cacheprovider \
+timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$PYTHON" -m pytest -q -p no:cacheprovider \
   -k "cuda or gpu" tests/runtime/test_native.py tests/connector/test_layout.py 2>&1 | tee "$OUT/sanitizer.log" | tail -8 ||
   status=1
-
-step "benchmarks/gpu_paths.py"
-timeout 300 "$PYTHON" benchmarks/gpu_paths.py --json "$OUT/gpu_paths.json" 2>&1 | tee "$OUT/gpu_paths.log" || status=1
 
 step "done: status $status"
 exit $status

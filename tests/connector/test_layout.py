@@ -122,3 +122,36 @@ def test_layouts_on_a_gpu_gather_to_pinned_staging_and_scatter_back(make, copier
         for s, t in zip(blocks, [2, 4, 6, 8], strict=True):
             assert torch.equal(host[name].select(d, s), dst[name].select(d, t).cpu())
         assert all(not dst[name].select(d, b).any() for b in range(NB) if b not in (2, 4, 6, 8))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [cpu_layout, token_major_view])  # vLLM 0.32's logical order, two physical ones
+def test_head_shares_hold_their_heads_and_together_restore_the_block(make, device, monkeypatch):
+    """store_tp: share j of k holds heads [j*H/k, (j+1)*H/k) of every layer; scattering every share of
+    a block into an empty cache rebuilds it. On a GPU the shares are strided views the CUDA kernel
+    cannot take as one segment per block, so this also checks the fallback copy there."""
+    monkeypatch.delenv("UCM_NATIVE_CUDA", raising=False)
+    host = {f"layer{i}": make() for i in range(2)}
+    kv = {name: t.to(device) for name, t in host.items()}
+    shares = [KVLayout(kv, NB).head_share(H, H, j) for j in range(H)]
+    dst = {name: torch.zeros_like(t) for name, t in kv.items()}
+    into = [KVLayout(dst, NB).head_share(H, H, j) for j in range(H)]
+    blocks = [7, 0, 11]
+    for j, share in enumerate(shares):
+        staging = share.new_staging(len(blocks))
+        share.gather(blocks, staging)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        want = {name: t.narrow(1, j, 1) for name, t in host.items()}  # blocks first, heads next
+        for row, b in enumerate(blocks):
+            assert staging[row].numpy().tobytes() == reference_payload(want, b)
+        for layer in range(len(into[j].slots)):
+            into[j].scatter_layer(layer, [1, 2, 3], staging)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for name in host:
+        for s, t in zip(blocks, [1, 2, 3], strict=True):
+            assert torch.equal(host[name][s], dst[name][t].cpu())
