@@ -1,18 +1,23 @@
 """The worker half moving real tensors through a real store, without an engine."""
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from ucm.deploy.ports import free_port
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
-from ucm.store import create_store
+from ucm.store import Store, create_store
 from ucm.store.base import Task
 
 NB, LAYERS = 16, 3
+REPO = Path(__file__).resolve().parents[2]
 
 
 def kv_caches(fill: bool) -> dict[str, torch.Tensor]:
@@ -214,31 +219,87 @@ def tp_rank_step(rank: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_load_failing_on_one_tp_rank_keeps_every_rank_from_saving_over_it(tmp_path):
-    """Rank 0's share of a's second block is gone, rank 1's loads: rank 1's later layers still saw
-    rank 0's missing KV through the all-reduces, so neither rank saves the step's new blocks."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from ucm.deploy.ports import free_port
-
+def two_workers_after_a_lost_share(root: Path, steps: str) -> Store:
+    """Workers 0 and 1 of two save IDS[:2]; worker 0's share of IDS[1] is then lost, and ``steps``
+    (a function of this module) runs as each worker in a process of its own. Returns the store."""
     kv = kv_caches(True)
     for rank in (0, 1):
-        w = worker(tmp_path, rank=rank, tp_size=2)
+        w = worker(root, rank=rank, tp_size=2)
         w.register(kv, NB)
         run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("p", IDS[:2], [0, 1])]))
         w.close()
-    store = create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}})
+    store = create_store({"spec": "posix", "posix": {"roots": [str(root)]}})
     assert store.remove(rank_keys(IDS[1:2], 0, 2)) == [True]
     port = free_port()
-    call = f"from tests.connector.test_worker import tp_rank_step; tp_rank_step({{}}, {port}, {str(tmp_path)!r})"
-    repo = Path(__file__).resolve().parents[2]
-    ranks = [subprocess.Popen([sys.executable, "-c", call.format(r)], cwd=repo) for r in (0, 1)]
-    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    call = f"from tests.connector.test_worker import {steps}; {steps}({{}}, {port}, {str(root)!r})"
+    workers = [subprocess.Popen([sys.executable, "-c", call.format(r)], cwd=REPO) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in workers] == [0, 0]
+    return store
+
+
+def test_a_load_failing_on_one_tp_rank_keeps_every_rank_from_saving_over_it(tmp_path):
+    """Rank 0's share of a's second block is gone, rank 1's loads: rank 1's later layers still saw
+    rank 0's missing KV through the all-reduces, so neither rank saves the step's new blocks."""
+    store = two_workers_after_a_lost_share(tmp_path, "tp_rank_step")
     mine, theirs = NEW_A, NEW_B
     for rank in (0, 1):
         assert store.lookup(rank_keys(mine + theirs, rank, 2)) == [False] * 4
+    store.close()
+
+
+NEW_C = [bytes([9, i]) * 16 for i in range(2)]
+
+
+def pp_stage_steps(stage: int, port: int, root: str) -> None:
+    """One pipeline stage of two in its own process, as vLLM's PP group (gloo): step 1 loads
+    IDS[:2] for request a and saves a's and b's new blocks; step 2 loads IDS[:1] for c and saves
+    c's. Stage 0 runs both steps before stage 1 starts its first (an earlier stage runs ahead and
+    must never wait for a later one), and stays up until stage 1 is done, as an engine's does."""
+    import time
+
+    import torch.distributed as dist
+
+    from ucm.integration.vllm.worker import StageRelay
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage, world_size=2)
+    ahead, behind = Path(root) / "stage0-done", Path(root) / "stage1-done"
+    relay = StageRelay(None, None, 1) if stage == 0 else StageRelay(None, 0, None)
+    w = worker(root, rank=stage, tp_size=2, stages=relay)
+    kv = kv_caches(True)
+    w.register(kv, NB)
+
+    def wait_for(done: Path) -> None:
+        deadline = time.monotonic() + 60
+        while not done.exists():
+            assert time.monotonic() < deadline, f"no {done.name}: stage 0 waited for stage 1?"
+            time.sleep(0.05)
+
+    if stage == 1:
+        wait_for(ahead)
+    steps = [
+        UCMConnectorMetadata(
+            loads=[BlockTransfer("a", IDS[:2], [1, 2])],
+            saves=[BlockTransfer("a", NEW_A, [3, 4]), BlockTransfer("b", NEW_B, [5, 6])],
+        ),
+        UCMConnectorMetadata(loads=[BlockTransfer("c", IDS[:1], [7])], saves=[BlockTransfer("c", NEW_C, [8, 9])]),
+    ]
+    for meta in steps:
+        run_step(w, kv, meta)
+    (ahead if stage == 0 else behind).touch()
+    if stage == 0:
+        wait_for(behind)
+    w.close()
+    dist.destroy_process_group()
+
+
+def test_a_load_failing_on_an_earlier_pipeline_stage_keeps_later_stages_from_saving(tmp_path):
+    """Stage 0's share of a's second block is gone, stage 1's loads: stage 1 computed its layers
+    from stage 0's hidden states over the missing KV, so neither saves that step's new blocks; the
+    next step, with no failure, saves on both."""
+    store = two_workers_after_a_lost_share(tmp_path, "pp_stage_steps")
+    for stage in (0, 1):
+        assert store.lookup(rank_keys(NEW_A + NEW_B, stage, 2)) == [False] * 4, stage
+        assert store.lookup(rank_keys(NEW_C, stage, 2)) == [True] * 2, stage
     store.close()
 
 

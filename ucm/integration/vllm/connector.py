@@ -49,7 +49,7 @@ from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import BlendSettings, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
-from ucm.integration.vllm.worker import WorkerSide, or_across
+from ucm.integration.vllm.worker import StageRelay, WorkerSide, or_across
 from ucm.store import create_store
 from ucm.store.breaker import BreakerStore
 
@@ -146,8 +146,8 @@ class UCMConnector(KVConnectorBase_V1):
                 staging_bytes=int(config.load_staging),
                 pd_save_wait_s=config.pd_save_wait_s,
                 blend=config.blend,
-                # the TP ranks of a stage run each step together; pipeline stages do not (see docs/not-done-yet.md)
                 any_rank=functools.partial(or_across, group=get_tp_group().cpu_group) if tp > 1 else None,
+                stages=_stage_relay(get_pp_group()) if pp > 1 else None,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])
@@ -255,3 +255,12 @@ def _publishes_events(vllm_config: VllmConfig) -> bool:
     """Whether vLLM publishes KV events (``--kv-events-config``): only then are the store's built."""
     events = vllm_config.kv_events_config
     return events is not None and bool(events.enable_kv_cache_events) and events.publisher != "null"
+
+
+def _stage_relay(pp_group: Any) -> StageRelay:
+    """This worker's place in vLLM's pipeline-parallel group (its CPU group: gloo, as the flag is)."""
+    return StageRelay(
+        pp_group.cpu_group,
+        None if pp_group.is_first_rank else pp_group.prev_rank,
+        None if pp_group.is_last_rank else pp_group.next_rank,
+    )

@@ -47,6 +47,42 @@ def or_across(flag: bool, group: object) -> bool:
     return bool(t.item())
 
 
+class StageRelay:
+    """A flag handed down the pipeline-parallel stages, each stage to the next, once per step.
+
+    A load that fails on an earlier stage reaches a later stage's KV through the hidden states it
+    is given, while that stage's own loads succeed: the later stage must hear of it before saving.
+    Stage ``i`` sends at the end of its part of a step, which vLLM runs before it sends the step's
+    hidden states on, so stage ``i + 1``'s receive at the end of its own part never waits, and an
+    earlier stage never waits for a later one (the pipeline keeps its overlap; an all-reduce over the
+    stages would not). vLLM's own messages on the same group use tag 0: ours keep to ``TAG``."""
+
+    TAG = 0x55434D  # "UCM"
+
+    def __init__(self, group: object, previous: int | None, following: int | None) -> None:
+        """``previous`` / ``following``: the global ranks of the neighbouring stages (None at the ends)."""
+        self._group = group
+        self._previous = previous
+        self._following = following
+        self._sending: list[tuple[object, torch.Tensor]] = []  # sends not known to be received yet
+
+    def relay(self, failed: bool, agree: Callable[[bool], bool] | None = None) -> bool:
+        """This stage's ``failed`` ORed with every earlier stage's, ``agree``-d across the stage's own
+        tensor-parallel ranks, and handed on to the next stage."""
+        if self._previous is not None:
+            earlier = torch.zeros(1, dtype=torch.int32)
+            torch.distributed.recv(earlier, src=self._previous, group=self._group, tag=self.TAG)
+            failed = failed or bool(earlier.item())
+        if agree is not None:
+            failed = agree(failed)
+        if self._following is not None:
+            self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+            flag = torch.tensor([failed], dtype=torch.int32)
+            work = torch.distributed.isend(flag, dst=self._following, group=self._group, tag=self.TAG)
+            self._sending.append((work, flag))
+        return failed
+
+
 class Landing:
     """Copies each block of one load into the paged cache as the store hands it over (on the
     store's threads) until :meth:`close`: once that returns, no copy of this load can reach the
@@ -146,12 +182,14 @@ class WorkerSide:
         shares_per_rank: int = 1,
         kv_heads: int = 0,
         any_rank: Callable[[bool], bool] | None = None,
+        stages: StageRelay | None = None,
     ) -> None:
         """``rank`` of ``tp_size`` workers; each keeps ``shares_per_rank`` shares of a block in the
         store (more than one when the store splits blocks by a larger TP than the engine's), each
         share an equal range of this worker's ``kv_heads`` KV heads. ``any_rank`` ORs a flag across
         the tensor-parallel ranks that compute together (a collective: every rank calls it in the
-        same step), so that a load failing on one rank keeps every rank from saving over it."""
+        same step), so that a load failing on one rank keeps every rank from saving over it;
+        ``stages`` hands that verdict on from each pipeline stage to the next."""
         self._store = store
         self._blend_config = blend
         self._blender = None
@@ -165,6 +203,7 @@ class WorkerSide:
         self._shares_per_rank = shares_per_rank
         self._kv_heads = kv_heads
         self._any_rank = any_rank
+        self._stages = stages
         self._shares: list[Share] = []
         self._load_mode = load_mode
         self._save_mode = save_mode
@@ -420,8 +459,11 @@ class WorkerSide:
         if not self._saves or not transfers:  # the same on every rank: the scheduler's metadata
             return self._saves
         failed = any(not self._load_errors.isdisjoint(t.block_ids) for t in transfers)
-        if self._any_rank is not None:
-            # Another rank's missing KV reaches this rank's later layers through the all-reduces.
+        # Another TP rank's missing KV reaches this rank's later layers through the all-reduces, an
+        # earlier stage's through the hidden states this stage computes from.
+        if self._stages is not None:
+            failed = self._stages.relay(failed, self._any_rank)
+        elif self._any_rank is not None:
             failed = self._any_rank(failed)
         if not failed:
             return self._saves
