@@ -159,6 +159,25 @@ def test_sparse_and_blend_need_cpu_engines_in_a_cluster(tmp_path, field, value, 
     plan_for({field: value}, local_site(tmp_path))
 
 
+@pytest.mark.parametrize("arg", ["--enforce-eager", "--enforce_eager"])
+def test_an_eager_pipeline_on_cpu_engines_is_refused(tmp_path, arg):
+    """vLLM 0.32's CPU build dies on the first request of an eager pipeline-parallel engine
+    (tests/connector/test_pipeline.py says why): refused where the engines are the CPU build (every
+    engine locally, a pool without GPUs in a cluster), naming the argument that wins."""
+    model = {**BASE["model"], "extraArgs": ["--max-num-seqs", "8", arg]}
+    cpu, gpu = {"parallel": {"pipeline": 2}, **CPU}, {"parallel": {"pipeline": 2}, "resources": {"gpus": 2}}
+    refused = rf"{arg}: vLLM's CPU build cannot run pipeline parallelism eagerly"
+    with pytest.raises(PlanError, match=rf"^model.extraArgs\[2\]: {refused} \(prefill.parallel.pipeline is 2"):
+        plan_for({"model": model, "prefill": cpu, "decode": cpu}, local_site(tmp_path))
+    with pytest.raises(PlanError, match=rf"^model.extraArgs\[2\]: {refused} \(decode.parallel.pipeline is 2"):
+        plan_for({"model": model, "prefill": gpu, "decode": cpu})
+    with pytest.raises(PlanError, match=rf"^decode.extraArgs\[1\]: {refused}"):
+        plan_for({"prefill": gpu, "decode": {**cpu, "extraArgs": ["--no-enforce-eager", arg]}})
+    plan_for({"model": model, "prefill": gpu, "decode": gpu})  # CUDA vLLM has no such limit
+    plan_for({"model": model, "prefill": gpu, "decode": {**cpu, "extraArgs": ["--no-enforce-eager"]}})
+    plan_for({"model": model}, local_site(tmp_path))  # no pipeline
+
+
 @pytest.mark.parametrize("arg", ["--hf-overrides", "--hf_overrides={}"])
 def test_blend_refuses_the_model_overrides_it_sets(tmp_path, arg):
     """ucm serve gives blending engines --hf-overrides (UCM's Blend model class) and refuses one of

@@ -24,6 +24,7 @@ from ucm.deploy import engine_args
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
+    ENGINES,
     MAC_KEY,
     METRICS_TOKEN,
     Component,
@@ -93,6 +94,32 @@ def _cpu_engines(spec: UCMDeploymentSpec) -> None:
             )
 
 
+def _eager_pipelines(spec: UCMDeploymentSpec, site: Site) -> None:
+    """vLLM 0.32's CPU model runner allocates a later pipeline stage's buffer for the hidden states
+    it receives only in the compile warm-up, which ``--enforce-eager`` skips: such an engine starts,
+    then dies on its first request. Locally every engine is the CPU build; in a cluster a pool
+    without GPUs runs the CPU image."""
+    for pool_name in ENGINES:
+        pool = getattr(spec, pool_name)
+        if pool.parallel.pipeline == 1 or (pool.resources.gpus and not site.local):
+            continue
+        eager = None  # the last argument that sets it wins, the pool's after the model's
+        for field, args in (("model.extraArgs", spec.model.extra_args), (f"{pool_name}.extraArgs", pool.extra_args)):
+            for i, arg in enumerate(args):
+                try:
+                    if "enforce_eager" in engine_args.dests(arg):
+                        eager = None if arg.startswith("--no-") else (f"{field}[{i}]", arg)
+                except engine_args.EngineArgError:
+                    continue  # the policy names what it cannot read
+        if eager is not None:
+            raise fail(
+                eager[0],
+                f"{eager[1]}: vLLM's CPU build cannot run pipeline parallelism eagerly "
+                f"({pool_name}.parallel.pipeline is {pool.parallel.pipeline}; a later stage fails on the first "
+                "request): leave it out, or set the pipeline to 1",
+            )
+
+
 def _blend_args(spec: UCMDeploymentSpec) -> None:
     """With blend, ``ucm serve`` gives prefill engines ``--hf-overrides`` (UCM's Blend model class) and
     refuses one of the spec's: say so here, not in a crash-looping pod."""
@@ -127,6 +154,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         store_volumes = [*store_volumes, *_credentials_volume(name, site, MAC_KEY)]
     if not site.local:
         _cpu_engines(spec)
+    _eager_pipelines(spec, site)
     if spec.blend is not None:
         _blend_args(spec)
     # Prefill is where Blend pays, decoding where sparse attention does: each pool its own settings.
