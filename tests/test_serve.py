@@ -131,8 +131,9 @@ def test_an_engine_that_blends_runs_ucms_model_class(tmp_path):
     assert r.returncode == 0, r.stderr
     command = json.loads(r.stdout)
     assert json.loads(command[command.index("--hf-overrides") + 1]) == {"architectures": ["UCMBlendLlamaForCausalLM"]}
-    r = serve(config, "--model", "m", "--hf-overrides", '{"rope_theta": 5}')
-    assert r.returncode == 2
-    assert "kv_connector_extra_config.blend: ucm serve sets --hf-overrides" in r.stderr
+    for theirs in (["--hf-overrides", '{"rope_theta": 5}'], ["--hf-overrides.rope_theta=5"]):  # read as vLLM does
+        r = serve(config, "--model", "m", *theirs)
+        assert r.returncode == 2, theirs
+        assert "kv_connector_extra_config.blend: ucm serve sets --hf-overrides" in r.stderr
     r = serve(write_config(tmp_path, store), "--model", "m")
     assert "--hf-overrides" not in json.loads(r.stdout)  # without blend: vLLM's own class

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.config import ConfigError
+from ucm.deploy import engine_args
 from ucm.environment import apply_environment
 from ucm.integration.vllm.config import WHERE, blend_overrides, native_config, parse_connector_config
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV, health_files
@@ -130,7 +131,7 @@ def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
 
 def _blend_model_args(vllm_args: list[str]) -> list[str]:
     """An engine that blends runs UCM's Blend model class (ucm.integration.vllm.blend_model)."""
-    if any(a == "--hf-overrides" or a.startswith(("--hf-overrides=", "--hf_overrides")) for a in vllm_args):
+    if engine_args.setting(vllm_args, "hf_overrides"):
         raise ConfigError(
             f"{WHERE}.blend: ucm serve sets --hf-overrides to {json.dumps(blend_overrides())} for blending; "
             "remove yours (or run vllm serve yourself with both merged)"

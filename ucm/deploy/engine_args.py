@@ -41,6 +41,19 @@ def dests(arg: str) -> list[str]:
         raise EngineArgError(f"{arg.partition('=')[0]} {exc}") from None
 
 
+def setting(args: list[str], dest: str) -> list[tuple[int, str]]:
+    """The ``(index, argument)`` of each of ``args`` that sets the option ``dest``; arguments vLLM
+    would not read are passed over (the policy, or vLLM itself, names those)."""
+    found = []
+    for i, arg in enumerate(args):
+        try:
+            if dest in dests(arg):
+                found.append((i, arg))
+        except EngineArgError:
+            continue
+    return found
+
+
 def _rewritten(arg: str) -> list[str]:
     """The strings ``FlexibleArgumentParser.parse_args`` makes of ``arg`` before it folds dotted
     options into JSON values."""

@@ -103,38 +103,29 @@ def _eager_pipelines(spec: UCMDeploymentSpec, site: Site) -> None:
         pool = getattr(spec, pool_name)
         if pool.parallel.pipeline == 1 or (pool.resources.gpus and not site.local):
             continue
-        eager = None  # the last argument that sets it wins, the pool's after the model's
-        for field, args in (("model.extraArgs", spec.model.extra_args), (f"{pool_name}.extraArgs", pool.extra_args)):
-            for i, arg in enumerate(args):
-                try:
-                    if "enforce_eager" in engine_args.dests(arg):
-                        eager = None if arg.startswith("--no-") else (f"{field}[{i}]", arg)
-                except engine_args.EngineArgError:
-                    continue  # the policy names what it cannot read
-        if eager is not None:
-            raise fail(
-                eager[0],
-                f"{eager[1]}: vLLM's CPU build cannot run pipeline parallelism eagerly "
-                f"({pool_name}.parallel.pipeline is {pool.parallel.pipeline}; a later stage fails on the first "
-                "request): leave it out, or set the pipeline to 1",
-            )
+        hits = [(f"model.extraArgs[{i}]", a) for i, a in engine_args.setting(spec.model.extra_args, "enforce_eager")]
+        hits += [(f"{pool_name}.extraArgs[{i}]", a) for i, a in engine_args.setting(pool.extra_args, "enforce_eager")]
+        if not hits or hits[-1][1].startswith("--no-"):  # the last one wins, the pool's after the model's
+            continue
+        field, arg = hits[-1]
+        raise fail(
+            field,
+            f"{arg}: vLLM's CPU build cannot run pipeline parallelism eagerly ({pool_name}.parallel.pipeline "
+            f"is {pool.parallel.pipeline}; a later stage fails on the first request): leave it out, or set the "
+            "pipeline to 1",
+        )
 
 
 def _blend_args(spec: UCMDeploymentSpec) -> None:
     """With blend, ``ucm serve`` gives prefill engines ``--hf-overrides`` (UCM's Blend model class) and
     refuses one of the spec's: say so here, not in a crash-looping pod."""
     for field, args in (("model.extraArgs", spec.model.extra_args), ("prefill.extraArgs", spec.prefill.extra_args)):
-        for i, arg in enumerate(args):
-            try:
-                overrides = "hf_overrides" in engine_args.dests(arg)
-            except engine_args.EngineArgError:
-                continue  # the policy names what it cannot read
-            if overrides:
-                raise fail(
-                    f"{field}[{i}]",
-                    f"{arg.partition('=')[0]}: set by the deployment with blend (UCM's Blend model class); "
-                    "leave it out, or leave blend out",
-                )
+        for i, arg in engine_args.setting(args, "hf_overrides"):
+            raise fail(
+                f"{field}[{i}]",
+                f"{arg.partition('=')[0]}: set by the deployment with blend (UCM's Blend model class); "
+                "leave it out, or leave blend out",
+            )
 
 
 def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
