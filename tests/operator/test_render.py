@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.operator.conftest import CHART, ROOT, helm
+from ucm import __version__
 from ucm.deploy.autoscaling import Autoscaler, pods_of
 from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.monitors import Monitors
@@ -557,3 +558,23 @@ def test_with_metrics_auth_the_proxy_reads_a_generated_token_and_its_service_mon
     chosen = spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"config": {"metrics_token_file": "/x"}})})
     with pytest.raises(PlanError, match=r"proxy\.config\.metrics_token_file: set by the deployment"):
         build_plan("demo", chosen, Site("kubernetes", namespace="serving"))
+
+
+def test_the_mooncake_master_runs_the_cpu_image_where_no_engine_has_gpus():
+    """An all-CPU cluster needs only the runtime's CPU flavour (it ships mooncake_master too); with
+    any GPU pool the master keeps the CUDA image the GPU engines pull anyway."""
+
+    def master_image(gpus: dict[str, int]) -> str:
+        spec = {
+            **VARIANTS["nfs-cache-gpus"],
+            "store": {"type": "mooncake", "mooncake": {"master": {}}},
+            **{pool: {"resources": {"gpus": n}} for pool, n in gpus.items()},
+        }
+        parsed = UCMDeploymentSpec.model_validate(spec)
+        objects = render(Owner("d", "ns", "u"), parsed, build_plan("d", parsed, Site("kubernetes", namespace="ns")))
+        master = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "d-mooncake-master")
+        return master["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    assert master_image({"prefill": 0, "decode": 0}) == f"ucm/runtime:{__version__}-cpu"
+    assert master_image({"prefill": 1, "decode": 0}) == f"ucm/runtime:{__version__}"
+    assert master_image({"prefill": 1, "decode": 1}) == f"ucm/runtime:{__version__}"

@@ -207,7 +207,7 @@ def _template(
     ]
     container: dict[str, Any] = {
         "name": role.component,
-        "image": role.image or spec.image.reference(cpu=role.pool is not None and role.pool.resources.gpus == 0),
+        "image": role.image or spec.image.reference(cpu=_without_gpus(spec, role)),
         "imagePullPolicy": spec.image.pull_policy,
         "command": command,
         "env": env,
@@ -262,6 +262,14 @@ def _template(
         "metadata": {"labels": labels(owner.name, role.component), "annotations": {CONFIG_HASH: config_hash}},
         "spec": pod,
     }
+
+
+def _without_gpus(spec: UCMDeploymentSpec, role: Role) -> bool:
+    """Whether ``role`` runs the CPU flavour of the runtime image: an engine of a pool without GPUs,
+    or another role (the Mooncake master) of a deployment none of whose engines has GPUs, so that
+    an all-CPU cluster needs only the CPU image."""
+    pools = [role.pool] if role.pool is not None else [getattr(spec, pool) for pool in ENGINES]
+    return all(pool.resources.gpus == 0 for pool in pools)
 
 
 def _deployment(owner: Owner, spec: UCMDeploymentSpec, plan: Plan, role: Role) -> dict[str, Any]:

@@ -16,7 +16,11 @@ METRICS_PORT = 9003
 
 
 class MooncakeMaster(Spec):
-    image: str | None = Field(None, description="Default: the runtime image (it ships mooncake_master)")
+    image: str | None = Field(
+        None,
+        description="Default: the runtime image (it ships mooncake_master), its CPU flavour when no engine "
+        "pool has GPUs",
+    )
     port: int = Field(50051, ge=1, le=65535, description="The master's RPC port (`ucm up` picks a free one)")
     metadata_port: int = Field(
         8080, ge=1, le=65535, description="The master's HTTP metadata server's port (`ucm up` picks a free one)"
