@@ -105,3 +105,23 @@ def test_ucms_blend_section_becomes_ours():
 def test_ucms_blend_errors_name_the_field(blend, message):
     with pytest.raises(ConfigError, match=message):
         parse_connector_config({"store": STORE, "ucm_sparse_config": {"Blend": blend}})
+
+
+@pytest.mark.parametrize(
+    ("pp", "speculative", "v2", "refused"),
+    [(2, {}, False, True), (2, None, False, False), (1, {}, False, False), (2, {}, True, False)],
+)
+def test_speculative_decoding_with_pipeline_stages_on_the_v1_runner_is_refused(pp, speculative, v2, refused):
+    """vLLM's V1 runner ends the connector's step on the last stage only when it drafts: the earlier
+    stages would never save, and the last would wait for their word on failed loads."""
+    from types import SimpleNamespace
+
+    from ucm.integration.vllm.connector import _check_deferred_saves
+
+    parallel = SimpleNamespace(pipeline_parallel_size=pp)
+    config = SimpleNamespace(parallel_config=parallel, speculative_config=speculative, use_v2_model_runner=v2)
+    if refused:
+        with pytest.raises(ConfigError, match="--speculative-config with --pipeline-parallel-size above 1"):
+            _check_deferred_saves(config)
+    else:
+        _check_deferred_saves(config)

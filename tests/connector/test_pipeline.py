@@ -95,7 +95,10 @@ def test_a_load_failing_on_the_first_stage_leaves_no_kv_computed_over_it_in_the_
         victim.write_bytes(data)
 
         cold(q)
-        assert engine.metrics()["ucm_connector_load_failed_blocks_total"] >= 1
+        failed = engine.metrics()
+        assert failed["ucm_connector_load_failed_blocks_total"] >= 1
+        # The step that met the failure computed Q's new blocks, and both stages dropped their saves.
+        assert failed["ucm_connector_save_failed_blocks_total"] >= STAGES * len(new)
         after_failure = [payload(f) for f in written(shares(new, 1))]
         written(shares(new, 0))
 

@@ -253,8 +253,9 @@ NEW_C = [bytes([9, i]) * 16 for i in range(2)]
 def pp_stage_steps(stage: int, port: int, root: str) -> None:
     """One pipeline stage of two in its own process, as vLLM's PP group (gloo): step 1 loads
     IDS[:2] for request a and saves a's and b's new blocks; step 2 loads IDS[:1] for c and saves
-    c's. Stage 0 runs both steps before stage 1 starts its first (an earlier stage runs ahead and
-    must never wait for a later one), and stays up until stage 1 is done, as an engine's does."""
+    c's; then LATER steps like step 2. Stage 0 runs steps 1 and 2 before stage 1 starts its first
+    (an earlier stage runs ahead and must never wait for a later one), keeps no more sends pending
+    than it may run ahead, and stays up until stage 1 is done, as an engine's does."""
     import time
 
     import torch.distributed as dist
@@ -263,7 +264,7 @@ def pp_stage_steps(stage: int, port: int, root: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage, world_size=2)
     ahead, behind = Path(root) / "stage0-done", Path(root) / "stage1-done"
-    relay = StageRelay(None, None, 1) if stage == 0 else StageRelay(None, 0, None)
+    relay = StageRelay(None, None, 1, in_flight=2) if stage == 0 else StageRelay(None, 0, None, in_flight=2)
     w = worker(root, rank=stage, tp_size=2, stages=relay)
     kv = kv_caches(True)
     w.register(kv, NB)
@@ -274,22 +275,33 @@ def pp_stage_steps(stage: int, port: int, root: str) -> None:
             assert time.monotonic() < deadline, f"no {done.name}: stage 0 waited for stage 1?"
             time.sleep(0.05)
 
+    def step(meta: UCMConnectorMetadata) -> None:
+        run_step(w, kv, meta)
+        assert relay.pending <= 2
+
+    c = UCMConnectorMetadata(loads=[BlockTransfer("c", IDS[:1], [7])], saves=[BlockTransfer("c", NEW_C, [8, 9])])
     if stage == 1:
         wait_for(ahead)
-    steps = [
+    step(
         UCMConnectorMetadata(
             loads=[BlockTransfer("a", IDS[:2], [1, 2])],
             saves=[BlockTransfer("a", NEW_A, [3, 4]), BlockTransfer("b", NEW_B, [5, 6])],
-        ),
-        UCMConnectorMetadata(loads=[BlockTransfer("c", IDS[:1], [7])], saves=[BlockTransfer("c", NEW_C, [8, 9])]),
-    ]
-    for meta in steps:
-        run_step(w, kv, meta)
-    (ahead if stage == 0 else behind).touch()
+        )
+    )
+    step(c)
     if stage == 0:
+        ahead.touch()
+    for _ in range(LATER):
+        step(c)
+    if stage == 1:
+        behind.touch()
+    else:
         wait_for(behind)
     w.close()
     dist.destroy_process_group()
+
+
+LATER = 20
 
 
 def test_a_load_failing_on_an_earlier_pipeline_stage_keeps_later_stages_from_saving(tmp_path):

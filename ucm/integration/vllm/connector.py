@@ -84,6 +84,7 @@ class UCMConnector(KVConnectorBase_V1):
         cache = vllm_config.cache_config
         kv_dtype = str(model.dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else str(cache.cache_dtype)
         check_parallel_layout(parallel)
+        _check_deferred_saves(vllm_config)
         if config.blend is not None:
             _check_blend(kv_role, parallel)
         # Each worker (TP rank x pipeline stage) keeps its own share of a block under its own key; with
@@ -147,7 +148,7 @@ class UCMConnector(KVConnectorBase_V1):
                 pd_save_wait_s=config.pd_save_wait_s,
                 blend=config.blend,
                 any_rank=functools.partial(or_across, group=get_tp_group().cpu_group) if tp > 1 else None,
-                stages=_stage_relay(get_pp_group()) if pp > 1 else None,
+                stages=StageRelay.of(get_pp_group()) if pp > 1 else None,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])
@@ -232,6 +233,21 @@ class UCMConnector(KVConnectorBase_V1):
             self._store.close()
 
 
+def _check_deferred_saves(vllm_config: VllmConfig) -> None:
+    """With speculative decoding, vLLM's V1 model runner ends the connector's step (wait_for_save)
+    after the draft model, which only the last pipeline stage runs: the earlier stages would never
+    save, and the last would wait for their word on failed loads (``StageRelay``) for ever."""
+    if (
+        vllm_config.parallel_config.pipeline_parallel_size > 1
+        and vllm_config.speculative_config is not None
+        and not vllm_config.use_v2_model_runner
+    ):
+        raise ConfigError(
+            "--speculative-config with --pipeline-parallel-size above 1: vLLM's V1 model runner (this "
+            "engine's) ends a step's KV transfers on the last pipeline stage only; leave one of them out"
+        )
+
+
 def _check_blend(kv_role: str, parallel: Any) -> None:
     if kv_role == "kv_producer":
         raise ConfigError(f"{WHERE}.blend: a kv_producer never loads; use kv_both or kv_consumer")
@@ -255,12 +271,3 @@ def _publishes_events(vllm_config: VllmConfig) -> bool:
     """Whether vLLM publishes KV events (``--kv-events-config``): only then are the store's built."""
     events = vllm_config.kv_events_config
     return events is not None and bool(events.enable_kv_cache_events) and events.publisher != "null"
-
-
-def _stage_relay(pp_group: Any) -> StageRelay:
-    """This worker's place in vLLM's pipeline-parallel group (its CPU group: gloo, as the flag is)."""
-    return StageRelay(
-        pp_group.cpu_group,
-        None if pp_group.is_first_rank else pp_group.prev_rank,
-        None if pp_group.is_last_rank else pp_group.next_rank,
-    )

@@ -21,11 +21,13 @@ right after the step.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,19 +54,40 @@ class StageRelay:
 
     A load that fails on an earlier stage reaches a later stage's KV through the hidden states it
     is given, while that stage's own loads succeed: the later stage must hear of it before saving.
-    Stage ``i`` sends at the end of its part of a step, which vLLM runs before it sends the step's
-    hidden states on, so stage ``i + 1``'s receive at the end of its own part never waits, and an
-    earlier stage never waits for a later one (the pipeline keeps its overlap; an all-reduce over the
-    stages would not). vLLM's own messages on the same group use tag 0: ours keep to ``TAG``."""
+    A stage sends at the end of its part of a step and never waits for a later stage (an all-reduce
+    over the stages would make every stage wait for the slowest). With vLLM's V1 model runner (its
+    CPU engines) a stage ends its part before it sends the step's hidden states on, so the next
+    stage's receive finds the flag there; with the V2 runner the earlier stages end theirs once the
+    last stage has sampled, which it does before ending its own. vLLM's own messages on the same
+    group use tag 0: ours keep to ``TAG``."""
 
     TAG = 0x55434D  # "UCM"
 
-    def __init__(self, group: object, previous: int | None, following: int | None) -> None:
-        """``previous`` / ``following``: the global ranks of the neighbouring stages (None at the ends)."""
+    def __init__(self, group: object, previous: int | None, following: int | None, in_flight: int) -> None:
+        """``previous`` / ``following``: the global ranks of the neighbouring stages (None at the ends);
+        ``in_flight``: more steps than a stage can run ahead of the next."""
         self._group = group
         self._previous = previous
         self._following = following
-        self._sending: list[tuple[object, torch.Tensor]] = []  # sends not known to be received yet
+        self._in_flight = in_flight
+        # Gloo reports a send complete only once waited for: the oldest are waited for (long since
+        # received, so at once) to keep this to in_flight sends.
+        self._sending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+
+    @classmethod
+    def of(cls, pp_group: Any) -> StageRelay:
+        """This worker's place in vLLM's pipeline-parallel group (its CPU group: gloo)."""
+        return cls(
+            pp_group.cpu_group,
+            None if pp_group.is_first_rank else pp_group.prev_rank,
+            None if pp_group.is_last_rank else pp_group.next_rank,
+            # vLLM keeps at most one batch per stage in flight (its batch queue), one more with async scheduling
+            in_flight=pp_group.world_size + 2,
+        )
+
+    @property
+    def pending(self) -> int:
+        return len(self._sending)
 
     def relay(self, failed: bool, agree: Callable[[bool], bool] | None = None) -> bool:
         """This stage's ``failed`` ORed with every earlier stage's, ``agree``-d across the stage's own
@@ -76,7 +99,8 @@ class StageRelay:
         if agree is not None:
             failed = agree(failed)
         if self._following is not None:
-            self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+            while len(self._sending) >= self._in_flight:
+                self._sending.popleft()[0].wait()
             flag = torch.tensor([failed], dtype=torch.int32)
             work = torch.distributed.isend(flag, dst=self._following, group=self._group, tag=self.TAG)
             self._sending.append((work, flag))
