@@ -174,7 +174,8 @@ def test_an_eager_pipeline_on_cpu_engines_is_refused(tmp_path, arg):
     with pytest.raises(PlanError, match=rf"^decode.extraArgs\[1\]: {refused}"):
         plan_for({"prefill": gpu, "decode": {**cpu, "extraArgs": ["--no-enforce-eager", arg]}})
     plan_for({"model": model, "prefill": gpu, "decode": gpu})  # CUDA vLLM has no such limit
-    plan_for({"model": model, "prefill": gpu, "decode": {**cpu, "extraArgs": ["--no-enforce-eager"]}})
+    for off in ("--no-enforce-eager", "--no_enforce_eager"):
+        plan_for({"model": model, "prefill": gpu, "decode": {**cpu, "extraArgs": [off]}})
     plan_for({"model": model}, local_site(tmp_path))  # no pipeline
 
 

@@ -54,6 +54,11 @@ def setting(args: list[str], dest: str) -> list[tuple[int, str]]:
     return found
 
 
+def turns_off(arg: str) -> bool:
+    """Whether ``arg`` is a switch's negative form (``--no-x``, ``--no_x``), as vLLM spells it."""
+    return _rewritten(arg)[0].startswith("--no-")
+
+
 def _rewritten(arg: str) -> list[str]:
     """The strings ``FlexibleArgumentParser.parse_args`` makes of ``arg`` before it folds dotted
     options into JSON values."""

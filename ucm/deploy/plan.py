@@ -105,7 +105,7 @@ def _eager_pipelines(spec: UCMDeploymentSpec, site: Site) -> None:
             continue
         hits = [(f"model.extraArgs[{i}]", a) for i, a in engine_args.setting(spec.model.extra_args, "enforce_eager")]
         hits += [(f"{pool_name}.extraArgs[{i}]", a) for i, a in engine_args.setting(pool.extra_args, "enforce_eager")]
-        if not hits or hits[-1][1].startswith("--no-"):  # the last one wins, the pool's after the model's
+        if not hits or engine_args.turns_off(hits[-1][1]):  # the last one wins, the pool's after the model's
             continue
         field, arg = hits[-1]
         raise fail(
