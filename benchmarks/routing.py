@@ -154,11 +154,19 @@ class InFlightSampler:
 
 
 async def replay(
-    proxy_url: str, model: str, system: list[str], trace: list[Conversation], args: argparse.Namespace
+    proxy_url: str,
+    model: str,
+    system: list[str],
+    trace: list[Conversation],
+    args: argparse.Namespace,
+    engines: list[VLLMServer],
 ) -> dict[str, Any]:
-    """The trace through the proxy: each phase's conversations over ``clients`` clients."""
+    """The trace through the proxy: each phase's conversations over ``clients`` clients. Returns the
+    engines' counters at each phase's start and the index of its first arrival, so that the hot
+    phase's hits can be told apart."""
     ttfts: list[float] = []
     arrivals: list[list[dict[str, str]]] = []
+    starts: dict[str, tuple[tuple[float, float, float], int]] = {}
     sampler = InFlightSampler(proxy_url)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         sampling = asyncio.create_task(sampler.run(http))
@@ -166,6 +174,7 @@ async def replay(
             for phase in ("uniform", "hot"):
                 queue = [c for c in trace if c.phase == phase]
                 sampler.on = phase == "hot"
+                starts[phase] = (counters(engines), len(arrivals))  # no request in flight between phases
 
                 async def client(queue: list[Conversation] = queue) -> None:
                     while queue:
@@ -178,7 +187,7 @@ async def replay(
                 await asyncio.gather(*(client() for _ in range(args.clients)))
         finally:
             sampling.cancel()
-    return {"ttfts": ttfts, "arrivals": arrivals, "imbalance_hot": sampler.imbalance()}
+    return {"ttfts": ttfts, "arrivals": arrivals, "imbalance_hot": sampler.imbalance(), "starts": starts}
 
 
 def counters(engines: list[VLLMServer]) -> tuple[float, float, float]:
@@ -238,11 +247,12 @@ def block_keys(tokens: list[int]) -> list[bytes]:
     return keys
 
 
-def oracle_hits(prompts: list[list[int]], engines: int, capacity: int) -> int:
-    """Hit tokens of two LRU caches of ``capacity`` blocks when each prompt goes where its longest
-    prefix is cached (vLLM computes at least a prompt's last token: a full hit stops one block short)."""
+def oracle_hits(prompts: list[list[int]], engines: int, capacity: int) -> list[int]:
+    """Each prompt's hit tokens in two LRU caches of ``capacity`` blocks when each prompt goes where
+    its longest prefix is cached (vLLM computes at least a prompt's last token: a full hit stops one
+    block short)."""
     caches: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(engines)]
-    total = 0
+    hits = []
     for n, tokens in enumerate(prompts):
         keys = block_keys(tokens)
         usable = (len(tokens) - 1) // BLOCK
@@ -251,14 +261,14 @@ def oracle_hits(prompts: list[list[int]], engines: int, capacity: int) -> int:
             return next((i for i, k in enumerate(keys) if k not in cache), len(keys))
 
         best = max(range(engines), key=lambda e: (held(caches[e]), -((n + e) % engines)))
-        total += min(held(caches[best]), usable) * BLOCK
+        hits.append(min(held(caches[best]), usable) * BLOCK)
         cache = caches[best]
         for k in keys:
             cache.pop(k, None)
             cache[k] = None
         while len(cache) > capacity:
             cache.popitem(last=False)
-    return total
+    return hits
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -325,6 +335,7 @@ def main() -> int:
         events[engine.url] = {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay_port}"}
     rows: list[dict[str, Any]] = []
     arrivals: list[list[dict[str, str]]] = []
+    hot_start = 0
     try:
         for e in engines:
             e.start()
@@ -338,19 +349,22 @@ def main() -> int:
                 empty_store(store)
             proc, url = start_proxy(engines, policy, events, work)
             try:
-                q0, h0, l0 = counters(engines)
-                run = asyncio.run(replay(url, "smollm2", system, trace, args))
+                run = asyncio.run(replay(url, "smollm2", system, trace, args, engines))
                 q1, h1, l1 = counters(engines)
             finally:
                 stop_process(proc, grace_s=5)
+            (q0, h0, l0), _ = run["starts"]["uniform"]
+            (qh, hh, _), first_hot = run["starts"]["hot"]
             if policy == "kv_aware":
-                arrivals = run["arrivals"]
+                arrivals, hot_start = run["arrivals"], first_hot
             row = {
                 "policy": policy,
                 "requests": len(run["ttfts"]),
                 "prompt_tokens": q1 - q0,
                 "hit_tokens": h1 - h0,
                 "hit_rate": (h1 - h0) / max(1.0, q1 - q0),
+                "hot_prompt_tokens": q1 - qh,
+                "hot_hit_tokens": h1 - hh,
                 "store_loaded_tokens": l1 - l0,
                 "recomputed_tokens": (q1 - q0) - (h1 - h0) - (l1 - l0),
                 "imbalance_hot": run["imbalance_hot"],
@@ -360,6 +374,7 @@ def main() -> int:
             rows.append(row)
             print(
                 f"{policy:18} hit {row['hit_tokens']:8.0f}/{row['prompt_tokens']:8.0f} ({row['hit_rate']:.2f}) "
+                f"hot phase {row['hot_hit_tokens']:8.0f}/{row['hot_prompt_tokens']:8.0f} "
                 f"store {row['store_loaded_tokens']:7.0f} "
                 f"imbalance {row['imbalance_hot']:.2f} ttft p50 {row['ttft_p50_s'] * 1e3:.0f} ms "
                 f"p99 {row['ttft_p99_s'] * 1e3:.0f} ms",
@@ -368,9 +383,15 @@ def main() -> int:
         oracle = pooled = None
         if arrivals:
             prompts = [engines[0].post("/tokenize", {"model": "smollm2", "messages": m})["tokens"] for m in arrivals]
-            oracle = oracle_hits(prompts, len(engines), args.cache_blocks)
-            pooled = oracle_hits(prompts, 1, len(engines) * args.cache_blocks)
-            print(f"{'oracle':18} hit {oracle:8.0f} (one cache of both engines' size: {pooled:.0f})", flush=True)
+            per_prompt = oracle_hits(prompts, len(engines), args.cache_blocks)
+            oracle = {"all": sum(per_prompt), "hot": sum(per_prompt[hot_start:])}
+            pooled_per_prompt = oracle_hits(prompts, 1, len(engines) * args.cache_blocks)
+            pooled = {"all": sum(pooled_per_prompt), "hot": sum(pooled_per_prompt[hot_start:])}
+            print(
+                f"{'oracle':18} hit {oracle['all']:8.0f} hot phase {oracle['hot']:8.0f} "
+                f"(one cache of both engines' size: {pooled['all']:.0f}, hot phase {pooled['hot']:.0f})",
+                flush=True,
+            )
     finally:
         for e in engines:
             e.stop()
@@ -395,18 +416,28 @@ def main() -> int:
     return 0
 
 
-def summarize(rows: list[dict[str, Any]], oracle: int | None, pooled: int | None) -> dict[str, Any]:
+def summarize(
+    rows: list[dict[str, Any]], oracle: dict[str, int] | None, pooled: dict[str, int] | None
+) -> dict[str, Any]:
+    """The issue's figures over the whole trace and, suffixed ``_hot``, over the hot (skewed) phase."""
     by = {r["policy"]: r for r in rows}
     kv, affinity = by.get("kv_aware"), by.get("prefix_affinity")
-    summary: dict[str, Any] = {"oracle_hit_tokens": oracle, "pooled_cache_hit_tokens": pooled}
-    if affinity is not None and oracle:
-        summary["oracle_vs_affinity"] = oracle / max(1.0, affinity["hit_tokens"])
+    summary: dict[str, Any] = {}
+    for suffix, hits in (("", "hit_tokens"), ("_hot", "hot_hit_tokens")):
+        phase = "hot" if suffix else "all"
+        ceiling = oracle[phase] if oracle else None
+        summary[f"oracle_hit_tokens{suffix}"] = ceiling
+        summary[f"pooled_cache_hit_tokens{suffix}"] = pooled[phase] if pooled else None
+        if affinity is not None and ceiling:
+            summary[f"oracle_vs_affinity{suffix}"] = ceiling / max(1.0, affinity[hits])
+        if kv is not None:
+            if ceiling:
+                summary[f"kv_aware_hit_tokens_vs_oracle{suffix}"] = kv[hits] / ceiling
+            if affinity is not None and affinity[hits]:
+                summary[f"kv_aware_hit_tokens_vs_affinity{suffix}"] = kv[hits] / affinity[hits]
     if kv is not None:
         summary["kv_aware_imbalance"] = kv["imbalance_hot"]
-        if oracle:
-            summary["kv_aware_hit_tokens_vs_oracle"] = kv["hit_tokens"] / oracle
-        if affinity is not None and affinity["hit_tokens"]:
-            summary["kv_aware_hit_tokens_vs_affinity"] = kv["hit_tokens"] / affinity["hit_tokens"]
+        if affinity is not None:
             summary["kv_aware_ttft_p50_vs_affinity"] = kv["ttft_p50_s"] / affinity["ttft_p50_s"]
     return {"summary": summary, "policies": rows}
 
