@@ -98,7 +98,7 @@ fmt: dev
 # models, the chart's Prometheus rules and Grafana dashboard from ucm/deploy/{rules,dashboard}.py,
 # the table of vLLM's server options the operator reads engine arguments with (from vLLM itself).
 generate: dev
-	$(BIN)/python -m ucm.deploy.engine_args ucm/deploy/vllm_options.py
+	$(BIN)/python -m ucm.engine_args ucm/vllm_options.py
 	$(BIN)/python -m ucm.deploy.crd crds/ucm.io_ucmdeployments.yaml
 	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/crds/
 	$(BIN)/python -m ucm.deploy.rules charts/ucm-operator/files/ucm-rules.yaml

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ucm import engine_args
 from ucm.config import ConfigError
-from ucm.deploy import engine_args
 from ucm.environment import apply_environment
 from ucm.integration.vllm.config import WHERE, blend_overrides, native_config, parse_connector_config
 from ucm.integration.vllm.health import HEALTH_FILE_ENV, IDENTITY_ENV, MIDDLEWARE, WARMUP_ENV, health_files

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.deploy.test_render_cmd import RESOURCE
-from ucm.deploy import engine_args, vllm_options
+from ucm import engine_args, vllm_options
 from ucm.deploy.policy import REFUSED_FLAGS, REFUSED_KEYS, Policy
 from ucm.deploy.roles import PlanError
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -240,4 +240,4 @@ def test_examples_read_as_vllm_reads_them(vllm_parser, args, options):
 
 def test_the_option_table_is_what_vllm_generates(vllm_parser):
     checked_in = Path(vllm_options.__file__).read_text()
-    assert checked_in == engine_args.generate(), "run: make generate (ucm/deploy/vllm_options.py drifted from vLLM)"
+    assert checked_in == engine_args.generate(), "run: make generate (ucm/vllm_options.py drifted from vLLM)"

@@ -217,7 +217,7 @@ def test_the_operator_reads_engine_arguments_without_vllm():
     code = (
         "import sys; sys.modules['vllm'] = sys.modules['torch'] = None\n"
         "from ucm_operator.handlers import plan_of\n"
-        "from ucm.deploy import engine_args\n"
+        "from ucm import engine_args\n"
         "assert engine_args.dests('--trust_remote') == ['trust_remote_code']\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,9 +18,8 @@ from typing import Any
 
 import yaml
 
-from ucm import __version__
+from ucm import __version__, engine_args
 from ucm.config import ConfigError
-from ucm.deploy import engine_args
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,

@@ -17,14 +17,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.deploy import autoscaling, engine_args, monitors
+from ucm import engine_args
+from ucm.deploy import autoscaling, monitors
 from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.monitors import Monitors
 from ucm.deploy.roles import fail
 from ucm.deploy.spec import EnvFromSource, EnvVar, PoolSpec, UCMDeploymentSpec
-from ucm.deploy.vllm_options import OPTIONS
+from ucm.vllm_options import OPTIONS
 
-# vLLM options a spec may not pass, however spelled (ucm.deploy.engine_args reads them as vLLM
+# vLLM options a spec may not pass, however spelled (ucm.engine_args reads them as vLLM
 # does): they load code into the engine (remote code, a class or module by name, parser plugins, a
 # logging config, which builds objects of any class it names), read options or files the spec
 # does not show, or undo what the deployment decides (its key, address, connector).

@@ -1,5 +1,5 @@
 """``vllm serve``'s options in vLLM 0.32.0: every option string, the argparse ``dest`` it sets, and
-which take no value. Generated from vLLM's server parser by ``python -m ucm.deploy.engine_args``
+which take no value. Generated from vLLM's server parser by ``python -m ucm.engine_args``
 (``make generate``); a test fails when it drifts from the installed vLLM. Do not edit."""
 
 VLLM_VERSION = "0.32.0"

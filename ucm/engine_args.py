@@ -4,7 +4,7 @@ A policy that compares strings is bypassed by the spellings vLLM accepts: ``--tr
 an abbreviation (``--trust-remote``), a dotted sub-key (``--kv-transfer-config.kv_connector=x``),
 ``-O3``, a short option with its value attached. The operator's image carries no vLLM (nor torch),
 so this module does what vLLM's server parser does, from a table of that parser's options
-(``ucm.deploy.vllm_options``, generated from vLLM: ``python -m ucm.deploy.engine_args``): first
+(``ucm.vllm_options``, generated from vLLM: ``python -m ucm.engine_args``): first
 what ``FlexibleArgumentParser.parse_args`` rewrites, then how argparse reads each resulting string.
 ``tests/deploy/test_engine_args.py`` holds it to vLLM's real parser on generated spellings.
 
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from ucm.deploy.vllm_options import OPTIONS, SWITCHES, VLLM_VERSION
+from ucm.vllm_options import OPTIONS, SWITCHES, VLLM_VERSION
 
 
 class EngineArgError(ValueError):
@@ -144,7 +144,7 @@ def _abbreviated(token: str) -> list[tuple[str, str]]:
 
 
 _TEMPLATE = '''"""``vllm serve``'s options in vLLM {version}: every option string, the argparse ``dest`` it sets, and
-which take no value. Generated from vLLM's server parser by ``python -m ucm.deploy.engine_args``
+which take no value. Generated from vLLM's server parser by ``python -m ucm.engine_args``
 (``make generate``); a test fails when it drifts from the installed vLLM. Do not edit."""
 
 VLLM_VERSION = "{version}"
@@ -158,7 +158,7 @@ SWITCHES: frozenset[str] = frozenset(
 
 
 def generate() -> str:
-    """The text of ``ucm/deploy/vllm_options.py``, from the installed vLLM (``make dev`` has it)."""
+    """The text of ``ucm/vllm_options.py``, from the installed vLLM (``make dev`` has it)."""
     import vllm
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -167,7 +167,7 @@ def generate() -> str:
     parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
     # What this module's reading assumes of the parser.
     if not parser.allow_abbrev or parser.prefix_chars != "-" or parser._has_negative_number_optionals:
-        raise SystemExit("vLLM's parser changed how argparse reads options: revise ucm/deploy/engine_args.py")
+        raise SystemExit("vLLM's parser changed how argparse reads options: revise ucm/engine_args.py")
     actions = sorted(parser._option_string_actions.items())  # argparse's table: option string -> action
     return _TEMPLATE.format(
         version=vllm.__version__,
