@@ -59,7 +59,7 @@ OFFLINE_BASE ?= ucm/base:bookworm
 images-offline: dev
 	./scripts/docker-up.sh
 	./scripts/docker-base.sh $(OFFLINE_BASE)
-	./scripts/docker-base.sh $(OFFLINE_BASE)-runtime libnuma1 g++ libpython3-dev
+	./scripts/docker-base.sh $(OFFLINE_BASE)-runtime libnuma1 g++ libpython3-dev libibverbs1 libcurl4
 	rm -rf build/wheelhouse && $(BIN)/python -m pip wheel -q --wheel-dir build/wheelhouse '.[proxy,operator]'
 	$(BIN)/python -m pip download -q --dest build/wheelhouse 'setuptools>=69' wheel  # to build /src
 	for image in operator proxy; do \

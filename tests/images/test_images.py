@@ -59,13 +59,13 @@ def test_each_image_is_built_and_runs_as_non_root(name):
     assert out.startswith(f"uid={uid}(")  # a named user: vLLM, torch and Kopf look it up
 
 
-def test_the_cpu_runtime_image_runs_the_mooncake_master():
-    """An all-CPU deployment's Mooncake master runs this image (ucm.deploy.kubernetes)."""
-    out = docker(
-        "run", "--rm", "--network", "none", "--read-only", "--entrypoint", "mooncake_master",
-        IMAGES["runtime-cpu"], "--version",
-    )  # fmt: skip
-    assert out.strip()
+def test_the_cpu_runtime_image_runs_mooncakes_master_and_client():
+    """An all-CPU deployment's Mooncake master runs this image (ucm.deploy.kubernetes), and its
+    engines load Mooncake's client: both link libibverbs, even over TCP."""
+    image = IMAGES["runtime-cpu"]
+    run = ("run", "--rm", "--network", "none", "--read-only", "--entrypoint")
+    assert docker(*run, "mooncake_master", image, "--version").strip()
+    docker(*run, "python3", image, "-c", "from mooncake.store import MooncakeDistributedStore")
 
 
 def test_the_proxy_image_routes_a_pd_request_to_engines_on_the_host(tmp_path: Path):
