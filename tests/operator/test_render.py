@@ -290,19 +290,19 @@ def test_render_is_deterministic_and_hash_tracks_content():
     assert differ == {"demo-decode/Deployment"}
 
 
+def deployments(spec: dict) -> dict[str, dict]:
+    """The Deployments of deployment ``d`` in namespace ``ns`` rendered from ``spec``, by name."""
+    parsed = UCMDeploymentSpec.model_validate(spec)
+    objects = render(Owner("d", "ns", "u"), parsed, build_plan("d", parsed, Site("kubernetes", namespace="ns")))
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+
+
 def test_engines_follow_the_operators_release_unless_their_tag_is_pinned(monkeypatch):
     """The CRD stores no tag default in the resource: an upgraded operator (which renders the engines'
     commands) moves unpinned engines to its own release, as it does the proxy."""
 
     def images(spec: dict) -> set[str]:
-        parsed = UCMDeploymentSpec.model_validate(spec)
-        objects = render(Owner("d", "ns", "u"), parsed, build_plan("d", parsed, Site("kubernetes", namespace="ns")))
-        return {
-            c["image"]
-            for o in objects
-            if o["kind"] == "Deployment"
-            for c in o["spec"]["template"]["spec"]["containers"]
-        }
+        return {c["image"] for o in deployments(spec).values() for c in o["spec"]["template"]["spec"]["containers"]}
 
     spec = VARIANTS["nfs-cache-gpus"]
     monkeypatch.setattr("ucm.deploy.spec.__version__", "9.9.9")
@@ -316,9 +316,7 @@ def test_engines_follow_the_operators_release_unless_their_tag_is_pinned(monkeyp
 
 
 def test_gpus_and_scheduling_reach_the_pod():
-    spec = UCMDeploymentSpec.model_validate(VARIANTS["nfs-cache-gpus"])
-    objects = render(Owner("d", "ns", "u"), spec, build_plan("d", spec, Site("kubernetes", namespace="ns")))
-    prefill = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "d-prefill")
+    prefill = deployments(VARIANTS["nfs-cache-gpus"])["d-prefill"]
     pod = prefill["spec"]["template"]["spec"]
     res = pod["containers"][0]["resources"]
     assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "2"
@@ -570,9 +568,7 @@ def test_the_mooncake_master_runs_the_cpu_image_where_no_engine_has_gpus():
             "store": {"type": "mooncake", "mooncake": {"master": {}}},
             **{pool: {"resources": {"gpus": n}} for pool, n in gpus.items()},
         }
-        parsed = UCMDeploymentSpec.model_validate(spec)
-        objects = render(Owner("d", "ns", "u"), parsed, build_plan("d", parsed, Site("kubernetes", namespace="ns")))
-        master = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "d-mooncake-master")
+        master = deployments(spec)["d-mooncake-master"]
         return master["spec"]["template"]["spec"]["containers"][0]["image"]
 
     assert master_image({"prefill": 0, "decode": 0}) == f"ucm/runtime:{__version__}-cpu"
