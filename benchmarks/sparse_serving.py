@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
+from real_model import essays, serving_dtype, smollm2  # benchmarks/ is on sys.path when run as a script
 
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.stats import paired, wilson
@@ -180,7 +180,8 @@ def kv_cache_gib(model: Path, tokens: int) -> int:
     """Whole GiB (VLLM_CPU_KVCACHE_SPACE's unit) that hold ``tokens`` of the model's KV, +25%."""
     c = json.loads((model / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2  # K and V, bfloat16
+    size = 2 if serving_dtype() == "bfloat16" else 4
+    per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * size  # K and V
     return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
 
 
@@ -200,7 +201,7 @@ def check_memory(engines: int, kv_gib: int) -> None:
 
 def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, knobs: dict[str, Any]):
     length = NATIVE * arm.factor
-    args = ["--dtype", "bfloat16", "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
+    args = ["--dtype", serving_dtype(), "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
     if knobs.get("block_size") is not None:
         args += ["--block-size", str(knobs["block_size"])]
     if arm.factor > 1:
@@ -479,7 +480,7 @@ def main() -> int:
             shutil.rmtree(store)
     report = summarize(speed_rows, accuracy_rows, algorithms, contexts, needle_contexts)
     report["setup"] = {
-        "model": "SmolLM2-135M-Instruct (bfloat16)",
+        "model": f"SmolLM2-135M-Instruct ({serving_dtype()})",
         "rows": args.rows,
         "decode_tokens": args.decode_tokens,
         "rounds": args.repeats,  # each times every arm once; ratios are medians of per-round ratios

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from itertools import count
@@ -177,6 +178,23 @@ def test_an_eager_pipeline_on_cpu_engines_is_refused(tmp_path, arg):
     for off in ("--no-enforce-eager", "--no_enforce_eager"):
         plan_for({"model": model, "prefill": gpu, "decode": {**cpu, "extraArgs": [off]}})
     plan_for({"model": model}, local_site(tmp_path))  # no pipeline
+
+
+def engine_dtypes(plan) -> list[str]:
+    engines = [r for r in plan.roles if r.component in ("prefill", "decode")]
+    return [r.command[r.command.index("--dtype") + 1] for r in engines]
+
+
+def test_dtype_auto_runs_float32_locally_on_a_cpu_without_bfloat16(tmp_path):
+    """vLLM's auto is bfloat16 on CPUs, which run it ~100x slower without AVX512-BF16/AMX (ucm.cpu):
+    ucm up, whose engines run on this machine, gives them float32 there; a dtype the user chose stays,
+    and a cluster's nodes are not this machine."""
+    without = dataclasses.replace(local_site(tmp_path), native_bfloat16=False)
+    assert engine_dtypes(plan_for({}, without)) == ["float32", "float32"]
+    assert engine_dtypes(plan_for({}, local_site(tmp_path))) == ["auto", "auto"]
+    chosen = {"model": {**BASE["model"], "dtype": "bfloat16"}}
+    assert engine_dtypes(plan_for(chosen, without)) == ["bfloat16", "bfloat16"]
+    assert engine_dtypes(plan_for({}, dataclasses.replace(K8S, native_bfloat16=False))) == ["auto", "auto"]
 
 
 @pytest.mark.parametrize("arg", ["--hf-overrides", "--hf_overrides={}"])

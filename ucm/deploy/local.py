@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic.alias_generators import to_camel
 
+from ucm.cpu import native_bfloat16
 from ucm.deploy import prometheus
 from ucm.deploy.plan import (
     BACKENDS_FILE,
@@ -274,7 +275,7 @@ class LocalStack:
         if proxy_port and not port_is_free(proxy_port):
             raise StackError(f"--port: {proxy_port} is in use; choose another (0 picks any free port)")
         self._ports: dict[str, int] = {"proxy": proxy_port} if proxy_port else {}
-        self.plan: Plan = build_plan(name, spec, self._site())
+        self.plan: Plan = build_plan(name, spec, self.site())
         source = spec.model.source
         if source.host_path is not None and not Path(source.host_path).is_dir():
             raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
@@ -311,7 +312,7 @@ class LocalStack:
         """Take a changed spec for the engines (model, store, block size, ...): its files are written
         and the next :meth:`roll` starts engines from it. Returns the pools whose engines change.
         What cannot change in a roll (the pools' sizes, the proxy) is refused: ``ucm down``/``up``."""
-        plan = build_plan(self.name, spec, self._site())
+        plan = build_plan(self.name, spec, self.site())
         if [(r.name, r.component) for r in plan.roles] != [(r.name, r.component) for r in self.plan.roles]:
             raise StackError("a restart cannot change the number of engines; use ucm down, then ucm up")
         if plan.files[PROXY_CONFIG_FILE] != self.plan.files[PROXY_CONFIG_FILE]:
@@ -327,8 +328,14 @@ class LocalStack:
         self.spec, self.plan = spec, plan
         return list(dict.fromkeys(changed))
 
-    def _site(self) -> Site:
-        return Site("local", config_dir=str(self.run_dir), kv_dir=str(self.run_dir / "kv"), ports=self._port)
+    def site(self) -> Site:
+        return Site(
+            "local",
+            config_dir=str(self.run_dir),
+            kv_dir=str(self.run_dir / "kv"),
+            ports=self._port,
+            native_bfloat16=native_bfloat16(),
+        )
 
     def _port(self, role: str) -> int:
         """A role's port, stable per name (a rolled engine's is its new one)."""

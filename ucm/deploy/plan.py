@@ -93,6 +93,15 @@ def _cpu_engines(spec: UCMDeploymentSpec) -> None:
             )
 
 
+def engine_dtype(spec: UCMDeploymentSpec, site: Site) -> str:
+    """The engines' ``--dtype``: the model's, but float32 for ``auto`` on a machine of ``ucm up`` whose
+    CPU has no bfloat16 arithmetic (``ucm.cpu``). In a cluster the nodes' CPUs are not known here:
+    the engine says so in its log (``ucm.integration.vllm.attention``)."""
+    if spec.model.dtype == "auto" and site.local and not site.native_bfloat16:
+        return "float32"
+    return spec.model.dtype
+
+
 def _eager_pipelines(spec: UCMDeploymentSpec, site: Site) -> None:
     """vLLM 0.32's CPU model runner allocates a later pipeline stage's buffer for the hidden states
     it receives only in the compile warm-up, which ``--enforce-eager`` skips: such an engine starts,
@@ -278,7 +287,14 @@ def _engine(
 ) -> Role:
     m, parallel = spec.model, pool.parallel
     vllm = ["--model", model_path, "--served-model-name", m.served_name or _source_id(spec)]
-    vllm += ["--dtype", m.dtype, "--block-size", str(m.block_size), "--tensor-parallel-size", str(parallel.tensor)]
+    vllm += [
+        "--dtype",
+        engine_dtype(spec, site),
+        "--block-size",
+        str(m.block_size),
+        "--tensor-parallel-size",
+        str(parallel.tensor),
+    ]
     if parallel.pipeline > 1:
         vllm += ["--pipeline-parallel-size", str(parallel.pipeline)]
     if m.max_model_len is not None:

@@ -145,6 +145,9 @@ class Site:
     config_dir: str = "/etc/ucm"
     kv_dir: str = "/var/lib/ucm/kv"  # where file stores keep blocks: a mount in pods, a directory locally
     ports: Callable[[str], int] | None = None  # local: the port for a role (or "role/port-name")
+    # local: whether this machine's CPU has bfloat16 arithmetic (ucm.cpu); without it a model's
+    # dtype "auto" runs float32 (vLLM would pick bfloat16 and run ~100x slower)
+    native_bfloat16: bool = True
 
     @property
     def local(self) -> bool:

@@ -65,7 +65,10 @@ class ModelSpec(Spec):
     source: ModelSource = Field(description="Where every engine loads the model from: exactly one of pvc, hostPath, hf")
     served_name: str | None = Field(None, description="Name clients use; default: the source")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        "auto", description="Weights' and activations' dtype (vLLM --dtype); auto: the model's own"
+        "auto",
+        description="Weights' and activations' dtype (vLLM --dtype); auto: vLLM's choice (on CPUs bfloat16, "
+        "float32 weights included; `ucm up` runs float32 on a CPU without bfloat16 arithmetic, AVX512-BF16 or "
+        "AMX, where bfloat16 runs ~100x slower)",
     )
     max_model_len: int | None = Field(
         None,

@@ -28,6 +28,7 @@ from ucm.deploy.local import (
     same_process,
     write_state,
 )
+from ucm.deploy.plan import engine_dtype
 from ucm.deploy.resource import load_resource
 from ucm.deploy.roles import PlanError
 from ucm.deploy.spec import UCMDeploymentSpec, read_spec
@@ -127,6 +128,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if given:
         for f in kubernetes_only_fields(spec):
             print(f"ucm up: ignoring {f}: Kubernetes only", flush=True)
+    dtype = engine_dtype(spec, stack.site())
+    if dtype != spec.model.dtype:
+        print(
+            f"ucm up: the engines run {dtype} (model.dtype {spec.model.dtype}): this CPU has no bfloat16 "
+            "arithmetic (AVX512-BF16 or AMX), and vLLM's choice, bfloat16, would run ~100x slower here",
+            flush=True,
+        )
 
     def stop_signal(signum: int, _frame: object) -> None:
         raise _Stop(signal.Signals(signum).name)

@@ -18,6 +18,8 @@ registers :class:`UCMAttentionBackend` in place of ``CPU_ATTN``. With no sparse 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -34,11 +36,23 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm.config import ConfigError
+from ucm.cpu import native_bfloat16
 from ucm.integration.vllm.config import WHERE, sparse_config
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.serving import RUNTIMES, SparseRuntime, StepPlan
 from ucm.sparse.summaries import native_available
 from ucm.ucm_style import CONNECTOR_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache  # once per process: the builder is made per KV cache group
+def _warn_emulated_bfloat16() -> None:
+    logger.warning(
+        "this engine computes in bfloat16 on a CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX): "
+        "expect it ~100x slower than float32 here (vLLM's --dtype auto picks bfloat16 on CPUs); "
+        "set --dtype float32 (spec.model.dtype: float32)"
+    )
 
 
 def configured_sparse(vllm_config: VllmConfig) -> SparseConfig | None:
@@ -163,6 +177,8 @@ class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.dtype == torch.bfloat16 and not native_bfloat16():
+            _warn_emulated_bfloat16()
         config = configured_sparse(vllm_config)
         decoder = not (self.is_cross_attention or self.is_encoder_only_attention)
         self.runtime = None
