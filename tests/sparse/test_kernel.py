@@ -196,9 +196,10 @@ def test_the_top_k_is_exact_at_any_length_with_ties_and_scores_below_zero():
 
 @pytest.mark.parametrize("name", ["both", "bound", "mean"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_scores_at_the_head_dims_scored_sixteen_blocks_at_a_time(name, head_dim):
-    """Head dims 64 and 128 take the unrolled 16-block path (where the CPU has AVX-512 BF16): 40
-    blocks are two groups of 16 and a tail, each against the reference."""
+def test_scores_at_the_head_dims_scored_several_blocks_at_a_time(name, head_dim):
+    """Head dims 64 and 128 take an unrolled path: 16 blocks at a time where the CPU has AVX-512
+    BF16, 8 where it has AVX2 (40 blocks: two groups of 16 and a tail, or five of 8), each against
+    the reference."""
     scoring, n = SCORINGS[name], 40
     g = torch.Generator().manual_seed(12)
     s = BlockSummaries(scoring, n, B, HKV, head_dim, torch.bfloat16)

@@ -2,7 +2,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -148,12 +148,49 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp_nonpositive on 8 lanes, the same operations in the same order (so the same bits).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 fl = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, fl);
+  __m256 p = _mm256_fmadd_ps(f, _mm256_set1_ps(0.00133335581f), _mm256_set1_ps(0.00961812911f));
+  p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.0555041087f));
+  p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.240226507f));
+  p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.693147182f));
+  p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fl), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+inline float reduce8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 // x[i] = exp((x[i] - max x) * temperature) for the n scores of one head; returns their sum. (GCC
 // leaves the scalar loops unvectorized: with them this was a third of the selection's time.)
 float softmax_terms(float* x, int64_t n, float temperature) {
   float top = -kInf, total = 0.0f;
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  __m256 vtop = _mm256_set1_ps(-kInf), vtotal = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vtop);
+  for (const float v : lanes) top = std::max(top, v);
+  for (int64_t j = i; j < n; ++j) top = std::max(top, x[j]);
+  const __m256 vmax = _mm256_set1_ps(top), vt = _mm256_set1_ps(temperature);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 v = exp_nonpositive8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax), vt));
+    _mm256_storeu_ps(x + i, v);
+    vtotal = _mm256_add_ps(vtotal, v);
+  }
+  total = reduce8(vtotal);
+#elif defined(__AVX512F__)
   __m512 vtop = _mm512_set1_ps(-kInf), vtotal = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(x + i));
   top = _mm512_reduce_max_ps(vtop);
@@ -391,6 +428,60 @@ void score16(const uint16_t* const* rep, const Group& grp, bool has_mean, bool h
 constexpr bool kFastBf16 = false;
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+constexpr bool kFastAvx2 = true;
+
+// 8 bf16 as floats (a bf16 is a float's upper half).
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// The lane sums of 8 vectors as the 8 lanes of one, in order (16 single-lane reductions, each a
+// chain of dependent adds, were as costly as the dot products themselves).
+inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// AVX2's score16: 8 blocks' bf16 representations against every query head of the group (floats,
+// rounded to bf16 already), into 8 lanes of logits.
+template <int64_t D>
+void score8(const uint16_t* const* rep, const Group& grp, bool has_mean, bool has_bound, int64_t bound_at,
+            int64_t bound_row, int64_t n, float* logits) {
+  __m256 acc[8];
+  for (int64_t j = 0; j < grp.g; ++j) {
+    const float* q = grp.q + j * D;
+    const float* qa = grp.q_abs + j * D;
+    if (has_mean) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t k = 0; k < D; k += 8) a = _mm256_fmadd_ps(bf16x8(rep[i] + k), _mm256_loadu_ps(q + k), a);
+        acc[i] = a;
+      }
+      _mm256_storeu_ps(logits + j * n, sum8(acc));
+    }
+    if (has_bound) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const uint16_t* c = rep[i] + bound_at;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t k = 0; k < D; k += 8) {
+          a = _mm256_fmadd_ps(bf16x8(c + k), _mm256_loadu_ps(q + k), a);
+          a = _mm256_fmadd_ps(bf16x8(c + D + k), _mm256_loadu_ps(qa + k), a);
+        }
+        acc[i] = a;
+      }
+      _mm256_storeu_ps(logits + (bound_row + j) * n, sum8(acc));
+    }
+  }
+}
+#else
+constexpr bool kFastAvx2 = false;
+#endif
+
 // logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
 // logit (before the temperature) a key of the block gives that head. Both: rows 0..G-1 from the
 // mean key, rows G..2G-1 from the bound.
@@ -414,6 +505,19 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
         score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
       else
         score16<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
+    }
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+  if (kFastAvx2 && s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
+    const uint16_t* base = static_cast<const uint16_t*>(s.rep);
+    for (; blk + 8 <= n; blk += 8) {
+      const uint16_t* rep[8];
+      for (int i = 0; i < 8; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
+      if (d == 64)
+        score8<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
+      else
+        score8<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
     }
   }
 #endif
