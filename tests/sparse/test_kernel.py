@@ -92,8 +92,11 @@ def test_padding_slots_are_skipped():
     assert int(s.count[1]) == 2
 
 
-def test_invalidated_blocks_are_reported_stale_until_refreshed():
-    s, keys, table = written(SCORINGS["bound"], 4 * B + 3)
+@pytest.mark.parametrize("name", ["bound", "mean", "both"])
+def test_invalidated_blocks_are_reported_stale_until_refreshed(name):
+    """Refreshed from the cache, a block's summary is bit for bit the one its writes kept (refresh
+    folds a block's keys at once, write one token at a time)."""
+    s, keys, table = written(SCORINGS[name], 4 * B + 3)
     tables = table[None]
     full = torch.tensor([4])
     assert len(s.stale(tables, full)) == 0
@@ -103,11 +106,14 @@ def test_invalidated_blocks_are_reported_stale_until_refreshed():
     cache = torch.zeros(40, HKV, B, D, dtype=torch.bfloat16)
     t = torch.arange(4 * B)
     cache[table.long()[t // B], :, t % B] = keys[: 4 * B]
-    before = s.rep.clone()
-    s.rep[table[[1, 2]].long()] = 0
+    before = [t.clone() for t in (s.rep, s.mean, s.lo, s.hi)]
+    for t in (s.rep, s.mean, s.lo, s.hi):
+        if t.numel():
+            t[table[[1, 2]].long()] = 0
     s.refresh(cache, torch.arange(B * D, dtype=torch.int32), s.stale(tables, full))
     assert len(s.stale(tables, full)) == 0
-    assert torch.equal(s.rep, before)
+    for t, kept in zip((s.rep, s.mean, s.lo, s.hi), before, strict=True):
+        assert torch.equal(t, kept)
 
 
 def select(s, q, tables, seq_lens, budget, windows=(1, 2), mass=0.0, prior=None, device="cpu"):

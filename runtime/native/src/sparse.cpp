@@ -115,6 +115,26 @@ void load_row(const void* base, DType t, int64_t offset, int64_t n, float* out) 
   }
 }
 
+// Elements base + positions[i] (i < n) as floats.
+void gather_row(const void* source, DType t, int64_t base, const int32_t* positions, int64_t n, float* out) {
+  switch (t) {
+    case DType::F32: {
+      const float* p = static_cast<const float*>(source) + base;
+      for (int64_t i = 0; i < n; ++i) out[i] = p[positions[i]];
+      break;
+    }
+    case DType::BF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(source) + base;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[positions[i]]);
+      break;
+    }
+    default: {
+      const uint16_t* p = static_cast<const uint16_t*>(source) + base;
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(p[positions[i]]);
+    }
+  }
+}
+
 // exp(x) for x <= 0, to ~1e-6 relative; a branch-free polynomial the compiler vectorizes.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
@@ -314,36 +334,77 @@ void check(const Summaries& s) {
 // Vectors of D in one (block, head)'s representation.
 int64_t rep_width(Mode mode) { return mode == Mode::Both ? 3 : mode == Mode::Bound ? 2 : 1; }
 
-// Fold one key (D floats) of head h into block p's summary, the key being the block's `offset`-th
-// (offset 0 starts the block afresh), and derive the block's representation.
+// One (block, head)'s summary as floats while keys are folded into it.
+struct Running {
+  float mean[512], lo[512], hi[512];
+};
 
-void fold(const Summaries& s, int64_t p, int64_t h, int64_t offset, const float* key) {
-  const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d, rep = at * rep_width(s.mode);
-  if (s.mode == Mode::Hash) {
-    hash_key(key, s.projection, d, s.hash_bytes,
-             s.hashes + ((p * s.block_size + offset) * s.kv_heads + h) * s.hash_bytes);
+// Fold one key (D floats) into `r`, the key being the block's `offset`-th (offset 0 starts afresh).
+void accumulate(Running& r, Mode mode, int64_t d, int64_t offset, const float* key) {
+  const bool mean = mode == Mode::Mean || mode == Mode::Both, bound = mode == Mode::Bound || mode == Mode::Both;
+  if (offset == 0) {
+    if (mean) std::memcpy(r.mean, key, d * sizeof(float));
+    if (bound) {
+      std::memcpy(r.lo, key, d * sizeof(float));
+      std::memcpy(r.hi, key, d * sizeof(float));
+    }
     return;
   }
-  int64_t next = rep;  // where the next part of the representation goes
-  if (s.mode == Mode::Mean || s.mode == Mode::Both) {
+  if (mean) {
     const float w = 1.0f / static_cast<float>(offset + 1);
+    for (int64_t i = 0; i < d; ++i) r.mean[i] += (key[i] - r.mean[i]) * w;
+  }
+  if (bound) {
     for (int64_t i = 0; i < d; ++i) {
-      const float m = offset == 0 ? key[i] : s.mean[at + i] + (key[i] - s.mean[at + i]) * w;
-      s.mean[at + i] = m;
-      store(s.rep, s.rep_dtype, next + i, m);
+      r.lo[i] = std::min(r.lo[i], key[i]);
+      r.hi[i] = std::max(r.hi[i], key[i]);
     }
+  }
+}
+
+// Block p, head h's summary as stored (lo and hi in the cache's dtype), as floats.
+void read_running(const Summaries& s, int64_t p, int64_t h, Running& r) {
+  const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d;
+  if (s.mode == Mode::Mean || s.mode == Mode::Both) std::memcpy(r.mean, s.mean + at, d * sizeof(float));
+  if (s.mode == Mode::Bound || s.mode == Mode::Both) {
+    load_row(s.lo, s.dtype, at, d, r.lo);
+    load_row(s.hi, s.dtype, at, d, r.hi);
+  }
+}
+
+// Store `r` as block p, head h's summary and derive its representation.
+void publish(const Summaries& s, int64_t p, int64_t h, const Running& r) {
+  const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d;
+  int64_t next = at * rep_width(s.mode);  // where the next part of the representation goes
+  if (s.mode == Mode::Mean || s.mode == Mode::Both) {
+    std::memcpy(s.mean + at, r.mean, d * sizeof(float));
+    for (int64_t i = 0; i < d; ++i) store(s.rep, s.rep_dtype, next + i, r.mean[i]);
     next += d;
   }
   if (s.mode == Mode::Bound || s.mode == Mode::Both) {
     for (int64_t i = 0; i < d; ++i) {
-      store(s.lo, s.dtype, at + i, std::min(offset == 0 ? kInf : load(s.lo, s.dtype, at + i), key[i]));
-      store(s.hi, s.dtype, at + i, std::max(offset == 0 ? -kInf : load(s.hi, s.dtype, at + i), key[i]));
+      store(s.lo, s.dtype, at + i, r.lo[i]);
+      store(s.hi, s.dtype, at + i, r.hi[i]);
       // lo and hi are stored values (exact in their dtype); c and r are rounded only once, here.
       const float lo = load(s.lo, s.dtype, at + i), hi = load(s.hi, s.dtype, at + i);
       store(s.rep, s.rep_dtype, next + i, 0.5f * (lo + hi));
       store(s.rep, s.rep_dtype, next + d + i, 0.5f * (hi - lo));
     }
   }
+}
+
+// Fold one key (D floats) of head h into block p's summary, the key being the block's `offset`-th
+// (offset 0 starts the block afresh), and derive the block's representation.
+void fold(const Summaries& s, int64_t p, int64_t h, int64_t offset, const float* key) {
+  if (s.mode == Mode::Hash) {
+    hash_key(key, s.projection, s.head_dim, s.hash_bytes,
+             s.hashes + ((p * s.block_size + offset) * s.kv_heads + h) * s.hash_bytes);
+    return;
+  }
+  Running r;
+  if (offset > 0) read_running(s, p, h, r);
+  accumulate(r, s.mode, s.head_dim, offset, key);
+  publish(s, p, h, r);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -593,13 +654,19 @@ void refresh(const Summaries& s, const void* key_cache, DType cache_dtype, int64
 #pragma omp parallel for schedule(dynamic) if (n > 1)
   for (int64_t i = 0; i < n; ++i) {
     float key[512];
+    Running r;
     const int64_t p = blocks[i];
     for (int64_t h = 0; h < hkv; ++h) {
       const int64_t base = p * block_stride + h * head_stride;
       for (int64_t t = 0; t < fill[i]; ++t) {
-        for (int64_t c = 0; c < d; ++c) key[c] = load(key_cache, cache_dtype, base + positions[t * d + c]);
-        fold(s, p, h, t, key);
+        gather_row(key_cache, cache_dtype, base, positions + t * d, d, key);
+        if (s.mode == Mode::Hash)
+          fold(s, p, h, t, key);
+        else
+          accumulate(r, s.mode, d, t, key);
       }
+      // The block's summary is stored and its representation derived once, not once per token.
+      if (s.mode != Mode::Hash && fill[i] > 0) publish(s, p, h, r);
     }
     s.count[p] = fill[i];
   }
