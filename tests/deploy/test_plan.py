@@ -195,6 +195,8 @@ def test_dtype_auto_runs_float32_locally_on_a_cpu_without_bfloat16(tmp_path):
     chosen = {"model": {**BASE["model"], "dtype": "bfloat16"}}
     assert engine_dtypes(plan_for(chosen, without)) == ["bfloat16", "bfloat16"]
     assert engine_dtypes(plan_for({}, dataclasses.replace(K8S, native_bfloat16=False))) == ["auto", "auto"]
+    extra = {"decode": {"extraArgs": ["--dtype=bfloat16"]}}  # comes after, and wins: nothing to change
+    assert engine_dtypes(plan_for(extra, without)) == ["auto", "auto"]
 
 
 @pytest.mark.parametrize("arg", ["--hf-overrides", "--hf_overrides={}"])

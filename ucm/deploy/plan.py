@@ -96,8 +96,15 @@ def _cpu_engines(spec: UCMDeploymentSpec) -> None:
 def engine_dtype(spec: UCMDeploymentSpec, site: Site) -> str:
     """The engines' ``--dtype``: the model's, but float32 for ``auto`` on a machine of ``ucm up`` whose
     CPU has no bfloat16 arithmetic (``ucm.cpu``). In a cluster the nodes' CPUs are not known here:
-    the engine says so in its log (``ucm.integration.vllm.attention``)."""
-    if spec.model.dtype == "auto" and site.local and not site.native_bfloat16:
+    the engine says so in its log (``ucm.integration.vllm.attention``). A ``--dtype`` among the
+    extra arguments is the user's choice: it comes later and wins."""
+    chosen = [*spec.model.extra_args, *(a for pool in ENGINES for a in getattr(spec, pool).extra_args)]
+    if (
+        spec.model.dtype == "auto"
+        and site.local
+        and not site.native_bfloat16
+        and not engine_args.setting(chosen, "dtype")
+    ):
         return "float32"
     return spec.model.dtype
 
