@@ -97,42 +97,35 @@ inline void store(void* base, DType t, int64_t i, float v) {
   }
 }
 
-// n consecutive elements as floats.
-void load_row(const void* base, DType t, int64_t offset, int64_t n, float* out) {
+// Elements base[at(i)] (i < n) as floats: one dtype dispatch per row, not per element.
+template <typename At>
+void to_floats(const void* base, DType t, int64_t n, At at, float* out) {
   switch (t) {
-    case DType::F32:
-      std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float));
+    case DType::F32: {
+      const float* p = static_cast<const float*>(base);
+      for (int64_t i = 0; i < n; ++i) out[i] = p[at(i)];
       break;
+    }
     case DType::BF16: {
-      const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
+      const uint16_t* p = static_cast<const uint16_t*>(base);
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[at(i)]);
       break;
     }
     default: {
-      const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(p[i]);
+      const uint16_t* p = static_cast<const uint16_t*>(base);
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(p[at(i)]);
     }
   }
 }
 
-// Elements base + positions[i] (i < n) as floats.
-void gather_row(const void* source, DType t, int64_t base, const int32_t* positions, int64_t n, float* out) {
-  switch (t) {
-    case DType::F32: {
-      const float* p = static_cast<const float*>(source) + base;
-      for (int64_t i = 0; i < n; ++i) out[i] = p[positions[i]];
-      break;
-    }
-    case DType::BF16: {
-      const uint16_t* p = static_cast<const uint16_t*>(source) + base;
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[positions[i]]);
-      break;
-    }
-    default: {
-      const uint16_t* p = static_cast<const uint16_t*>(source) + base;
-      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(p[positions[i]]);
-    }
-  }
+// n consecutive elements as floats.
+void load_row(const void* base, DType t, int64_t offset, int64_t n, float* out) {
+  to_floats(base, t, n, [offset](int64_t i) { return offset + i; }, out);
+}
+
+// Elements offset + positions[i] (i < n) as floats.
+void gather_row(const void* base, DType t, int64_t offset, const int32_t* positions, int64_t n, float* out) {
+  to_floats(base, t, n, [offset, positions](int64_t i) { return offset + positions[i]; }, out);
 }
 
 // exp(x) for x <= 0, to ~1e-6 relative; a branch-free polynomial the compiler vectorizes.
@@ -490,8 +483,6 @@ constexpr bool kFastBf16 = false;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-constexpr bool kFastAvx2 = true;
-
 // 8 bf16 as floats (a bf16 is a float's upper half).
 inline __m256 bf16x8(const uint16_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -539,8 +530,6 @@ void score8(const uint16_t* const* rep, const Group& grp, bool has_mean, bool ha
     }
   }
 }
-#else
-constexpr bool kFastAvx2 = false;
 #endif
 
 // logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
@@ -570,7 +559,7 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-  if (kFastAvx2 && s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
+  if (s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
     const uint16_t* base = static_cast<const uint16_t*>(s.rep);
     for (; blk + 8 <= n; blk += 8) {
       const uint16_t* rep[8];
