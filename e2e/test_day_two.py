@@ -86,10 +86,12 @@ def test_rolling_both_pools_under_load_drops_nothing(rolled_stack: Stack):
     done = threading.Event()
 
     def load() -> None:
-        # Steady, not saturating: on a 2-core machine a saturated engine's neighbour takes minutes
-        # to start (benchmarks/rollout_serving.py measures a roll under heavier load).
+        # Steady, not saturating: vLLM's workers busy-poll for 1 s after each request, so on a
+        # 2-core machine a request every 0.2 s kept both cores spinning and each new engine took
+        # 1.5-2.5 min to start (5 min for the roll); one a second still spans every switch of the
+        # roll (benchmarks/rollout_serving.py measures a roll under heavier load).
         n = 0
-        while not done.wait(0.2):
+        while not done.wait(1.0):
             prompt = prompts[n % len(prompts)]
             answers.append((prompt, *complete(rolled_stack.base_url, prompt, stream=n % 2 == 1)))
             n += 1
