@@ -75,46 +75,59 @@ def payload_bytes(layers: Sequence[tuple[torch.Tensor, int]]) -> int:
     return sum(t.numel() // t.shape[d] * t.element_size() for t, d in layers)
 
 
+class Copier:
+    """Moves blocks of these layers to and from rows of buffers (row ``i`` <-> block ``blocks[i]`` of
+    every layer, the layers' bytes in order). The layers' segments are worked out once, so a Copier
+    holds their addresses: make it after the tensors are allocated, and a new one if they move. The
+    connector lands a load one block at a time, and working the segments out on every call cost
+    more than a 1 MiB copy (~140 µs of Python per block, holding the GIL its I/O threads share)."""
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, int]]) -> None:
+        self.layers = list(layers)
+        self.payload_bytes = payload_bytes(self.layers)
+        segments = [segment_of(t, d) for t, d in self.layers]
+        self._by_segments = all(s is not None for s in segments)  # else torch copies them
+        self._segments = [s.as_tuple() for s in segments if s is not None]
+        self._cpu = all(t.device.type == "cpu" for t, _ in self.layers)
+
+    def gather(self, blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1) -> None:
+        """Row ``i`` of ``buffer`` (uint8, one row per block) <- block ``blocks[i]`` of every layer."""
+        self._move(blocks, buffer, threads, to_buffer=True)
+
+    def scatter(self, blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1) -> None:
+        """Block ``blocks[i]`` of every layer <- row ``i`` of ``buffer``."""
+        self._move(blocks, buffer, threads, to_buffer=False)
+
+    def _move(self, blocks: Sequence[int], buffer: torch.Tensor, threads: int, to_buffer: bool) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.stride(1) != 1:
+            raise ValueError("buffer: a uint8 tensor of rows (one per block), each row contiguous")
+        if buffer.shape[0] < len(blocks) or buffer.shape[1] < self.payload_bytes:
+            raise ValueError(
+                f"buffer: {tuple(buffer.shape)} holds fewer than {len(blocks)} rows of {self.payload_bytes} bytes"
+            )
+        native = _native is not None and self._by_segments and len(blocks) > 0
+        if native and self._cpu and buffer.device.type == "cpu":
+            fn: Any = _native.gather if to_buffer else _native.scatter
+            fn(self._segments, list(blocks), buffer.data_ptr(), buffer.stride(0), threads)
+        elif native and reachable(self.layers, buffer) and cuda_available():
+            stream = torch.cuda.current_stream(self.layers[0][0].device).cuda_stream
+            _native.cuda_move(self._segments, list(blocks), buffer.data_ptr(), buffer.stride(0), to_buffer, stream)
+        else:
+            torch_move(self.layers, blocks, buffer, to_buffer)
+
+
 def gather(
     layers: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1
 ) -> None:
     """Row ``i`` of ``buffer`` (uint8, one row per block) <- block ``blocks[i]`` of every layer."""
-    _move(layers, blocks, buffer, threads, to_buffer=True)
+    Copier(layers).gather(blocks, buffer, threads)
 
 
 def scatter(
     layers: Sequence[tuple[torch.Tensor, int]], blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1
 ) -> None:
     """Block ``blocks[i]`` of every layer <- row ``i`` of ``buffer``."""
-    _move(layers, blocks, buffer, threads, to_buffer=False)
-
-
-def _move(
-    layers: Sequence[tuple[torch.Tensor, int]],
-    blocks: Sequence[int],
-    buffer: torch.Tensor,
-    threads: int,
-    to_buffer: bool,
-) -> None:
-    if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.stride(1) != 1:
-        raise ValueError("buffer: a uint8 tensor of rows (one per block), each row contiguous")
-    if buffer.shape[0] < len(blocks) or buffer.shape[1] < payload_bytes(layers):
-        raise ValueError(
-            f"buffer: {tuple(buffer.shape)} holds fewer than {len(blocks)} rows of {payload_bytes(layers)} bytes"
-        )
-    segments = [segment_of(t, d) for t, d in layers]
-    devices = {t.device.type for t, _ in layers} | {buffer.device.type}
-    native = _native is not None and all(s is not None for s in segments) and len(blocks) > 0
-    if native and devices == {"cpu"}:
-        fn: Any = _native.gather if to_buffer else _native.scatter
-        fn([s.as_tuple() for s in segments], list(blocks), buffer.data_ptr(), buffer.stride(0) * 1, threads)
-    elif native and reachable(layers, buffer) and cuda_available():
-        stream = torch.cuda.current_stream(layers[0][0].device).cuda_stream
-        _native.cuda_move(
-            [s.as_tuple() for s in segments], list(blocks), buffer.data_ptr(), buffer.stride(0), to_buffer, stream
-        )
-    else:
-        torch_move(layers, blocks, buffer, to_buffer)
+    Copier(layers).scatter(blocks, buffer, threads)
 
 
 def reachable(layers: Sequence[tuple[torch.Tensor, int]], buffer: torch.Tensor) -> bool:

@@ -56,6 +56,8 @@ class KVLayout:
         self.num_blocks = num_blocks
         self.device = next(iter(kv_caches.values())).device
         self._index = {s.name: i for i, s in enumerate(self.slots)}
+        self._layer_copiers = [native.Copier([self._layers[s.name]]) for s in self.slots]
+        self._block_copier = native.Copier([self._layers[s.name] for s in self.slots])
 
     def layer_index(self, name: str) -> int:
         return self._index[name]
@@ -89,18 +91,15 @@ class KVLayout:
 
     def gather_layer(self, layer: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy one layer of ``block_ids`` into rows of ``staging`` (row i <- block_ids[i])."""
-        slot = self.slots[layer]
-        native.gather([self._layers[slot.name]], block_ids, self._part(staging, slot))
+        self._layer_copiers[layer].gather(block_ids, self._part(staging, self.slots[layer]))
 
     def scatter_layer(self, layer: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copy rows of ``staging`` into one layer of the paged cache (block_ids[i] <- row i)."""
-        slot = self.slots[layer]
-        native.scatter([self._layers[slot.name]], block_ids, self._part(staging, slot))
+        self._layer_copiers[layer].scatter(block_ids, self._part(staging, self.slots[layer]))
 
     def scatter_block(self, block: int, payload: memoryview) -> None:
         """Copy one block's payload into every layer of the paged cache."""
-        row = torch.frombuffer(payload, dtype=torch.uint8).view(1, -1)
-        native.scatter([self._layers[s.name] for s in self.slots], [block], row)
+        self._block_copier.scatter([block], torch.frombuffer(payload, dtype=torch.uint8).view(1, -1))
 
     def head_share(self, kv_heads: int, shares: int, share: int) -> KVLayout:
         """The same blocks restricted to share ``share`` of ``shares`` equal ranges of the ``kv_heads``
