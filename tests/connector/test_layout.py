@@ -51,15 +51,25 @@ def test_gather_matches_per_block_reference(make):
         assert staging[row].numpy().tobytes() == reference_payload(kv, b)
 
 
+def scatter_by_layer(layout: KVLayout, blocks: list[int], staging: torch.Tensor) -> None:
+    for layer in range(len(layout.slots)):  # a staged load: each layer before its attention
+        layout.scatter_layer(layer, blocks, staging)
+
+
+def scatter_by_block(layout: KVLayout, blocks: list[int], staging: torch.Tensor) -> None:
+    for row, block in enumerate(blocks):  # a landed load: each block as the store hands it over
+        layout.scatter_block(block, memoryview(staging[row].numpy()))
+
+
+@pytest.mark.parametrize("scatter", [scatter_by_layer, scatter_by_block])
 @pytest.mark.parametrize("make", LAYOUTS)
-def test_scatter_restores_blocks_into_other_slots_and_touches_nothing_else(make):
+def test_scatter_restores_blocks_into_other_slots_and_touches_nothing_else(make, scatter):
     src = {f"layer{i}": make() for i in range(2)}
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     layout_src, layout_dst = KVLayout(src, NB), KVLayout(dst, NB)
     staging = layout_src.new_staging(3)
     layout_src.gather([1, 5, 9], staging)
-    for layer in range(len(layout_dst.slots)):
-        layout_dst.scatter_layer(layer, [2, 4, 6], staging)
+    scatter(layout_dst, [2, 4, 6], staging)
     for name in src:
         d = blocks_dim(src[name], NB)
         for s, t in ((1, 2), (5, 4), (9, 6)):
