@@ -86,8 +86,8 @@ class Copier:
         self.layers = list(layers)
         self.payload_bytes = payload_bytes(self.layers)
         segments = [segment_of(t, d) for t, d in self.layers]
-        self._by_segments = all(s is not None for s in segments)  # else torch copies them
-        self._segments = [s.as_tuple() for s in segments if s is not None]
+        # None: some layer is no segment, and torch copies them.
+        self._segments = [s.as_tuple() for s in segments if s is not None] if None not in segments else None
         self._cpu = all(t.device.type == "cpu" for t, _ in self.layers)
 
     def gather(self, blocks: Sequence[int], buffer: torch.Tensor, threads: int = 1) -> None:
@@ -105,7 +105,7 @@ class Copier:
             raise ValueError(
                 f"buffer: {tuple(buffer.shape)} holds fewer than {len(blocks)} rows of {self.payload_bytes} bytes"
             )
-        native = _native is not None and self._by_segments and len(blocks) > 0
+        native = _native is not None and self._segments is not None and len(blocks) > 0
         if native and self._cpu and buffer.device.type == "cpu":
             fn: Any = _native.gather if to_buffer else _native.scatter
             fn(self._segments, list(blocks), buffer.data_ptr(), buffer.stride(0), threads)
