@@ -14,6 +14,7 @@ from vllm import _custom_ops as ops
 from ucm.integration.vllm.blend import Blender, PagedAttention, sdpa_attention
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
+from ucm.integration.vllm.staging import StagingPool
 from ucm.integration.vllm.stats import StatsRecorder
 
 BS, KV_HEADS, HEADS, DIM = 32, 2, 4, 64
@@ -33,6 +34,7 @@ def test_paged_attention_equals_the_masked_reference():
         stats=StatsRecorder(),
         load_timeout_s=None,
         model=lambda: None,
+        staging=StagingPool(layout.new_staging, 0),
     )
     block_ids = [5, 2, 7, 0, 9, 3, 1, 8, 11, 4]  # not in order: the block table is followed
     keys = torch.randn(m, KV_HEADS, DIM, generator=g)

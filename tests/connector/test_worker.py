@@ -363,6 +363,45 @@ class GatedDumps:
         return task
 
 
+def test_save_staging_is_reused_only_once_the_store_has_written_it(tmp_path):
+    """Saves take their staging from the worker's pool (fresh memory page-faults on first touch): a
+    save's buffer goes back when its dump is done, never before, so a later save cannot overwrite
+    bytes the store is still writing."""
+    gate = threading.Event()
+    store = GatedDumps(create_store({"spec": "posix", "posix": {"roots": [str(tmp_path)]}}), gate)
+    written_from: list[int] = []  # the address of each dump's first payload: its staging
+    dump = store.dump
+    store.dump = lambda ids, blobs: written_from.append(blobs[0].ctypes.data) or dump(ids, blobs)
+    w = WorkerSide(
+        store, rank=0, tp_size=1, load_mode="layer", save_mode="layer", stats=StatsRecorder(), staging_bytes=1 << 30
+    )
+    kv = kv_caches(True)
+    w.register(kv, NB)
+    expected = {name: t[0:6].clone() for name, t in kv.items()}
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[:2], [0, 1])]))
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS[2:4], [2, 3])]))  # the first is not written
+    assert written_from[0] != written_from[1]
+    gate.set()
+    deadline = time.monotonic() + 10
+    while len(w._staging._free) < 2 and time.monotonic() < deadline:  # both given back once written
+        time.sleep(0.01)
+    run_step(w, kv, UCMConnectorMetadata(saves=[BlockTransfer("s", NEW_A, [4, 5])]))
+    assert written_from[2] in written_from[:2]
+    w.close()
+    reader = worker(tmp_path)
+    got = kv_caches(False)
+    reader.register(got, NB)
+    run_step(
+        reader,
+        got,
+        UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [8, 9, 10, 11]), BlockTransfer("s", NEW_A, [12, 13])]),
+    )
+    assert reader.take_load_errors() == set()
+    for name in got:
+        assert torch.equal(got[name][8:14], expected[name])
+    reader.close()
+
+
 @pytest.mark.parametrize("pd", [True, False], ids=["pd_prefill", "other"])
 def test_a_pd_prefills_step_ends_once_its_blocks_are_in_the_store(tmp_path, pd):
     """The step's end is when vLLM answers the request: a PD prefill's answer promises blocks that

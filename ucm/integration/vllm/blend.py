@@ -47,9 +47,10 @@ from ucm.integration.vllm.attention import KernelShape, learn_layout
 from ucm.integration.vllm.config import BlendConfig, Selection
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, rank_keys
+from ucm.integration.vllm.staging import StagingPool
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.sparse.blend import select_recompute, share, top_share
-from ucm.store import Store
+from ucm.store import Store, Task
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +76,16 @@ class Blended:
     recomputed: torch.Tensor  # positions recomputed past check_layer (every non-reused one among them)
 
 
-def rerotate(rotary_emb: torch.nn.Module, keys: torch.Tensor, shift: int) -> torch.Tensor:
+def rerotate(rotary_emb: torch.nn.Module, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
     """Keys RoPE'd at positions ``p`` -> the same keys RoPE'd at ``p + shift``: rotating by the
     shift composes with the rotation already applied (angles linear in position), with the model's
-    own rotary embedding. ``keys``: (T, kv_heads, head_dim)."""
-    if shift == 0:
-        return keys
+    own rotary embedding. ``keys``: (T, kv_heads, head_dim); ``shift``: one for all, or (T,)."""
+    if isinstance(shift, int):
+        if shift == 0:
+            return keys
+        shift = torch.full((keys.shape[0],), shift, dtype=torch.long)
     flat = keys.reshape(keys.shape[0], -1)
-    positions = torch.full((keys.shape[0],), shift, dtype=torch.long, device=keys.device)
-    rotated, _ = rotary_emb.forward_native(positions, flat.clone())
+    rotated, _ = rotary_emb.forward_native(shift.to(keys.device), flat.clone())
     return rotated.view_as(keys)
 
 
@@ -291,10 +293,13 @@ class Blender:
         stats: StatsRecorder,
         load_timeout_s: float | None,
         model: Callable[[], torch.nn.Module | None],
+        staging: StagingPool,
     ) -> None:
         slot = layout.slots[0]
         if layout.device.type != "cpu" or len(slot.block_shape) != 3:
             raise ValueError("blend: runs on vLLM's CPU attention backend only (for now)")
+        if any((s.block_shape, s.dtype) != (slot.block_shape, slot.dtype) for s in layout.slots):
+            raise ValueError("blend: every attention layer must have the same KV shape and dtype")
         # vLLM's CPU cache: (blocks, kv_heads, block_size, 2 * head_dim), used as
         # (blocks, kv_heads, 2 * block_size, head_dim): a head's keys, then its values
         self.kv_heads, self.block_size, twice_dim = slot.block_shape
@@ -311,6 +316,8 @@ class Blender:
         self._stats = stats
         self._timeout = load_timeout_s
         self._model = model
+        self._staging = staging
+        self._memory: torch.Tensor | None = None  # (2, layers, tokens, kv_heads, head_dim): regions' KV
 
     def run(self, transfer: BlendTransfer) -> bool:
         """Blend one region into its blocks; False: not blended (vLLM must compute them)."""
@@ -328,7 +335,10 @@ class Blender:
             )
             return False
         started = time.perf_counter()
-        region = self._region(transfer, model)
+        chunks = self._staging.take(sum(len(keys) for _, keys in transfer.chunks))
+        region, read = self._region(transfer, model, chunks)
+        if read.done():  # else a read past its deadline may still write into it: it stays with the read
+            self._staging.give(chunks)
         attention = PagedAttention(self, transfer.block_ids, region.computed, region.tokens.shape[0])
         config = self.config
         out = blend_region(model, region, config.recompute_ratio, config.check_layer, attention, config.selection)
@@ -338,40 +348,58 @@ class Blender:
         self._stats.observe("blend_seconds", time.perf_counter() - started)
         return True
 
-    def _region(self, transfer: BlendTransfer, model: torch.nn.Module) -> Region:
+    def _region(self, transfer: BlendTransfer, model: torch.nn.Module, chunks: torch.Tensor) -> tuple[Region, Task]:
+        """The region to blend, its chunks read into ``chunks``; and that read. Each layer's chunk
+        keys are unpacked and re-rotated in one call for all chunks."""
         end, computed, bs = len(transfer.tokens), transfer.computed, self.block_size
-        dtype = self.layout.slots[0].dtype
-        layers = range(len(self.layout.slots))
-        keys = [torch.zeros(end, self.kv_heads, self.head_dim, dtype=dtype) for _ in layers]
-        values = [torch.zeros_like(k) for k in keys]
-        reused = torch.zeros(end, dtype=torch.bool)
+        if self._memory is None or self._memory.shape[2] < end:
+            # Kept across blends, the largest region's: fresh memory page-faults on first touch
+            # (a 2,800-token region of SmolLM2 in float32 is 130 MB).
+            shape = (2, len(self.layout.slots), end, self.kv_heads, self.head_dim)
+            self._memory = torch.empty(shape, dtype=self.layout.slots[0].dtype)
+        keys, values = list(self._memory[0, :, :end]), list(self._memory[1, :, :end])
+        filled = torch.zeros(end, dtype=torch.bool)
+        filled[:computed] = True
         if computed:
             exact = transfer.block_ids[: -(-computed // bs)]
-            for layer in layers:
+            for layer, (k_out, v_out) in enumerate(zip(keys, values, strict=True)):
                 k, v = self._unpack(self.layout.blocks_first(layer)[exact])
-                keys[layer][:computed], values[layer][:computed] = k[:computed], v[:computed]
-        for start, (staging, ok) in zip((c[0] for c in transfer.chunks), self._load_chunks(transfer), strict=True):
-            for first, last in _spans(ok):  # consecutive loaded blocks: one copy per layer
-                lo = max(start + first * bs, computed)
-                hi = min(start + last * bs, end)
-                if lo >= hi:
-                    continue
-                skip = lo - (start + first * bs)
-                reused[lo:hi] = True
-                for layer in layers:
-                    k, v = self._unpack(self.layout.payload_layer(staging[first:last], layer))
-                    k = rerotate(model.model.layers[layer].self_attn.rotary_emb, k, start)
-                    keys[layer][lo:hi] = k[skip : skip + hi - lo]
-                    values[layer][lo:hi] = v[skip : skip + hi - lo]
+                k_out[:computed], v_out[:computed] = k[:computed], v[:computed]
+        read, ok = self._load_chunks(transfer, chunks)
+        # Per cached token: its row among the chunks' unpacked tokens, its place in the region, and
+        # the chunk's start (its keys' rotation shift).
+        source, target, shift = [], [], []
+        at = 0
+        for start, chunk_keys in transfer.chunks:
+            for first, last in _spans(ok[at : at + len(chunk_keys)]):
+                lo, hi = max(start + first * bs, computed), min(start + last * bs, end)
+                if lo < hi:
+                    source.append(torch.arange(lo, hi) + (at * bs - start))
+                    target.append(torch.arange(lo, hi))
+                    shift.append(torch.full((hi - lo,), start))
+            at += len(chunk_keys)
+        if source:
+            src, dst, rot = torch.cat(source), torch.cat(target), torch.cat(shift)
+            filled[dst] = True
+            for layer, (k_out, v_out) in enumerate(zip(keys, values, strict=True)):
+                k, v = self._unpack(self.layout.payload_layer(chunks[:at], layer))
+                k_out[dst] = rerotate(model.model.layers[layer].self_attn.rotary_emb, k[src], rot)
+                v_out[dst] = v[src]
+        for k_out, v_out in zip(keys, values, strict=True):  # reused memory: no stale KV where none was put
+            k_out[~filled] = 0
+            v_out[~filled] = 0
+        reused = filled.clone()
+        reused[:computed] = False
+        for start, _ in transfer.chunks:
             if start:  # computed alone, a chunk's first tokens are an attention sink: not kept mid-prompt
                 reused[start : start + self.config.recompute_chunk_start] = False
-        return Region(torch.tensor(transfer.tokens), computed, reused, keys, values)
+        return Region(torch.tensor(transfer.tokens), computed, reused, keys, values), read
 
-    def _load_chunks(self, transfer: BlendTransfer) -> list[tuple[torch.Tensor, list[bool]]]:
-        """Each chunk's stored blocks as payload rows, and which of them loaded (a block that did
-        not is computed instead)."""
+    def _load_chunks(self, transfer: BlendTransfer, buffer: torch.Tensor) -> tuple[Task, list[bool]]:
+        """The read of the chunks' stored blocks into ``buffer``'s rows, one after another; and which
+        of them loaded (a block that did not is computed instead)."""
         keys = [k for _, chunk_keys in transfer.chunks for k in chunk_keys]
-        staging = self.layout.new_staging(len(keys))
+        staging = buffer[: len(keys)]
         task = self._store.load(rank_keys(keys, self._rank, self._tp_size), list(staging.numpy()))
         try:
             ok = task.wait(self._timeout)
@@ -382,12 +410,7 @@ class Blender:
             ok = [False] * len(keys)
         self._stats.add("loaded_blocks", sum(ok))
         self._stats.add("load_failed_blocks", len(ok) - sum(ok))
-        out, at = [], 0
-        for _, chunk_keys in transfer.chunks:
-            n = len(chunk_keys)
-            out.append((staging[at : at + n], ok[at : at + n]))
-            at += n
-        return out
+        return task, ok
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s key and value caches, as vLLM's CPU backend passes them to its ops."""

@@ -118,8 +118,10 @@ class ConnectorConfig(StrictModel):
     )
     load_staging: ByteSize = Field(
         ByteSize(128 << 20),
-        description="Host memory for staged loads, allocated and touched at startup so a first load pays no "
-        "page faults (a larger load allocates more)",
+        description="Host staging kept across steps for loads, saves and Blend's chunk reads (fresh memory "
+        "page-faults on first touch): allocated and touched at startup when loads are staged, so a first load pays "
+        "no page faults; a larger transfer allocates more, and of what comes back the largest buffer is kept and "
+        "others up to this size",
     )
     decode_save_blocks: int = Field(
         64, ge=0, description="Blocks filled while decoding that are saved too, per request (0: prompt blocks only)"

@@ -16,7 +16,8 @@ store breaker, which would skip the store too, learns of a timeout only after th
 has ended). Saves copy each layer's new blocks into host staging as the layer finishes (``save_mode:
 layer``) or at the step's end, then the store writes them in the background: the step waits for the
 copies, not for the I/O. Staging is the connector's own memory, so vLLM may free or reuse the blocks
-right after the step.
+right after the step; it comes from one pool for loads, saves and Blend's reads, back in it once
+the store has written (or read) it, because fresh memory page-faults on every first touch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ucm import metrics
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys
+from ucm.integration.vllm.staging import StagingPool
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.sparse.serving import invalidate_summaries
 from ucm.store import Store, Task, workers
@@ -150,6 +152,19 @@ class Share:
 
 
 @dataclass
+class _Save:
+    transfer: BlockTransfer
+    buffer: torch.Tensor  # pooled: a row per block, every share's columns
+    views: list[torch.Tensor]  # per share (in WorkerSide._shares' order), its columns of the rows
+
+
+def share_columns(buffer: torch.Tensor, n: int, layout: KVLayout, j: int) -> torch.Tensor:
+    """The first ``n`` rows of ``buffer``'s columns for share ``j`` (shares of ``layout.block_bytes``
+    each, side by side in a row)."""
+    return buffer[:n, j * layout.block_bytes : (j + 1) * layout.block_bytes]
+
+
+@dataclass
 class _Load:
     transfer: BlockTransfer
     share: Share
@@ -160,32 +175,6 @@ class _Load:
     buffer: torch.Tensor | None = None  # the pooled buffer ``staging`` is a view of
     abandoned: bool = False  # its read missed the deadline and may still write into ``buffer``
     landing: Landing | None = None
-
-
-class StagingPool:
-    """Load staging kept across steps: fresh host memory page-faults (measured ~1.7 GB/s here), which
-    made a staged load cost twice its read. A buffer whose read was abandoned stays with that read."""
-
-    KEEP = 8
-
-    def __init__(self, new: Callable[[int], torch.Tensor], rows: int = 0) -> None:
-        self._new = new
-        self._free: list[torch.Tensor] = []
-        if rows:  # allocated and touched now, so the first load pays no page faults
-            self._free.append(new(rows).zero_())
-
-    def take(self, n: int) -> torch.Tensor:
-        """A buffer of at least ``n`` rows."""
-        for i, buf in enumerate(self._free):
-            if buf.shape[0] >= n:
-                return self._free.pop(i)
-        return self._new(max(n, 1))
-
-    def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-        if len(self._free) > self.KEEP:
-            self._free.sort(key=lambda b: b.shape[0])
-            self._free.pop(0)  # keep the largest ones: they serve any smaller load
 
 
 class WorkerSide:
@@ -237,7 +226,7 @@ class WorkerSide:
         self._abandoned: list[Task] = []  # reads past their deadline, not finished yet
         self._scattered: set[int] = set()
         self._load_errors: set[int] = set()
-        self._saves: list[tuple[BlockTransfer, Share, torch.Tensor]] = []
+        self._saves: list[_Save] = []
         self._saved_layers = 0
         self._inflight: set[Task] = set()
         self._inflight_lock = threading.Lock()
@@ -265,7 +254,7 @@ class WorkerSide:
             layouts = [self.layout.head_share(self._kv_heads, k, j) for j in range(k)]
             self._shares = [Share(self._rank * k + j, of, layout) for j, layout in enumerate(layouts)]
         rows = 0 if self._in_place_option or self._load_timeout_s is None else self._staging_rows()
-        self._staging = StagingPool(self.layout.new_staging, rows)
+        self._staging = StagingPool(self.layout.new_staging, self._staging_bytes, rows)
         if self._blend_config is not None:
             from ucm.integration.vllm.blend import Blender
             from ucm.integration.vllm.blend_model import built_model
@@ -279,6 +268,7 @@ class WorkerSide:
                 stats=self._stats,
                 load_timeout_s=self._load_timeout_s,
                 model=built_model,
+                staging=self._staging,
             )
         # Host memory: each block lands in the cache as its read completes. A GPU's cache is filled
         # per layer from staging, where the copy to the device overlaps the previous layer's compute.
@@ -334,7 +324,7 @@ class WorkerSide:
         if buffer is None:
             blobs = [layout.block_segments(b) for b in transfer.block_ids]
             return _Load(transfer, share, None, self._store.load(keys, blobs), started)
-        staging = buffer[:n, j * layout.block_bytes : (j + 1) * layout.block_bytes]
+        staging = share_columns(buffer, n, layout, j)
         if self._lands:
             landing = Landing(layout, transfer.block_ids)
             task = self._store.load(keys, list(staging.numpy()), landing)
@@ -436,8 +426,9 @@ class WorkerSide:
         if self._saved_layers == 0:
             self._saves = self._new_saves(meta)
         layer = self.layout.layer_index(layer_name)
-        for transfer, share, staging in self._saves:
-            share.layout.gather_layer(layer, transfer.block_ids, staging)
+        for save in self._saves:
+            for share, view in zip(self._shares, save.views, strict=True):
+                share.layout.gather_layer(layer, save.transfer.block_ids, view)
         self._saved_layers += 1
 
     def finish_step(self, meta: UCMConnectorMetadata) -> None:
@@ -445,9 +436,11 @@ class WorkerSide:
         assert self.layout is not None
         if meta.saves and (self._save_mode == "step" or self._saved_layers < len(self.layout.slots)):
             # save_mode=step, or layers that never reported (all of them are copied now).
-            self._saves = self._new_saves(meta)
-            for transfer, share, staging in self._saves:
-                share.layout.gather(transfer.block_ids, staging)
+            if not self._saves:
+                self._saves = self._new_saves(meta)
+            for save in self._saves:
+                for share, view in zip(self._shares, save.views, strict=True):
+                    share.layout.gather(save.transfer.block_ids, view)
         if self._loads and len(self._scattered) < len(self.layout.slots):
             # Loaded KV never reached some layers: fail those blocks so vLLM recomputes them.
             missing = sorted(set(range(len(self.layout.slots))) - self._scattered)
@@ -456,9 +449,13 @@ class WorkerSide:
                 self._load_errors.update(load.transfer.block_ids)
                 if load.ok is None:  # never waited for: none of it may reach the cache from now on
                     self._stop_load(load)
-        saves = self._untainted(meta)
-        tasks = [self._dump(transfer, share, staging) for transfer, share, staging in saves]
-        self._wait_for_pd_saves([t for t, (transfer, _, _) in zip(tasks, saves, strict=True) if transfer.wait])
+        pd_tasks = []
+        for save in self._untainted(meta):
+            tasks = [self._dump(save.transfer, s, view) for s, view in zip(self._shares, save.views, strict=True)]
+            self._staging.give_when_done(save.buffer, tasks)
+            if save.transfer.wait:
+                pd_tasks += tasks
+        self._wait_for_pd_saves(pd_tasks)
         reusable: dict[int, tuple[torch.Tensor, bool]] = {}  # a transfer's shares share one buffer
         for load in self._loads:
             if load.buffer is not None:
@@ -472,7 +469,7 @@ class WorkerSide:
         self._loads = []
         self._scattered = set()
 
-    def _untainted(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
+    def _untainted(self, meta: UCMConnectorMetadata) -> list[_Save]:
         """This step's saves, or none if a load or blend failed in it. A request whose load failed
         computed its new blocks over KV that is not its prompt's (stale or partly read memory), and
         so did any request attending over the same blocks through vLLM's prefix cache: vLLM discards
@@ -491,14 +488,22 @@ class WorkerSide:
             failed = self._any_rank(failed)
         if not failed:
             return self._saves
-        dropped = sum(len(transfer.block_ids) for transfer, _, _ in self._saves)
+        dropped = sum(len(save.transfer.block_ids) * len(save.views) for save in self._saves)
+        for save in self._saves:
+            self._staging.give(save.buffer)
         logger.warning("UCM: a load failed in this step; its %d new blocks are not saved (computed over it)", dropped)
         # Counted as failed saves: a PD consumer is then promised no blocks that will not come.
         self._stats.add("save_failed_blocks", dropped)
         return []
 
-    def _new_saves(self, meta: UCMConnectorMetadata) -> list[tuple[BlockTransfer, Share, torch.Tensor]]:
-        return [(t, s, s.layout.new_staging(len(t.block_ids))) for t in meta.saves for s in self._shares]
+    def _new_saves(self, meta: UCMConnectorMetadata) -> list[_Save]:
+        saves = []
+        for t in meta.saves:
+            n = len(t.block_ids)
+            buffer = self._staging.take(n)
+            views = [share_columns(buffer, n, s.layout, j) for j, s in enumerate(self._shares)]
+            saves.append(_Save(t, buffer, views))
+        return saves
 
     def _wait_for_pd_saves(self, tasks: list[Task]) -> None:
         """A PD prefill's blocks are in the store before its answer leaves (up to pd_save_wait_s)."""
@@ -519,7 +524,7 @@ class WorkerSide:
         task = self._store.dump(self._keys(transfer, share), list(staging.numpy()))
         block_bytes = staging.shape[1]
 
-        def done(t: Task, staging: torch.Tensor = staging) -> None:  # holds staging until written
+        def done(t: Task) -> None:
             ok = t.wait(0)
             n_ok = sum(ok)
             self._stats.add("saved_blocks", n_ok)
