@@ -337,8 +337,7 @@ class Blender:
         started = time.perf_counter()
         chunks = self._staging.take(sum(len(keys) for _, keys in transfer.chunks))
         region, read = self._region(transfer, model, chunks)
-        if read.done():  # else a read past its deadline may still write into it: it stays with the read
-            self._staging.give(chunks)
+        self._staging.give_when_done(chunks, [read])  # a read past its deadline keeps it until it ends
         attention = PagedAttention(self, transfer.block_ids, region.computed, region.tokens.shape[0])
         config = self.config
         out = blend_region(model, region, config.recompute_ratio, config.check_layer, attention, config.selection)
@@ -385,9 +384,10 @@ class Blender:
                 k, v = self._unpack(self.layout.payload_layer(chunks[:at], layer))
                 k_out[dst] = rerotate(model.model.layers[layer].self_attn.rotary_emb, k[src], rot)
                 v_out[dst] = v[src]
+        empty = ~filled
         for k_out, v_out in zip(keys, values, strict=True):  # reused memory: no stale KV where none was put
-            k_out[~filled] = 0
-            v_out[~filled] = 0
+            k_out[empty] = 0
+            v_out[empty] = 0
         reused = filled.clone()
         reused[:computed] = False
         for start, _ in transfer.chunks:

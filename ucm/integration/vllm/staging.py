@@ -20,7 +20,7 @@ class StagingPool:
     96-114 ms into fresh memory, 16 ms into reused), which made a staged load cost twice its read.
     Free buffers are kept up to ``keep_bytes`` in all, and the largest always (it serves any smaller
     transfer). Buffers come back from the store's threads (a save's once written), hence the lock.
-    A buffer whose read was abandoned stays with that read."""
+    A buffer whose read was abandoned comes back once that read ends (``give_when_done``)."""
 
     def __init__(self, new: Callable[[int], torch.Tensor], keep_bytes: int, rows: int = 0) -> None:
         self._new = new

@@ -173,7 +173,6 @@ class _Load:
     started: float
     ok: list[bool] | None = None
     buffer: torch.Tensor | None = None  # the pooled buffer ``staging`` is a view of
-    abandoned: bool = False  # its read missed the deadline and may still write into ``buffer``
     landing: Landing | None = None
 
 
@@ -411,7 +410,6 @@ class WorkerSide:
         elif load.staging is None:
             load.task.wait()
         if not load.task.done():
-            load.abandoned = True
             self._abandoned.append(load.task)
 
     def take_load_errors(self) -> set[int]:
@@ -456,14 +454,12 @@ class WorkerSide:
             if save.transfer.wait:
                 pd_tasks += tasks
         self._wait_for_pd_saves(pd_tasks)
-        reusable: dict[int, tuple[torch.Tensor, bool]] = {}  # a transfer's shares share one buffer
+        reads: dict[int, tuple[torch.Tensor, list[Task]]] = {}  # a transfer's shares share one buffer
         for load in self._loads:
             if load.buffer is not None:
-                free = reusable.get(id(load.buffer), (load.buffer, True))[1]
-                reusable[id(load.buffer)] = (load.buffer, free and not load.abandoned and load.task.done())
-        for buffer, free in reusable.values():
-            if free:
-                self._staging.give(buffer)
+                reads.setdefault(id(load.buffer), (load.buffer, []))[1].append(load.task)
+        for buffer, tasks in reads.values():
+            self._staging.give_when_done(buffer, tasks)  # an abandoned read keeps it until it ends
         self._saves = []
         self._saved_layers = 0
         self._loads = []
