@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ucm_proxy import http1, metrics
-from ucm_proxy.answers import Answer, Stream
+from ucm_proxy.answers import Answer
 from ucm_proxy.backends import (
     IDENTITY_HEADER,
     STORE_HEADER,
@@ -55,7 +55,7 @@ from ucm_proxy.keys import ApiKeys, bearer
 from ucm_proxy.kvevents import Followers
 from ucm_proxy.kvroute import KVRouter
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
-from ucm_proxy.relay import Upstream, relay_chunks
+from ucm_proxy.relay import Stream, Upstream, relay_chunks
 from ucm_proxy.requests import (
     affinity_key,
     engine_body,
@@ -93,7 +93,7 @@ class Proxy:
         )
         self.first_health_round = asyncio.Event()
         checks = config.mode == "pd" and config.pd_check.interval_s > 0
-        self.path_checker = PathChecker(self) if checks else None
+        self.path_checker = PathChecker(self, config.pd_check) if checks else None
         self.session: aiohttp.ClientSession | None = None  # health checks, engine metrics, path checks
         self.client: Client | None = None  # the requests being served
         self._tasks: list[asyncio.Task[None]] = []

@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from ucm_proxy.answers import Answer, Stream
+from ucm_proxy.answers import Answer
 from ucm_proxy.errors import ProxyError
+from ucm_proxy.relay import Stream
 
 logger = logging.getLogger("ucm_proxy")
 T = TypeVar("T")

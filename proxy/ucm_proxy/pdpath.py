@@ -43,15 +43,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from ucm_proxy import metrics
 from ucm_proxy.backends import Backend, Pool, other_identities, unpaired
-
-if TYPE_CHECKING:
-    from ucm_proxy.app import Proxy
+from ucm_proxy.config import PDCheckConfig
 
 logger = logging.getLogger("ucm_proxy.pdpath")
 
@@ -89,14 +87,24 @@ def check_prompt(words: int) -> str:
     return f"UCM disaggregation check {secrets.token_hex(8)}: " + " ".join(rng.choices(_WORDS.split(), k=words))
 
 
+class Served(Protocol):
+    """What the check reads of the proxy (``ucm_proxy.app.Proxy``), as it is when each check runs."""
+
+    prefill: Pool
+    decode: Pool
+    models: set[str]  # what the backends serve, from the last health round
+    session: aiohttp.ClientSession | None
+    first_health_round: asyncio.Event
+
+
 class PathChecker:
     """Runs the check every ``interval_s`` (every few seconds while it fails) and keeps the last."""
 
     RETRY_S = 5.0
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: Served, config: PDCheckConfig) -> None:
         self.proxy = proxy
-        self.config = proxy.config.pd_check
+        self.config = config
         self.last: PathCheck | None = None
         self.listeners: list[Callable[[PathCheck], Awaitable[None]]] = []
         self._turn = itertools.count()

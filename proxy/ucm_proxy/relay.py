@@ -1,5 +1,6 @@
 """Upstream requests and relaying their streams: in-flight accounting per backend, and a stream's
-chunks passed on as they arrive (an SSE error event if the backend fails mid-stream)."""
+chunks passed on as they arrive (an SSE error event if the backend fails mid-stream), as the
+streamed response the hot path answers a client with."""
 
 from __future__ import annotations
 
@@ -80,3 +81,27 @@ async def relay_chunks(
     finally:
         # Also on client disconnect (the task is cancelled): closing aborts the upstream request.
         upstream.release()
+
+
+class Stream:
+    """A streamed response: the chunks of the upstream request it relays, as they arrive."""
+
+    __slots__ = ("chunks", "content_type", "headers", "status", "upstream")
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        chunks: AsyncGenerator[tuple[bytes, bool], None],
+        status: int,
+        headers: dict[str, str],
+        content_type: str,
+    ):
+        self.upstream, self.chunks = upstream, chunks
+        self.status, self.headers, self.content_type = status, headers, content_type
+
+    async def close(self) -> None:
+        """Once relayed, or abandoned: a stream never started never ran its own cleanup."""
+        try:
+            await self.chunks.aclose()
+        finally:
+            self.upstream.release()  # idempotent
