@@ -14,8 +14,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ucm.deploy.pool import AutoscalingSpec
 from ucm.deploy.roles import ENGINES, Role, fail
-from ucm.deploy.spec import AutoscalingSpec, UCMDeploymentSpec
+from ucm.deploy.spec import UCMDeploymentSpec
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 # How long a pool that can scale to zero stays up after its last activity (KEDA's default is 300 s):

@@ -20,6 +20,7 @@ import yaml
 
 from ucm import __version__, engine_args
 from ucm.config import ConfigError
+from ucm.deploy.pool import PoolSpec
 from ucm.deploy.roles import (
     BACKEND_KEY,
     CREDENTIALS,
@@ -39,7 +40,7 @@ from ucm.deploy.roles import (
     fail,
     quantity_bytes,
 )
-from ucm.deploy.spec import FILE_KINDS, FileStoreSpec, PoolSpec, UCMDeploymentSpec
+from ucm.deploy.spec import FILE_KINDS, FileStoreSpec, UCMDeploymentSpec
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm.kv_events import KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT, ipc_event_endpoints
 

@@ -21,8 +21,9 @@ from ucm import engine_args
 from ucm.deploy import autoscaling, monitors
 from ucm.deploy.autoscaling import Autoscaler
 from ucm.deploy.monitors import Monitors
+from ucm.deploy.pool import EnvFromSource, EnvVar, PoolSpec
 from ucm.deploy.roles import fail
-from ucm.deploy.spec import EnvFromSource, EnvVar, PoolSpec, UCMDeploymentSpec
+from ucm.deploy.spec import UCMDeploymentSpec
 from ucm.vllm_options import OPTIONS
 
 # vLLM options a spec may not pass, however spelled (ucm.engine_args reads them as vLLM

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from ucm.deploy.pool import PoolSpec
 from ucm.deploy.quantity import quantity_bytes as _quantity_bytes
-
-if TYPE_CHECKING:
-    from ucm.deploy.spec import PoolSpec
 
 Component = Literal["prefill", "decode", "proxy", "mooncake-master"]
 ENGINES: tuple[Component, ...] = ("prefill", "decode")

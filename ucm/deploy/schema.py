@@ -1,4 +1,4 @@
-"""What every ``UCMDeployment`` model shares: camelCase fields, no unknown fields, CEL rules.
+"""What every ``UCMDeployment`` model shares: camelCase fields, no unknown fields, CEL rules, element types.
 
 Cross-field rules are written twice, on purpose: as CEL (``x-kubernetes-validations``, enforced by
 the API server) and as a Python validator right beside it (enforced here, and the only way the rule
@@ -10,14 +10,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import cache
 from types import UnionType
-from typing import Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, create_model, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
 
 Quantity = int | str  # Kubernetes quantities: 8, "500m", "16Gi"
 M = TypeVar("M", bound=BaseModel)
+
+# Element types that carry a description for the CRD (``kubectl explain``); no validation of their own.
+Arg = Annotated[str, Field(description="One argument, e.g. --enforce-eager")]
+LabelValue = Annotated[str, Field(description="The label's value")]
+ResourceQuantity = Annotated[Quantity, Field(description="A quantity: an integer or a string such as 500m, 16Gi")]
 
 
 class Spec(BaseModel):
