@@ -68,7 +68,9 @@ class StepPlan:
     tables: torch.Tensor  # (R, W) int32: physical blocks, logical order
     retrieve: torch.Tensor  # (R,) int32: blocks a retrieval keeps (the budget)
     kept: torch.Tensor  # (R,) long: blocks each KV head attends this step
+    kept_total: float  # kept.sum(), as the step's counters took it
     lens: torch.Tensor  # (R * Hkv,) int32: the lengths the per-head attention kernel sees
+    partial: torch.Tensor  # (R * Hkv,) int32: the last block's tokens minus a block; lens = kept * block + this
     width: int  # columns of a layer's table
     due: torch.Tensor | None  # (D,) long: rows that retrieve; None: all of them
     reused: torch.Tensor | None  # (R - D,) long: rows that reuse their selection
@@ -243,8 +245,8 @@ class SparseRuntime:
             grown = (seq[reused] - 1) % b == 0  # the row's newest block started since the last step
             previous_kept = self._previous_kept[prev_rows]
             kept[reused] = previous_kept + grown.long()
-        tail = seq - (n - 1) * b
-        lens = ((kept.to(torch.int32) - 1) * b + tail).repeat_interleave(hkv)
+        partial = (seq - n * b).repeat_interleave(hkv)
+        lens = torch.add(partial, kept.to(torch.int32).repeat_interleave(hkv), alpha=b)
         stale = torch.empty(0, dtype=torch.int32)
         if self.summaries:
             stale = next(iter(self.summaries.values())).stale(tables, n.long() - 1)
@@ -255,7 +257,9 @@ class SparseRuntime:
             tables=tables,
             retrieve=budget,
             kept=kept,
+            kept_total=float(kept.sum()),
             lens=lens,
+            partial=partial,
             width=int(kept.max()),
             due=due,
             reused=reused,
@@ -268,7 +272,7 @@ class SparseRuntime:
         self._previous_kept = kept
         s = self.stats
         sparse_layers = self.num_layers - self.dense_layers
-        s.attended += float(kept.sum()) * sparse_layers + float(n.sum()) * self.dense_layers
+        s.attended += self.plan.kept_total * sparse_layers + float(n.sum()) * self.dense_layers
         s.available += int(n.sum()) * self.num_layers
         s.retrievals += (len(rows) if due is None else len(due)) * sparse_layers
         s.decodes += len(rows)
@@ -311,9 +315,8 @@ class SparseRuntime:
                 kept=kept,
                 prior=prior,
             )
-            tail = (plan.seq_lens - 1) % self.block_size + 1
-            lens = (kept - 1) * self.block_size + tail.repeat_interleave(hkv)
-            self.stats.attended += float(kept.sum()) / hkv - float(plan.kept.sum())  # plan counted the cap
+            lens = torch.add(plan.partial, kept, alpha=self.block_size)  # one op: this runs per layer
+            self.stats.attended += float(kept.sum()) / hkv - plan.kept_total  # the plan counted the cap
         elif plan.due is None:
             summaries.select(
                 query, plan.tokens, plan.tables, plan.seq_lens, plan.retrieve, windows, scale, table, prior=prior

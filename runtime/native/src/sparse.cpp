@@ -673,6 +673,7 @@ void select(const Summaries& s, const Selection& sel) {
     std::vector<float> logits, group;
     std::vector<uint32_t> keys;
     std::vector<int32_t> order;
+    std::vector<uint64_t> ranked;
     std::vector<float> q(g * d), q_abs(g * d);
     std::vector<uint16_t> qb(g * d), qab(g * d);
     float channel_weight[512];
@@ -731,24 +732,29 @@ void select(const Summaries& s, const Selection& sel) {
       if (sel.scores) std::memcpy(sel.scores + pair * sel.score_stride, group.data(), n * sizeof(float));
       int64_t keep = k;
       if (sel.mass > 0.0f) {  // the fewest blocks, best first (the windows first), holding `mass`
-        order.resize(n);
-        for (int64_t blk = 0; blk < n; ++blk) order[blk] = static_cast<int32_t>(blk);
-        auto rank = [&](int32_t blk) {
-          return blk < sel.init || blk >= n - sel.local ? kInf : group[blk];
-        };
-        std::sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
-          const float rx = rank(x), ry = rank(y);
-          return rx > ry || (rx == ry && x < y);
-        });
+        // Sorted as one integer per block, the score's order key (complemented: best first; the
+        // windows rank as +inf) above the block index (ties in block order): a comparison per pair
+        // of integers, where comparing floats through a ranking closure took most of PSA's selection.
+        ranked.resize(n);
+        for (int64_t blk = 0; blk < n; ++blk) {
+          const bool window = blk < sel.init || blk >= n - sel.local;
+          const uint64_t score = ~order_key(window ? kInf : group[blk]);
+          ranked[blk] = score << 32 | static_cast<uint64_t>(blk);
+        }
+        std::sort(ranked.begin(), ranked.end());
+        const uint64_t first_scored = static_cast<uint64_t>(~order_key(kInf)) << 32 | 0xFFFFFFFFu;
         const float target = sel.mass * static_cast<float>(g);  // each query head's softmax sums to 1
         float reached = 0.0f;
         int64_t taken = 0;
+        order.resize(n);
         for (; taken < keep; ++taken) {
-          const int32_t blk = order[taken];
-          if (!std::isinf(rank(blk)) && reached >= target) break;
+          const int32_t blk = static_cast<int32_t>(ranked[taken] & 0xFFFFFFFFu);
+          if (ranked[taken] > first_scored && reached >= target) break;  // past the windows, enough
           reached += group[blk];
+          order[taken] = blk;
         }
         keep = std::max<int64_t>(taken, 1);
+        if (taken == 0) order[0] = static_cast<int32_t>(ranked[0] & 0xFFFFFFFFu);
         std::sort(order.begin(), order.begin() + keep);
         for (int64_t i = 0; i < keep; ++i) out[i] = table[order[i]] * static_cast<int32_t>(hkv) + h;
       } else {
