@@ -38,6 +38,7 @@ THREADS["1"] = {"OMP_NUM_THREADS": "1"}
 NEIGHBOURS = ("none", "spinning")
 MEMORY = ("warm", "cold")
 ALGORITHMS = ("gsa", "esa", "psa")
+SCORED = (*ALGORITHMS, "kvstar")  # those whose summaries are representations (not GSA on-device's hashes)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 SPIN = "import os\nwhile True:\n    os.sched_yield()\n"  # killed when its case ends
 
@@ -160,6 +161,9 @@ def main() -> int:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = parser.parse_args()
+    unknown = sorted(set(args.algorithms.split(",")) - set(SCORED))
+    if unknown:
+        parser.error(f"--algorithms: {unknown[0]!r} is not one of {', '.join(SCORED)}")
     if args.case:
         algorithm, memory = args.case.split(",")
         print(json.dumps(case(algorithm, memory, args)))
