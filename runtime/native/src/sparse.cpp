@@ -120,6 +120,16 @@ void to_floats(const void* base, DType t, int64_t n, At at, float* out) {
 
 // n consecutive elements as floats.
 void load_row(const void* base, DType t, int64_t offset, int64_t n, float* out) {
+#if defined(__F16C__)
+  if (t == DType::F16) {  // 8 at a time in hardware (KVStar keeps its representations in float16)
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    for (; i < n; ++i) out[i] = f16_to_float(p[i]);
+    return;
+  }
+#endif
   to_floats(base, t, n, [offset](int64_t i) { return offset + i; }, out);
 }
 
@@ -603,7 +613,9 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
     load_row(s.rep, s.rep_dtype, at, width * d, row);
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = grp.q + j * d;
-      if (has_mean) {
+      if (has_mean && used == d) {
+        logits[j * n + blk] = dot(qj, row, d);
+      } else if (has_mean) {
         float acc = 0.0f;
         for (int64_t c = 0; c < used; ++c) acc += qj[channels[c]] * row[channels[c]];
         logits[j * n + blk] = acc;
