@@ -40,6 +40,7 @@ MEMORY = ("warm", "cold")
 ALGORITHMS = ("gsa", "esa", "psa")
 SCORED = (*ALGORITHMS, "kvstar")  # those whose summaries are representations (not GSA on-device's hashes)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+HEADER = f"{'algorithm':9} {'threads':9} {'neighbour':9} {'memory':6} {'mean ms':>8} {'p50':>7} {'p99':>7} {'floor':>7}"
 SPIN = "import os\nwhile True:\n    os.sched_yield()\n"  # killed when its case ends
 
 
@@ -136,9 +137,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layers": args.layers,
         "cases": cases,
     }
-
-
-HEADER = f"{'algorithm':9} {'threads':9} {'neighbour':9} {'memory':6} {'mean ms':>8} {'p50':>7} {'p99':>7} {'floor':>7}"
 
 
 def print_row(c: dict[str, Any]) -> None:
