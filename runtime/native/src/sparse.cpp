@@ -684,7 +684,7 @@ void select(const Summaries& s, const Selection& sel) {
   {
     std::vector<float> logits, group;
     std::vector<uint32_t> keys;
-    std::vector<int32_t> order;
+    std::vector<uint8_t> flags;
     std::vector<uint64_t> ranked;
     std::vector<float> q(g * d), q_abs(g * d);
     std::vector<uint16_t> qb(g * d), qab(g * d);
@@ -753,22 +753,35 @@ void select(const Summaries& s, const Selection& sel) {
           const uint64_t score = ~order_key(window ? kInf : group[blk]);
           ranked[blk] = score << 32 | static_cast<uint64_t>(blk);
         }
-        std::sort(ranked.begin(), ranked.end());
+        // Ranked lazily: only the best `sorted` are in order, the rest all worse; the walk below
+        // sorts the next stretch when it gets there (it usually stops near half the blocks, and
+        // sums the same blocks in the same order as a full sort would).
+        int64_t sorted = 0;
+        const auto rank_up_to = [&](int64_t upto) {
+          upto = std::min(upto, n);
+          if (upto < n) std::nth_element(ranked.begin() + sorted, ranked.begin() + upto, ranked.end());
+          std::sort(ranked.begin() + sorted, ranked.begin() + upto);
+          sorted = upto;
+        };
         const uint64_t first_scored = static_cast<uint64_t>(~order_key(kInf)) << 32 | 0xFFFFFFFFu;
         const float target = sel.mass * static_cast<float>(g);  // each query head's softmax sums to 1
         float reached = 0.0f;
         int64_t taken = 0;
-        order.resize(n);
+        flags.assign(n, 0);
         for (; taken < keep; ++taken) {
+          if (taken == sorted) rank_up_to(std::max<int64_t>({2 * sorted, sel.init + sel.local + n / 4, 1}));
           const int32_t blk = static_cast<int32_t>(ranked[taken] & 0xFFFFFFFFu);
           if (ranked[taken] > first_scored && reached >= target) break;  // past the windows, enough
           reached += group[blk];
-          order[taken] = blk;
+          flags[blk] = 1;
         }
-        keep = std::max<int64_t>(taken, 1);
-        if (taken == 0) order[0] = static_cast<int32_t>(ranked[0] & 0xFFFFFFFFu);
-        std::sort(order.begin(), order.begin() + keep);
-        for (int64_t i = 0; i < keep; ++i) out[i] = table[order[i]] * static_cast<int32_t>(hkv) + h;
+        if (taken == 0) {  // a zero budget: the best block
+          rank_up_to(1);
+          flags[ranked[0] & 0xFFFFFFFFu] = 1;
+        }
+        keep = 0;  // ascending, so the block being written is last
+        for (int64_t blk = 0; blk < n; ++blk)
+          if (flags[blk]) out[keep++] = table[blk] * static_cast<int32_t>(hkv) + h;
       } else {
         // The windows, then the best of the rest: the k-th largest score is the threshold; blocks
         // above it are kept, then ties in block order. Ascending, so the block being written is last.
