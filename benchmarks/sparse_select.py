@@ -75,10 +75,12 @@ def case(algorithm: str, memory: str, args: argparse.Namespace) -> dict[str, flo
     distinct = torch.unique(tables).long()
     sweep = torch.empty(64 << 20, dtype=torch.uint8)
 
+    windows, counts = options.windows(b), kept if scoring.mass > 0 else None  # as the runtime holds them
+
     def select(summaries: BlockSummaries) -> None:
         summaries.select(
-            query, tokens, tables, seq_lens, budget, options.windows(b), HEAD_DIM**-0.5, out,
-            mass=scoring.mass, kept=kept if scoring.mass > 0 else None, prior=prior,
+            query, tokens, tables, seq_lens, budget, windows, HEAD_DIM**-0.5, out,
+            mass=scoring.mass, kept=counts, prior=prior,
         )  # fmt: skip
 
     def read(summaries: BlockSummaries) -> None:
