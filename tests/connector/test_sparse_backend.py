@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -136,9 +137,17 @@ def runtime_for(config: dict) -> SparseRuntime:
     return runtime
 
 
-def run(config: dict, seq_lens: list[int], query_lens: list[int], name: str = SPARSE_LAYER, loaded: bool = False):
+def run(
+    config: dict,
+    seq_lens: list[int],
+    query_lens: list[int],
+    name: str = SPARSE_LAYER,
+    loaded: bool = False,
+    before_forward: Callable[[SparseRuntime, Batch], None] | None = None,
+):
     """One step of a batch. ``loaded``: the batch's blocks held another batch before, written through
-    the backend, and this one's bytes arrive by a connector load."""
+    the backend, and this one's bytes arrive by a connector load. ``before_forward``: what the
+    connector does between the step's plan and its forward."""
     runtime = runtime_for(config)
     if loaded:
         Batch(seq_lens, query_lens, runtime, seed=7)
@@ -146,6 +155,8 @@ def run(config: dict, seq_lens: list[int], query_lens: list[int], name: str = SP
     md = batch.metadata
     runtime.begin_step(md.block_table, md.seq_lens - 1, md.query_start_loc)  # the step before: the decodes go on
     plan = runtime.begin_step(md.block_table, md.seq_lens, md.query_start_loc)
+    if before_forward is not None:
+        before_forward(runtime, batch)
     tables: list[torch.Tensor] = []
     select = runtime.select
 
@@ -272,6 +283,46 @@ def test_summaries_refreshed_from_the_kernels_cache_layout_equal_those_kept_at_w
     summaries.refresh(key_cache, learn_layout(dtype, isa, B, D)[0], stale)
     assert torch.equal(summaries.rep[[0, 2]], kept[[0, 2]])
     assert summaries.count.tolist() == [B, B, B]
+
+
+@pytest.mark.parametrize("algorithm", ["esa", "gsa", "kvstar", "psa"])
+def test_offloaded_blocks_are_attended_from_the_arena_as_they_were_from_the_cache(algorithm):
+    """offload_blocks: two decoding requests' middle blocks moved to the host arena, their cache
+    blocks then overwritten by other requests: the step attends the same blocks with the same bytes
+    (the output equals that without off-load, bit for bit), the kept arena blocks through the
+    requests' slots, never through the blocks they left."""
+    options = {"psa": {"max_ratio": 0.6}}.get(algorithm, {"sparse_ratio": 0.4, "min_blocks": 1})
+    config = {"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, algorithm: options}
+    seq_lens, query_lens = [300, 69, 270], [1, 5, 1]
+    *_, want, _ = run(config, seq_lens, query_lens)
+    RUNTIMES.clear()
+    left: list[int] = []
+    slots: list[int] = []
+
+    def offload(runtime: SparseRuntime, batch: Batch) -> None:
+        caches = {name: batch.kv_cache for name in runtime.layer_names}
+        runtime.allocate_arena(caches)
+        n = [-(-s // B) for s in seq_lens]
+        free = sorted(set(range(POOL)) - {int(batch.table[r, c]) for r in range(len(n)) for c in range(n[r])})
+        init, local = runtime.windows
+        writing, used = {}, 0
+        for row in (0, 2):
+            blocks = batch.table[row, init : n[row] - local].tolist()
+            mine, free = free[:6], free[6:]
+            runtime.offload(f"r{row}", init, blocks, list(range(used, used + len(blocks))), mine, caches)
+            used += len(blocks)
+            left.extend(blocks)
+            slots.extend(mine)
+            writing[f"r{row}"] = int(batch.table[row, n[row] - 1])
+        batch.kv_cache[left] = torch.randn(len(left), *batch.kv_cache.shape[1:])  # the blocks' next owners
+        runtime.place_offloaded(writing)
+
+    _, plan, tables, out, _ = run({**config, "offload_blocks": 20}, seq_lens, query_lens, before_forward=offload)
+    assert plan.rows.tolist() == [0, 2]
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    (table,) = tables
+    named = set((table // HKV).flatten().tolist())
+    assert not named & set(left) and named & set(slots)
 
 
 def test_gsa_ondevice_refuses_more_hash_bits_than_head_dim():

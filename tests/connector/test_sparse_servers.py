@@ -106,8 +106,12 @@ def test_a_bad_sparse_config_stops_the_engine_naming_the_field(tiny_model, tmp_p
     [
         ({"sparse": {"algorithm": "esa", "esa": {"sparse_ratio": 0}}}, "additional_config.sparse.esa.sparse_ratio"),
         ({"ucm_sparse_config": {"Quest": {}}}, "additional_config.ucm_sparse_config.Quest"),
+        (
+            {"sparse": {"algorithm": "esa", "dense_layers": 0, "offload_blocks": 64}},
+            "additional_config.sparse.offload_blocks: needs UCMConnector",
+        ),
     ],
-    ids=["out-of-range", "unknown-algorithm"],
+    ids=["out-of-range", "unknown-algorithm", "offload-without-connector"],
 )
 def test_a_bad_additional_config_is_refused_naming_the_field(extra, field):
     from ucm.config import ConfigError

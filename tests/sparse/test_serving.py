@@ -4,6 +4,8 @@ requests recognized across steps, and the counts it publishes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -20,8 +22,16 @@ def runtime(config: dict) -> SparseRuntime:
     return SparseRuntime(SparseConfig.model_validate(config), B, HKV, D, LAYERS, key_positions=positions)
 
 
-def step(rt: SparseRuntime, tables: torch.Tensor, seq_lens: list[int], query_lens: list[int], keys=None):
-    """One engine step: the decode tokens written, the plan made, every sparse layer selecting."""
+def step(
+    rt: SparseRuntime,
+    tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    keys=None,
+    before_forward: Callable[[], None] | None = None,
+):
+    """One engine step: the decode tokens written, the plan made, every sparse layer selecting.
+    ``before_forward``: what the connector does between the plan and the forward."""
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     g = torch.Generator().manual_seed(sum(seq_lens))
@@ -31,12 +41,14 @@ def step(rt: SparseRuntime, tables: torch.Tensor, seq_lens: list[int], query_len
         for name in LAYERS[rt.dense_layers :]:
             rt.write(name, torch.randn(q_len, HKV, D, generator=g), slots, 64, torch.float32)
     plan = rt.begin_step(tables, seq, starts)
+    if before_forward is not None:
+        before_forward()
     chosen = {}
     if plan is not None:
         query = torch.randn(int(starts[-1]), HKV * G, D, generator=g)
         for name in LAYERS[rt.dense_layers :]:
             chosen[name] = rt.select(
-                name, query, torch.zeros(64, HKV, B, D), torch.arange(B * D, dtype=torch.int32), D**-0.5
+                name, query, torch.zeros(64, HKV, B, 2 * D), torch.arange(B * D, dtype=torch.int32), D**-0.5
             )
     return plan, chosen
 
@@ -182,3 +194,43 @@ def test_the_last_prompt_token_after_a_cached_prompt_attends_densely_and_is_obse
     assert plan.rows.tolist() == [0, 1] and plan.due is None
     assert rt.stats.requests == 2  # their first sparse step
     assert len(rt.observed) == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"algorithm": "esa", "offload_blocks": 64}, "needs dense_layers 0, got 2"),
+        ({"algorithm": "static", "dense_layers": 0, "offload_blocks": 64}, "static keeps the most recent blocks"),
+    ],
+    ids=["dense-layers", "static"],
+)
+def test_offload_is_refused_where_it_cannot_work(config, message):
+    with pytest.raises(ValidationError, match=f"offload_blocks: {message}"):
+        SparseConfig.model_validate(config)
+
+
+def test_an_offloaded_request_back_after_a_step_without_it_decodes_sparsely_and_retrieves_afresh():
+    """vLLM may leave a running request out of a step (its token budget spent on others): an
+    off-loaded one must not come back as a new request (attending densely, its table naming blocks
+    other requests hold now), and its last selection is stale: it retrieves."""
+    config = {"sparse_ratio": 0.3, "retrieval_stride": 4}
+    rt = runtime({"algorithm": "kvstar", "min_tokens": 64, "dense_layers": 0, "offload_blocks": 16, "kvstar": config})
+    caches = {name: torch.zeros(64, HKV, B, 2 * D) for name in LAYERS}
+    rt.allocate_arena(caches)
+    tables = tables_for(330)  # blocks 0-12
+    step(rt, tables, [318], [318])
+    step(rt, tables, [319], [1])
+    moved = list(range(1, 8))
+
+    def offload() -> None:
+        rt.offload("r", 1, moved, list(range(7)), list(range(40, 46)), caches)
+        rt.place_offloaded({"r": 9})  # 320 tokens: it writes into block 9
+
+    step(rt, tables, [320], [1], before_forward=offload)
+    other = torch.arange(20, 33, dtype=torch.int32)[None]
+    step(rt, other, [100], [100])  # a step without it
+    plan, chosen = step(rt, tables, [321], [1], before_forward=lambda: rt.place_offloaded({"r": 10}))
+    assert plan is not None and plan.rows.tolist() == [0] and plan.due is None  # sparse, retrieving
+    for table, _ in chosen.values():
+        named = set((table // HKV).flatten().tolist())
+        assert not named & set(moved)

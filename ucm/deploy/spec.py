@@ -391,6 +391,16 @@ class UCMDeploymentSpec(Spec):
         return self
 
     @model_validator(mode="after")
+    def _offload_on_one_rank(self) -> UCMDeploymentSpec:
+        d = self.decode.parallel
+        if self.sparse is not None and self.sparse.offload_blocks and d.tensor * d.pipeline > 1:
+            raise ValueError(
+                f"sparse.offloadBlocks: decode engines split over ranks (tensor and pipeline {d.tensor} x "
+                f"{d.pipeline}) cannot off-load yet; run decode with both at 1 or leave offloadBlocks out"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _same_split(self) -> UCMDeploymentSpec:
         p, d = self.prefill.parallel, self.decode.parallel
         if p.tensor == d.tensor and p.pipeline == d.pipeline:

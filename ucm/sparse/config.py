@@ -49,6 +49,14 @@ class SparseConfig(StrictModel):
         "2,000 tokens, 1.12x at 7,000)",
     )
     dense_layers: int = Field(2, ge=0, description="The first layers always attend every block")
+    offload_blocks: int = Field(
+        0,
+        ge=0,
+        description="Blocks of host memory (per worker, every layer) that hold decoding requests' middle "
+        "blocks, off the paged KV cache: each attends them through a few blocks of the cache, refilled with "
+        "what its selection keeps, so the cache holds more long requests. 0: off. Needs UCMConnector and "
+        "dense_layers 0 (a dense layer would read every block)",
+    )
     esa: ESAConfig | None = None
     gsa: GSAConfig | None = None
     gsa_ondevice: GSAOnDeviceConfig | None = None
@@ -67,6 +75,13 @@ class SparseConfig(StrictModel):
     @model_validator(mode="after")
     def _servable(self) -> SparseConfig:
         options = self.options
+        if self.offload_blocks and self.algorithm == "static":
+            raise ValueError("offload_blocks: static keeps the most recent blocks; there is nothing to off-load")
+        if self.offload_blocks and self.dense_layers:
+            raise ValueError(
+                f"offload_blocks: needs dense_layers 0, got {self.dense_layers}: "
+                "a dense layer attends every block, off-loaded ones too"
+            )
         if options.windows(1)[1] < 1:
             raise ValueError(
                 f"{self.algorithm}.local_window_sz: at least 1 when serving "

@@ -18,6 +18,15 @@ its length growing by one; anything else starts afresh.
 
 The first ``dense_layers`` layers always attend densely (their attention is broad, and later layers'
 selections depend on them).
+
+Off-load (``offload_blocks``): the connector's scheduler half frees a decoding request's middle
+blocks from the paged cache and gives it a few fresh blocks instead (its *slots*); the worker half
+moves those blocks' bytes, summaries and observed attention to a host arena (:meth:`offload`) before
+the step's forward. From then on the request's table names arena blocks as ids ``P + v`` (``P``:
+the cache's blocks), the summaries are kept for ``P + V`` blocks, so selection is unchanged, and
+each layer copies the arena blocks a selection keeps into the request's slots (one per KV head and
+kept block) before attending: the same blocks in the same order, so the same output as without
+off-load.
 """
 
 from __future__ import annotations
@@ -58,6 +67,21 @@ def invalidate_summaries(blocks: list[int]) -> None:
             runtime.invalidate(ids)
 
 
+def offloading_runtimes() -> list[SparseRuntime]:
+    """The runtimes of this process that off-load (``offload_blocks``)."""
+    return [r for r in {id(r): r for r in RUNTIMES.values()}.values() if r.host_blocks]
+
+
+@dataclass
+class Offloaded:
+    """A decoding request whose middle blocks live in the host arena."""
+
+    first: int  # the first off-loaded logical block
+    arena: torch.Tensor  # (F,) long: the arena blocks holding logical blocks first, first + 1, ...
+    slots: torch.Tensor  # (K,) long: cache blocks its kept arena blocks are attended through
+    writing: int = -1  # the block it wrote into in its last step
+
+
 @dataclass
 class StepPlan:
     """What every sparse layer of one step shares. ``R`` sparse rows, ``Hkv`` KV heads."""
@@ -78,6 +102,7 @@ class StepPlan:
     grown: torch.Tensor | None  # (R - D,) bool: reused rows that started a new block since
     stale: torch.Tensor  # (S,) int32: full blocks whose summaries must be recomputed first
     fixed: torch.Tensor | None = None  # static selection: the table every layer uses
+    slots: torch.Tensor | None = None  # (R, K) long: each row's slots (-1: none); None: nothing off-loaded
 
 
 @dataclass
@@ -127,11 +152,18 @@ class SparseRuntime:
         # Per physical block: the length, plan row and steps since retrieval of the request that
         # last wrote into it (-1: none), for the rows of the previous step only.
         self._seq = self._row = self._age = torch.empty(0, dtype=torch.int32)
+        # Per physical block: the length of the off-loaded request that last wrote into it (-1: none),
+        # kept while it runs, skipped steps included: it must decode sparsely whenever it comes back.
+        self._held = torch.empty(0, dtype=torch.int32)
         self._written = torch.empty(0, dtype=torch.long)
         self._previous_kept = torch.empty(0, dtype=torch.long)
         self.stats = StepStats()
         self.totals = StepStats()  # since start, for tests and benchmarks
         self.plan: StepPlan | None = None
+        self.host_blocks = config.offload_blocks
+        self.resident = 0  # blocks of the paged cache (allocate_arena); arena block v is block resident + v
+        self.arena: dict[str, torch.Tensor] = {}  # per sparse layer, (V * Hkv, 2 * block, D): see allocate_arena
+        self.offloaded: dict[str, Offloaded] = {}  # by request id
 
     def sparse_layer(self, layer_name: str) -> bool:
         return layer_index(layer_name) >= self.config.dense_layers
@@ -141,6 +173,7 @@ class SparseRuntime:
         """Keys just written into the cache at ``slots``: fold them into the layer's summaries."""
         if self.scoring is None:
             return
+        num_blocks += self.host_blocks
         summaries = self.summaries.get(layer_name)
         if summaries is None or summaries.num_blocks != num_blocks:
             summaries = self.summaries[layer_name] = BlockSummaries(
@@ -180,8 +213,8 @@ class SparseRuntime:
         assert self.key_positions is not None
         b, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
         prior = self.priors.get(layer_name)
-        if prior is None or len(prior) != len(key_cache):
-            prior = self.priors[layer_name] = torch.zeros(len(key_cache), hkv, dtype=torch.float32)
+        if prior is None or len(prior) != len(key_cache) + self.host_blocks:
+            prior = self.priors[layer_name] = torch.zeros(len(key_cache) + self.host_blocks, hkv, dtype=torch.float32)
         for r in self.observed.tolist():
             end, seq = int(query_start_loc[r + 1]), int(seq_lens[r])
             w, n = min(self.window, int(query_lens[r])), (seq + b - 1) // b
@@ -199,6 +232,100 @@ class SparseRuntime:
         recomputed from the cache before they are scored."""
         for summaries in self.summaries.values():
             summaries.invalidate(blocks)
+
+    # -- off-load --------------------------------------------------------------------------------
+    def allocate_arena(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The host arena, once, beside the paged cache (``kv_caches``: each layer's, as registered)."""
+        for name in self.layer_names:
+            cache = kv_caches[name]
+            self.resident = len(cache)
+            planes = cache_planes(cache)
+            self.arena[name] = torch.zeros((self.host_blocks * self.num_kv_heads, *planes.shape[1:]), dtype=cache.dtype)
+
+    def offload(
+        self,
+        req_id: str,
+        first: int,
+        blocks: list[int],
+        arena: list[int],
+        slots: list[int],
+        kv_caches: dict[str, torch.Tensor],
+    ) -> None:
+        """Logical blocks ``first, first + 1, ...`` of a request, in cache ``blocks``, move to ``arena``
+        blocks; it attends them through cache ``slots`` from now on. Runs before the step's forward:
+        the scheduler freed ``blocks`` this step, so nothing overwrote them yet."""
+        if not self.arena:
+            raise RuntimeError("sparse off-load: the host arena was not allocated (register_kv_caches)")
+        source, target = torch.tensor(blocks), torch.tensor(arena)
+        hkv, heads = self.num_kv_heads, torch.arange(self.num_kv_heads)
+        rows_from = (source[:, None] * hkv + heads).flatten()
+        rows_to = (target[:, None] * hkv + heads).flatten()
+        for name in self.layer_names:
+            self.arena[name][rows_to] = cache_planes(kv_caches[name])[rows_from]
+            summaries = self.summaries.get(name)
+            if summaries is not None:
+                summaries.copy_rows(source, self.resident + target)
+            prior = self.priors.get(name)
+            if prior is not None:
+                prior[self.resident + target] = prior[source]
+        moved = torch.full((self.resident,), -1, dtype=torch.long)
+        moved[source] = self.resident + target
+        for previous in self._previous.values():  # a selection reused next step names the arena
+            block = previous.long() // hkv
+            off = (block < self.resident) & (moved[block.clamp(max=self.resident - 1)] >= 0)
+            previous[off] = (moved[block[off]] * hkv + previous[off].long() % hkv).to(torch.int32)
+        self.offloaded[req_id] = Offloaded(first, target, torch.tensor(slots))
+
+    def release(self, req_ids: list[str]) -> None:
+        """Requests that ended or were preempted: their arena blocks and slots are someone else's now."""
+        for req_id in req_ids:
+            state = self.offloaded.pop(req_id, None)
+            if state is not None and state.writing >= 0:
+                self._held[state.writing] = -1
+
+    def place_offloaded(self, writing: dict[str, int]) -> None:
+        """Before the step's forward: each off-loaded request of the step, found by the block it
+        writes into (``writing``), has its table name its arena blocks and its slots set."""
+        plan = self.plan
+        if not writing:
+            return
+        if plan is None or plan.fixed is not None:
+            raise RuntimeError(f"sparse off-load: {len(writing)} off-loaded requests in a step with no sparse plan")
+        b = self.block_size
+        at = torch.arange(len(plan.rows))
+        row_of = {int(w): r for r, w in enumerate(plan.tables[at, (plan.seq_lens.long() - 1) // b].tolist())}
+        width = max(len(self.offloaded[req_id].slots) for req_id in writing)
+        slots = torch.full((len(plan.rows), width), -1, dtype=torch.long)
+        for req_id, block in writing.items():
+            r = row_of.get(block)
+            if r is None:  # it would attend cache blocks that hold other requests' keys now
+                raise RuntimeError(f"sparse off-load: request {req_id} is not decoding sparsely this step")
+            state = self.offloaded[req_id]
+            plan.tables[r, state.first : state.first + len(state.arena)] = (self.resident + state.arena).to(torch.int32)
+            slots[r, : len(state.slots)] = state.slots
+            if state.writing >= 0:
+                self._held[state.writing] = -1
+            state.writing = block
+            self._held[block] = plan.seq_lens[r]
+        plan.slots = slots
+        if self.summaries:
+            n = (plan.seq_lens.long() + b - 1) // b
+            plan.stale = next(iter(self.summaries.values())).stale(plan.tables, n - 1, self.resident)
+
+    def _fetch(self, layer_name: str, plan: StepPlan, table: torch.Tensor, planes: torch.Tensor) -> None:
+        """Arena blocks in the layer's table: copied into their rows' slots (the j-th kept arena block
+        of a (request, KV head) into its j-th slot, that head's plane), and the table pointed there."""
+        assert plan.slots is not None
+        hkv = self.num_kv_heads
+        off = table >= self.resident * hkv
+        if not bool(off.any()):
+            return
+        rank = off.long().cumsum(1) - 1
+        row = torch.arange(len(table))[:, None].expand_as(table)
+        slot = plan.slots[row[off] // hkv, rank[off]]
+        target = slot * hkv + row[off] % hkv
+        planes.index_copy_(0, target, self.arena[layer_name].index_select(0, table[off].long() - self.resident * hkv))
+        table[off] = target.to(torch.int32)
 
     # -- the step --------------------------------------------------------------------------------
     def begin_step(
@@ -279,12 +406,17 @@ class SparseRuntime:
         return self.plan
 
     def select(
-        self, layer_name: str, query: torch.Tensor, key_cache: torch.Tensor, positions: torch.Tensor, scale: float
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's per-head block table ((R * Hkv, width) int32, rows ``phys * Hkv + head``) and
         the lengths the kernel attends over it ((R * Hkv,) int32: ``plan.lens`` unless adaptive).
 
-        ``query``: the step's (tokens, H, D); ``key_cache``: the layer's keys as stored
+        ``query``: the step's (tokens, H, D); ``kv_cache``: the layer's cache as vLLM holds it
         ((P, Hkv, ...), see :meth:`BlockSummaries.refresh` for ``positions``)."""
         plan = self.plan
         assert plan is not None
@@ -293,7 +425,7 @@ class SparseRuntime:
         started = time.perf_counter()
         summaries = self.summaries[layer_name]
         if len(plan.stale):
-            summaries.refresh(key_cache, positions, plan.stale)
+            summaries.refresh(cache_keys(kv_cache), positions, plan.stale)
         hkv = self.num_kv_heads
         prior = self.priors.get(layer_name)
         table = torch.zeros(len(plan.rows) * hkv, plan.width, dtype=torch.int32)
@@ -338,6 +470,8 @@ class SparseRuntime:
                 )
                 table.view(len(plan.rows), hkv, -1)[due] = fresh.view(len(due), hkv, -1)
             self._reuse(layer_name, plan, table)
+        if plan.slots is not None:
+            self._fetch(layer_name, plan, table, cache_planes(kv_cache))
         self._previous[layer_name] = table
         self.stats.seconds += time.perf_counter() - started
         return table, lens
@@ -377,6 +511,7 @@ class SparseRuntime:
             self._seq = torch.cat([self._seq, torch.full((grow - len(self._seq),), -1, dtype=torch.int32)])
             self._row = torch.cat([self._row, torch.full((grow - len(self._row),), -1, dtype=torch.int32)])
             self._age = torch.cat([self._age, torch.zeros(grow - len(self._age), dtype=torch.int32)])
+            self._held = torch.cat([self._held, torch.full((grow - len(self._held),), -1, dtype=torch.int32)])
 
     def _track(
         self, tables: torch.Tensor, seq: torch.Tensor, n: torch.Tensor, decode: torch.Tensor
@@ -388,10 +523,14 @@ class SparseRuntime:
         writing = tables[idx, n.long() - 1].long()
         before = tables[idx, (n.long() - 2).clamp(min=0)].long()
         here = self._seq[writing] == seq - 1
-        moved = ~here & (n >= 2) & ((seq - 1) % self.block_size == 0) & (self._seq[before] == seq - 1)
+        started = (n >= 2) & ((seq - 1) % self.block_size == 0)
+        moved = ~here & started & (self._seq[before] == seq - 1)
         source = torch.where(moved, before, writing)
-        sparse = decode & (here | moved)
+        # An off-loaded request back after a step without it: sparse, and retrieving afresh.
+        back = ~(here | moved) & ((self._held[writing] == seq - 1) | (started & (self._held[before] == seq - 1)))
+        sparse = decode & (here | moved | back)
         age = torch.where(sparse, self._age[source] + 1, torch.full_like(seq, -1))
+        age = torch.where(back, 0, age)
         previous = torch.where(sparse, self._row[source], torch.full_like(seq, -1))
         self._forget()
         self._seq[writing] = seq
@@ -429,3 +568,16 @@ class SparseRuntime:
             t.seconds += s.seconds
             t.retrievals += s.retrievals
         self.stats = StepStats()
+
+
+def cache_planes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as one row per (block, KV head): its keys and values, ``(P * Hkv, 2 * block, D)``."""
+    num_blocks, hkv, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks * hkv, 2 * block_size, -1)
+
+
+def cache_keys(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The keys of a layer's cache, per block and KV head: ``(blocks, kv_heads, block_size, head_dim)``
+    as stored (``ucm.integration.vllm.attention.learn_layout`` says where each element lies)."""
+    num_blocks, hkv, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, hkv, 2 * block_size, -1)[:, :, :block_size]

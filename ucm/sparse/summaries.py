@@ -148,11 +148,20 @@ class BlockSummaries:
         """Blocks whose bytes changed without :meth:`write` (loaded from a store)."""
         self.count[blocks.long()] = 0
 
-    def stale(self, tables: torch.Tensor, full_blocks: torch.Tensor) -> torch.Tensor:
+    def copy_rows(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Blocks ``source`` summarized again as blocks ``target`` (long): their bytes moved there."""
+        for t in (self.lo, self.hi, self.mean, self.rep, self.hashes, self.count):
+            if t.numel():
+                t[target] = t[source]
+
+    def stale(self, tables: torch.Tensor, full_blocks: torch.Tensor, resident: int | None = None) -> torch.Tensor:
         """Distinct physical blocks among the first ``full_blocks[r]`` of each row of ``tables``
-        whose summary does not cover the whole block (int32)."""
+        whose summary does not cover the whole block (int32). Ids from ``resident`` on are blocks
+        moved out of the cache (:meth:`copy_rows`): full, and not in the cache to refresh from."""
         cols = torch.arange(tables.shape[1])
         blocks = tables[cols[None, :] < full_blocks[:, None]]
+        if resident is not None:
+            blocks = blocks[blocks < resident]
         return torch.unique(blocks[self.count[blocks.long()] != self.block_size]).to(torch.int32)
 
     def refresh(self, key_cache: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ from ucm.config import ConfigError
 from ucm.cpu import native_bfloat16
 from ucm.integration.vllm.config import WHERE, sparse_config
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.serving import RUNTIMES, SparseRuntime, StepPlan
+from ucm.sparse.serving import RUNTIMES, SparseRuntime, StepPlan, cache_keys, cache_planes
 from ucm.sparse.summaries import native_available
 from ucm.ucm_style import CONNECTOR_NAMES
 
@@ -67,6 +67,11 @@ def configured_sparse(vllm_config: VllmConfig) -> SparseConfig | None:
     given = [c for c in found if c is not None]
     if len(given) > 1:
         raise ConfigError(f"sparse: configured both in {WHERE} and in additional_config; keep one")
+    if len(found) == 1 and given and given[0].offload_blocks:
+        raise ConfigError(
+            "additional_config.sparse.offload_blocks: needs UCMConnector (its scheduler half frees the blocks); "
+            f"configure sparse in {WHERE}"
+        )
     return given[0] if given else None
 
 
@@ -251,7 +256,7 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
             runtime.observe(
                 layer.layer_name,
                 query,
-                _key_cache(kv_cache),
+                cache_keys(kv_cache),
                 md.query_start_loc,
                 md.seq_lens,
                 md.block_table,
@@ -279,16 +284,13 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         """Attention of the sparse rows over the blocks each of their KV heads selected."""
         plan, runtime = md.sparse_plan, md.sparse
         assert plan is not None and runtime is not None and md.sparse_layout is not None
-        num_blocks, hkv, block_size, _ = kv_cache.shape
-        per_head = kv_cache.view(num_blocks, hkv, 2 * block_size, -1)
-        key_cache = per_head[:, :, :block_size]
-        table, lens = runtime.select(layer.layer_name, query, key_cache, md.sparse_layout[0], self.scale)
+        hkv = kv_cache.shape[1]
+        table, lens = runtime.select(layer.layer_name, query, kv_cache, md.sparse_layout[0], self.scale)
         schedule = md.sparse_schedule
         if lens is not plan.lens:  # an adaptive budget: lengths differ per layer
             assert md.sparse_shape is not None
             schedule = md.sparse_shape.per_head_schedule(lens)
-        flat = per_head.view(num_blocks * hkv, 1, 2 * block_size, -1)
-        flat_keys, flat_values = flat.chunk(2, dim=2)
+        flat_keys, flat_values = cache_planes(kv_cache).unsqueeze(1).chunk(2, dim=2)
         g = self.num_heads // hkv
         rows = len(plan.rows)
         output = output.view(len(output), self.num_heads, -1)
@@ -317,13 +319,6 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         )
         if not contiguous:
             output[tokens] = out
-
-
-def _key_cache(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The keys of a layer's cache, per block and KV head: ``(blocks, kv_heads, block_size, head_dim)``
-    as stored (``learn_layout`` says where each element lies)."""
-    num_blocks, hkv, block_size, _ = kv_cache.shape
-    return kv_cache.view(num_blocks, hkv, 2 * block_size, -1)[:, :, :block_size]
 
 
 class UCMAttentionBackend(CPUAttentionBackend):

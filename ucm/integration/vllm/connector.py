@@ -42,11 +42,13 @@ from ucm.integration.vllm.config import (
     prefixed_errors,
     scheduler_store_config,
     shares_per_rank,
+    sparse_config,
 )
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.offload import OffloadPlanner
 from ucm.integration.vllm.scheduler import BlendSettings, SchedulerSide
 from ucm.integration.vllm.stats import StatsRecorder, UCMConnectorStats, UCMPromMetrics
 from ucm.integration.vllm.worker import StageRelay, WorkerSide, or_across
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -87,6 +89,10 @@ class UCMConnector(KVConnectorBase_V1):
         _check_deferred_saves(vllm_config)
         if config.blend is not None:
             _check_blend(kv_role, parallel)
+        sparse = sparse_config(transfer.kv_connector_extra_config, WHERE)
+        offload = sparse is not None and sparse.offload_blocks > 0
+        if offload:
+            _check_offload(vllm_config)
         # Each worker (TP rank x pipeline stage) keeps its own share of a block under its own key; with
         # store_tp, the store's split (a multiple of this engine's) decides the shares and the ids.
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
@@ -104,6 +110,7 @@ class UCMConnector(KVConnectorBase_V1):
         )
         self._stats = StatsRecorder()
         self._scheduler: SchedulerSide | None = None
+        self._offload: OffloadPlanner | None = None
         self._worker: WorkerSide | None = None
         is_scheduler = role == KVConnectorRole.SCHEDULER
         with prefixed_errors():
@@ -125,6 +132,9 @@ class UCMConnector(KVConnectorBase_V1):
                 events=StoreEvents(cache.block_size) if _publishes_events(vllm_config) else None,
                 blend=None if config.blend is None else BlendSettings(config.blend, _separator(vllm_config, config)),
             )
+            if offload:
+                assert sparse is not None
+                self._offload = OffloadPlanner(sparse, cache.block_size, self._stats)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 
@@ -157,6 +167,11 @@ class UCMConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches, self._num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:  # vLLM may start the step's loads after its forward, not this
+            self._worker.offload(self._meta())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -191,9 +206,17 @@ class UCMConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._offload is not None:
+            self._offload.bind(kv_cache_manager)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_meta(scheduler_output)
+        meta = self._scheduler.build_meta(scheduler_output)
+        if self._offload is not None:
+            self._offload.plan(scheduler_output, self._scheduler.requests(), meta)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -209,6 +232,8 @@ class UCMConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        if self._offload is not None:
+            self._offload.release(request.request_id)
         # Saves copy out of the paged cache during the step, so vLLM may free the blocks at once.
         return False, self._scheduler.finished(request)
 
@@ -246,6 +271,19 @@ def _check_deferred_saves(vllm_config: VllmConfig) -> None:
             "--speculative-config with --pipeline-parallel-size above 1: vLLM's V1 model runner (this "
             "engine's) ends a step's KV transfers on the last pipeline stage only; leave one of them out"
         )
+
+
+def _check_offload(vllm_config: VllmConfig) -> None:
+    """Off-load frees blocks of a request the worker still names in its block table, and moves them
+    before the forward of the step that freed them: nothing may run a step ahead, and one worker
+    holds all of a block."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"{WHERE}.sparse.offload_blocks: needs one worker (tensor and pipeline parallel size 1)")
+    if vllm_config.scheduler_config.async_scheduling:
+        raise ConfigError(f"{WHERE}.sparse.offload_blocks: needs synchronous scheduling (leave out --async-scheduling)")
+    if vllm_config.speculative_config is not None:
+        raise ConfigError(f"{WHERE}.sparse.offload_blocks: decodes one token per step; leave out --speculative-config")
 
 
 def _check_blend(kv_role: str, parallel: Any) -> None:

@@ -32,10 +32,25 @@ class BlendTransfer:
 
 
 @dataclass
+class OffloadMove:
+    """A decoding request's logical blocks ``first, first + 1, ...`` leave the paged cache for the
+    host arena (sparse off-load, ``.offload``); it attends them through ``slots`` from now on."""
+
+    req_id: str
+    first: int
+    block_ids: list[int]  # the vLLM blocks they are in, freed this step
+    arena: list[int]  # the arena blocks they move to, pairwise
+    slots: list[int]  # vLLM blocks held for the request
+
+
+@dataclass
 class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     blends: list[BlendTransfer] = field(default_factory=list)
+    offloads: list[OffloadMove] = field(default_factory=list)
+    offloaded: dict[str, int] = field(default_factory=dict)  # off-loaded requests of the step: their writing block
+    released: list[str] = field(default_factory=list)  # off-loaded requests that ended or were preempted
 
 
 def store_keys(block_ids: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:

@@ -309,6 +309,10 @@ class SchedulerSide:
             state.load = None
             state.blend = None
 
+    def requests(self) -> dict[str, Any]:
+        """vLLM's requests this side follows, by id."""
+        return {req_id: state.request for req_id, state in self._requests.items()}
+
     # -- vLLM: build_connector_meta --------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> UCMConnectorMetadata:
         self._step_deadline = None  # vLLM builds the metadata once per step, after all its lookups

@@ -33,6 +33,10 @@ COUNTERS: dict[str, str] = {
     "store_corrupt_blocks": "Stored blocks that failed their integrity check in this engine's workers",
     "store_evicted_blocks": "Blocks evicted by this engine's workers to keep stores under capacity",
     "store_skipped_blocks": "Blocks this engine's workers did not load or save because the store was degraded",
+    "sparse_offloaded_blocks": "Blocks of decoding requests moved from the paged KV cache to the host arena "
+    "(sparse.offload_blocks)",
+    "sparse_offload_blocks_saved": "Paged KV cache blocks sparse off-loads gave back: blocks moved minus the "
+    "slots their requests attend them through",
     "blend_chunks_hit": "Prompt chunks whose KV Blend found in the store (at least their first block)",
     "blend_chunks_missed": "Prompt chunks of a block or more that Blend did not find in the store",
     "blend_reused_tokens": "Tokens whose cached KV Blend kept past its check layer",

@@ -38,7 +38,7 @@ from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.staging import StagingPool
 from ucm.integration.vllm.stats import StatsRecorder
-from ucm.sparse.serving import invalidate_summaries
+from ucm.sparse.serving import invalidate_summaries, offloading_runtimes
 from ucm.store import Store, Task, workers
 
 logger = logging.getLogger(__name__)
@@ -221,6 +221,7 @@ class WorkerSide:
         self._save_mode = save_mode
         self._stats = stats
         self.layout: KVLayout | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self._loads: list[_Load] = []
         self._abandoned: list[Task] = []  # reads past their deadline, not finished yet
         self._scattered: set[int] = set()
@@ -246,6 +247,9 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layout = KVLayout(kv_caches, num_blocks)
+        self._kv_caches = kv_caches
+        for runtime in offloading_runtimes():
+            runtime.allocate_arena(kv_caches)
         k, of = self._shares_per_rank, self._tp_size * self._shares_per_rank
         if k == 1:
             self._shares = [Share(self._rank, of, self.layout)]
@@ -316,6 +320,15 @@ class WorkerSide:
                 self._scatter_layer(layer)
         for blend in meta.blends:
             self._run_blend(blend)
+
+    def offload(self, meta: UCMConnectorMetadata) -> None:
+        """Sparse off-load, before the step's forward: the blocks freed this step still hold their
+        bytes, and the step's sparse plan names the arena where they go."""
+        for runtime in offloading_runtimes():
+            runtime.release(meta.released)
+            for move in meta.offloads:
+                runtime.offload(move.req_id, move.first, move.block_ids, move.arena, move.slots, self._kv_caches)
+            runtime.place_offloaded(meta.offloaded)
 
     def _start_load(self, transfer: BlockTransfer, share: Share, buffer: torch.Tensor | None, j: int) -> _Load:
         started = time.perf_counter()
