@@ -2,9 +2,11 @@
 same number of blocks), both decoding with ESA through UCMConnector, one of them off-loading
 decoding requests' middle blocks to its host arena (``sparse.offload_blocks``).
 
-- Off-load changes no token: each prompt, alone, decodes the same text on both.
+- Off-load changes no token: each prompt, alone, decodes the same text on both (and with KVStar,
+  whose selections are reused between retrievals, in a pair of its own).
 - The off-loading engine runs at least twice the long requests at once: vLLM's own gauge of running
   requests, sampled while the same burst of requests goes through each.
+- Off-loaded requests that vLLM preempts give their slots back and finish.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ BLOCKS = 180  # the paged cache of both engines: dense holds three such requests
 ESA = {"sparse_ratio": 0.1, "min_blocks": 4}  # at most 6 blocks per step: the sinks, 3 chosen, the local two
 
 
-def engine(tiny_model, logs, store, name: str, offload_blocks: int) -> VLLMServer:
-    sparse = {"algorithm": "esa", "min_tokens": 256, "dense_layers": 0, "esa": ESA, "offload_blocks": offload_blocks}
+def engine(tiny_model, logs, store, name: str, offload_blocks: int, algorithm: str = "esa") -> VLLMServer:
+    options = {"esa": ESA, "kvstar": {**ESA, "retrieval_stride": 3}}[algorithm]
+    sparse = {"algorithm": algorithm, "min_tokens": 256, "dense_layers": 0, algorithm: options}
+    sparse["offload_blocks"] = offload_blocks
     server = VLLMServer(
         tiny_model,
         logs / f"{name}.log",
@@ -65,6 +69,19 @@ def test_offload_decodes_the_same_tokens(engines):
     m = offload.metrics()
     assert m["ucm_connector_sparse_offloaded_blocks_total"] == 3 * 48  # blocks [1, 49) of each request
     assert m["ucm_connector_sparse_offload_blocks_saved_total"] == 3 * (48 - 3)  # less 3 slots each
+
+
+def test_offload_decodes_the_same_tokens_between_retrievals(tiny_model, tmp_path):
+    """KVStar reuses a selection for 3 steps: reused selections that named off-loaded blocks
+    attend them through the slots they were copied into."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sparse = engine(tiny_model, tmp_path, tmp_path / "a", "kvstar-sparse", 0, "kvstar")
+    offload = engine(tiny_model, tmp_path, tmp_path / "b", "kvstar-offload", 1024, "kvstar")
+    with serving(sparse, offload):
+        for prompt in prompts(2, seed=4):
+            assert complete(offload, prompt) == complete(sparse, prompt)
+        assert offload.metrics()["ucm_connector_sparse_offloaded_blocks_total"] == 2 * 48
 
 
 def most_running(server: VLLMServer, burst: list[list[int]]) -> int:

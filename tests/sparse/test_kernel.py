@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.sparse import reference
-from ucm.sparse.summaries import BlockSummaries, Scoring
+from ucm.sparse.summaries import BlockSummaries, Scoring, fetch_into_slots
 
 HKV, G, D, B = 3, 3, 64, 32
 H = HKV * G
@@ -294,3 +294,34 @@ def test_the_bound_is_above_every_logit_of_its_block():
             h = head // G
             bound = q[head] @ c[h] + q[head].abs() @ r[h]
             assert float((block[:, h] @ q[head]).max()) <= float(bound) + 1e-4
+
+
+def test_offload_fetch_copies_kept_arena_blocks_into_slots_once():
+    """Off-load's per-layer fetch: each kept arena block lands in one of its request's slot planes
+    (its head's), which the table then names; a block a slot holds from an earlier step is not
+    copied again; a miss takes a slot no kept block holds; a selection beyond the slots is refused."""
+    hkv, resident, arena_blocks = 2, 10, 8
+    planes = torch.zeros(resident * hkv, 4, 3)
+    arena = torch.arange(arena_blocks * hkv * 12, dtype=torch.float32).view(arena_blocks * hkv, 4, 3)
+    holds = torch.full((resident * hkv,), -1, dtype=torch.int32)
+    slot_of = torch.full((arena_blocks * hkv,), -1, dtype=torch.int32)
+    slots = torch.tensor([[7, 8, 9]])  # one request, three slot blocks
+
+    def step(kept: list[int]) -> int:
+        table = torch.tensor(
+            [[h] + [(resident + v) * hkv + h for v in kept] for h in range(hkv)], dtype=torch.int32
+        )  # block 0 stays in the cache
+        copied = fetch_into_slots(table, slots, holds, slot_of, arena, planes)
+        for h in range(hkv):
+            assert int(table[h, 0]) == h
+            for col, v in enumerate(kept, start=1):
+                plane = int(table[h, col])
+                assert plane // hkv in (7, 8, 9) and plane % hkv == h
+                assert torch.equal(planes[plane], arena[v * hkv + h])
+        return copied
+
+    assert step([1, 4]) == 4  # two blocks, two heads
+    assert step([4, 1]) == 0  # held from the last step
+    assert step([4, 6, 2]) == 4  # 6 and 2 are new; 1's slot is free again
+    with pytest.raises(RuntimeError, match="more off-loaded blocks than its slots"):
+        step([0, 1, 2, 3])

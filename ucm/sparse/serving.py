@@ -40,7 +40,7 @@ import torch
 from ucm import metrics
 from ucm.config import ConfigError
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.summaries import BlockSummaries, Scoring
+from ucm.sparse.summaries import BlockSummaries, Scoring, fetch_into_slots
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -163,6 +163,10 @@ class SparseRuntime:
         self.host_blocks = config.offload_blocks
         self.resident = 0  # blocks of the paged cache (allocate_arena); arena block v is block resident + v
         self.arena: dict[str, torch.Tensor] = {}  # per sparse layer, (V * Hkv, 2 * block, D): see allocate_arena
+        # Per layer: the arena plane each cache plane holds (-1: none), and the slot holding each
+        # arena plane (-1: none): what a layer's slots hold from one step to the next (see _fetch).
+        self._holds: dict[str, torch.Tensor] = {}
+        self._slot_of: dict[str, torch.Tensor] = {}
         self.offloaded: dict[str, Offloaded] = {}  # by request id
 
     def sparse_layer(self, layer_name: str) -> bool:
@@ -241,6 +245,8 @@ class SparseRuntime:
             self.resident = len(cache)
             planes = cache_planes(cache)
             self.arena[name] = torch.zeros((self.host_blocks * self.num_kv_heads, *planes.shape[1:]), dtype=cache.dtype)
+            self._holds[name] = torch.full((len(planes),), -1, dtype=torch.int32)
+            self._slot_of[name] = torch.full((len(self.arena[name]),), -1, dtype=torch.int32)
 
     def offload(
         self,
@@ -260,8 +266,11 @@ class SparseRuntime:
         hkv, heads = self.num_kv_heads, torch.arange(self.num_kv_heads)
         rows_from = (source[:, None] * hkv + heads).flatten()
         rows_to = (target[:, None] * hkv + heads).flatten()
+        slot_planes = (torch.tensor(slots)[:, None] * hkv + heads).flatten()
         for name in self.layer_names:
             self.arena[name][rows_to] = cache_planes(kv_caches[name])[rows_from]
+            self._holds[name][slot_planes] = -1  # fresh slots hold nothing yet; the arena blocks are in none
+            self._slot_of[name][rows_to] = -1
             summaries = self.summaries.get(name)
             if summaries is not None:
                 summaries.copy_rows(source, self.resident + target)
@@ -313,19 +322,13 @@ class SparseRuntime:
             plan.stale = next(iter(self.summaries.values())).stale(plan.tables, n - 1, self.resident)
 
     def _fetch(self, layer_name: str, plan: StepPlan, table: torch.Tensor, planes: torch.Tensor) -> None:
-        """Arena blocks in the layer's table: copied into their rows' slots (the j-th kept arena block
-        of a (request, KV head) into its j-th slot, that head's plane), and the table pointed there."""
+        """Arena blocks in the layer's table, copied into their rows' slots unless a slot holds one
+        already from an earlier step (a selection changes little from one step to the next), and
+        the table pointed at the slots."""
         assert plan.slots is not None
-        hkv = self.num_kv_heads
-        off = table >= self.resident * hkv
-        if not bool(off.any()):
-            return
-        rank = off.long().cumsum(1) - 1
-        row = torch.arange(len(table))[:, None].expand_as(table)
-        slot = plan.slots[row[off] // hkv, rank[off]]
-        target = slot * hkv + row[off] % hkv
-        planes.index_copy_(0, target, self.arena[layer_name].index_select(0, table[off].long() - self.resident * hkv))
-        table[off] = target.to(torch.int32)
+        fetch_into_slots(
+            table, plan.slots, self._holds[layer_name], self._slot_of[layer_name], self.arena[layer_name], planes
+        )
 
     # -- the step --------------------------------------------------------------------------------
     def begin_step(

@@ -238,5 +238,37 @@ class BlockSummaries:
         )
 
 
+def fetch_into_slots(
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    holds: torch.Tensor,
+    slot_of: torch.Tensor,
+    arena: torch.Tensor,
+    planes: torch.Tensor,
+) -> int:
+    """Sparse off-load, one layer: the arena planes named in ``table`` ((R * Hkv, W) int32 entries
+    from ``len(planes)`` on: ``len(planes) + arena plane``) copied into the cache planes of their
+    rows' slots (``slots``: (R, K) int64 cache blocks, -1 past a row's), and the entries rewritten
+    to those planes. ``holds`` ((len(planes),) int32) and ``slot_of`` ((len(arena),) int32) say what
+    the slots hold from earlier steps: a block held already is not copied again. Returns the planes
+    copied. ``arena`` and ``planes``: (n, 2 * block_size, head_dim), contiguous."""
+    assert _native is not None
+    return _native.sparse_fetch(
+        table=table.data_ptr(),
+        rows=len(table),
+        width=table.shape[1],
+        table_stride=table.stride(0),
+        kv_heads=len(table) // len(slots),
+        resident_planes=len(planes),
+        slots=slots.data_ptr(),
+        slot_stride=slots.stride(0),
+        holds=holds.data_ptr(),
+        slot_of=slot_of.data_ptr(),
+        arena=arena.data_ptr(),
+        planes=planes.data_ptr(),
+        plane_bytes=arena[0].numel() * arena.element_size(),
+    )
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr() if t.numel() else 0

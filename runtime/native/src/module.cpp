@@ -96,6 +96,26 @@ static void def_sparse(nb::module_& m) {
           nb::arg("out"), nb::arg("out_stride"), nb::arg("kept") = 0, nb::arg("scores") = 0,
           nb::arg("score_stride") = 0, nb::arg("prior") = 0,
           "Score every (request, KV head, block) of a step and write the kept blocks per (request, KV head).");
+  m.def(
+      "sparse_fetch",
+      [](uintptr_t table, int64_t rows, int64_t width, int64_t table_stride, int64_t kv_heads, int64_t resident_planes,
+         uintptr_t slots, int64_t slot_stride, uintptr_t holds, uintptr_t slot_of, uintptr_t arena, uintptr_t planes,
+         int64_t plane_bytes) {
+        sp::Fetch f{ptr<int32_t>(table), rows,        width,           table_stride,         kv_heads,
+                    resident_planes,     ptr<const int64_t>(slots), slot_stride, ptr<int32_t>(holds),
+                    ptr<int32_t>(slot_of), ptr<const uint8_t>(arena), ptr<uint8_t>(planes), plane_bytes};
+        int64_t copied;
+        {
+          nb::gil_scoped_release release;
+          copied = sp::fetch(f);
+        }
+        if (copied < 0) throw std::runtime_error("sparse_fetch: a request keeps more off-loaded blocks than its slots");
+        return copied;
+      },
+      nb::arg("table"), nb::arg("rows"), nb::arg("width"), nb::arg("table_stride"), nb::arg("kv_heads"),
+      nb::arg("resident_planes"), nb::arg("slots"), nb::arg("slot_stride"), nb::arg("holds"), nb::arg("slot_of"),
+      nb::arg("arena"), nb::arg("planes"), nb::arg("plane_bytes"),
+      "Off-load: copy a layer's kept arena blocks into their requests' slots (misses only); returns the planes copied.");
 }
 
 NB_MODULE(ucm_native, m) {

@@ -800,4 +800,47 @@ void select(const Summaries& s, const Selection& sel) {
   }
 }
 
+int64_t fetch(const Fetch& f) {
+  int64_t copied = 0;
+  bool short_of_slots = false;
+#pragma omp parallel for schedule(dynamic) reduction(+ : copied) reduction(|| : short_of_slots) if (f.rows > 1)
+  for (int64_t row = 0; row < f.rows; ++row) {
+    int32_t* table = f.table + row * f.table_stride;
+    const int64_t* slots = f.slots + (row / f.kv_heads) * f.slot_stride;
+    const int64_t head = row % f.kv_heads;
+    std::vector<char> taken(static_cast<size_t>(f.slot_stride), 0);
+    auto plane_of = [&](int64_t j) { return slots[j] * f.kv_heads + head; };
+    // Hits first, so that a miss never takes the slot of a block kept this step.
+    for (int64_t c = 0; c < f.width; ++c) {
+      if (table[c] < f.resident_planes) continue;
+      const int64_t a = table[c] - f.resident_planes;
+      const int32_t j = f.slot_of[a];
+      if (j >= 0 && j < f.slot_stride && slots[j] >= 0 && f.holds[plane_of(j)] == a) {
+        taken[j] = 1;
+        table[c] = static_cast<int32_t>(plane_of(j));
+      }
+    }
+    int64_t next = 0;
+    for (int64_t c = 0; c < f.width; ++c) {
+      if (table[c] < f.resident_planes) continue;
+      const int64_t a = table[c] - f.resident_planes;
+      while (next < f.slot_stride && (taken[next] || slots[next] < 0)) ++next;
+      if (next == f.slot_stride) {
+        short_of_slots = true;
+        break;
+      }
+      const int64_t p = plane_of(next);
+      const int32_t before = f.holds[p];
+      if (before >= 0 && f.slot_of[before] == next) f.slot_of[before] = -1;
+      std::memcpy(f.planes + p * f.plane_bytes, f.arena + a * f.plane_bytes, static_cast<size_t>(f.plane_bytes));
+      f.holds[p] = static_cast<int32_t>(a);
+      f.slot_of[a] = static_cast<int32_t>(next);
+      taken[next] = 1;
+      table[c] = static_cast<int32_t>(p);
+      ++copied;
+    }
+  }
+  return short_of_slots ? -1 : copied;
+}
+
 }  // namespace ucm::sparse

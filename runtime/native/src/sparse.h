@@ -70,4 +70,26 @@ struct Selection {
 
 void select(const Summaries& s, const Selection& sel);
 
+// Off-load: one layer's kept arena blocks into their request's slots, in place of a full copy per
+// step. Table entries from `resident_planes` on name arena planes (block * kv_heads + head, less
+// resident_planes); row r * kv_heads + h of the table is request r's head h, whose off-loaded blocks
+// are attended through the cache planes slots[r * slot_stride + j] * kv_heads + h. `holds[plane]`
+// (one per cache plane) is the arena plane a slot plane holds (-1: none) and `slot_of[arena plane]`
+// the slot j that holds it: a kept block already in a slot is a hit and is not copied again; a miss
+// takes a slot no kept block holds. Entries are rewritten to the slot planes. Returns the planes
+// copied, or -1 when a row has fewer slots than kept arena blocks.
+struct Fetch {
+  int32_t* table;  // (rows, table_stride)
+  int64_t rows, width, table_stride, kv_heads, resident_planes;
+  const int64_t* slots;  // (rows / kv_heads, slot_stride), -1 past a request's slots
+  int64_t slot_stride;
+  int32_t* holds;    // (resident_planes,)
+  int32_t* slot_of;  // (arena planes,)
+  const uint8_t* arena;  // (arena planes, plane_bytes)
+  uint8_t* planes;       // (resident_planes, plane_bytes): the layer's cache
+  int64_t plane_bytes;
+};
+
+int64_t fetch(const Fetch& f);
+
 }  // namespace ucm::sparse

@@ -92,13 +92,14 @@ class OffloadPlanner:
         if any(block.is_null for block in blocks[self.init : last]):
             return
         moved = [block.block_id for block in blocks[self.init : last]]
+        given = sum(block.ref_cnt == 1 for block in blocks[self.init : last])  # others' prefix blocks stay
         slots = self._pool.get_new_blocks(k)
         self._manager._remove_blocks_in_range(req_id, self.init, last)
         arena = [self._free_arena.pop() for _ in range(freed)]
         self._held[req_id] = (arena, slots)
         meta.offloads.append(OffloadMove(req_id, self.init, moved, arena, [s.block_id for s in slots]))
         self._stats.add("sparse_offloaded_blocks", freed)
-        self._stats.add("sparse_offload_blocks_saved", freed - k)
+        self._stats.add("sparse_offload_blocks_saved", given - k)
         logger.debug("sparse off-load: %s gives %d blocks to the host arena, keeps %d slots", req_id, freed, k)
 
     def release(self, req_id: str) -> None:

@@ -35,8 +35,8 @@ COUNTERS: dict[str, str] = {
     "store_skipped_blocks": "Blocks this engine's workers did not load or save because the store was degraded",
     "sparse_offloaded_blocks": "Blocks of decoding requests moved from the paged KV cache to the host arena "
     "(sparse.offload_blocks)",
-    "sparse_offload_blocks_saved": "Paged KV cache blocks sparse off-loads gave back: blocks moved minus the "
-    "slots their requests attend them through",
+    "sparse_offload_blocks_saved": "Paged KV cache blocks sparse off-loads gave back: blocks freed (not shared "
+    "with another request's prefix) minus the slots their requests attend them through",
     "blend_chunks_hit": "Prompt chunks whose KV Blend found in the store (at least their first block)",
     "blend_chunks_missed": "Prompt chunks of a block or more that Blend did not find in the store",
     "blend_reused_tokens": "Tokens whose cached KV Blend kept past its check layer",
