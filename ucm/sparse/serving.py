@@ -317,9 +317,14 @@ class SparseRuntime:
             state.writing = block
             self._held[block] = plan.seq_lens[r]
         plan.slots = slots
-        if self.summaries:
-            n = (plan.seq_lens.long() + b - 1) // b
-            plan.stale = next(iter(self.summaries.values())).stale(plan.tables, n - 1, self.resident)
+        plan.stale = self._stale(plan.tables, (plan.seq_lens.long() + b - 1) // b)
+
+    def _stale(self, tables: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The full blocks of these rows (``n`` blocks each) whose summaries must be recomputed
+        before they are scored; arena blocks are never stale."""
+        if not self.summaries:
+            return torch.empty(0, dtype=torch.int32)
+        return next(iter(self.summaries.values())).stale(tables, n - 1, self.resident or None)
 
     def _fetch(self, layer_name: str, plan: StepPlan, table: torch.Tensor, planes: torch.Tensor) -> None:
         """Arena blocks in the layer's table, copied into their rows' slots unless a slot holds one
@@ -377,9 +382,7 @@ class SparseRuntime:
             kept[reused] = previous_kept + grown.long()
         partial = (seq - n * b).repeat_interleave(hkv)
         lens = torch.add(partial, kept.to(torch.int32).repeat_interleave(hkv), alpha=b)
-        stale = torch.empty(0, dtype=torch.int32)
-        if self.summaries:
-            stale = next(iter(self.summaries.values())).stale(tables, n.long() - 1)
+        stale = self._stale(tables, n.long())
         self.plan = StepPlan(
             rows=rows,
             tokens=query_start_loc[rows].to(torch.int32),
