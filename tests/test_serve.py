@@ -33,7 +33,7 @@ def test_dry_run_prints_the_vllm_command_with_the_config(tmp_path):
     r = serve(config, "--model", "m", "--port", "8001")
     assert r.returncode == 0, r.stderr
     command = json.loads(r.stdout)
-    assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert command[1:5] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", "m"]
     passed = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert passed["kv_connector"] == "UCMConnector"
     assert passed["kv_connector_extra_config"]["store"]["posix"]["roots"] == [str(tmp_path / "kv")]

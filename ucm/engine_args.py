@@ -163,7 +163,7 @@ def generate() -> str:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    # As `python -m vllm.entrypoints.openai.api_server` (what `ucm serve` runs) builds it.
+    # As `python -m vllm.entrypoints.launchers.api_server.entry` (what `ucm serve` runs) builds it.
     parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
     # What this module's reading assumes of the parser.
     if not parser.allow_abbrev or parser.prefix_chars != "-" or parser._has_negative_number_optionals:

