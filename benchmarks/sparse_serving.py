@@ -130,6 +130,9 @@ class Text:
         return self.head + words[:at] + needle + words[at:] + self.tail
 
 
+ENGINE_KNOBS = ("min_tokens", "dense_layers")
+
+
 @dataclass
 class Arm:
     name: str  # dense, an algorithm, or a variant of one: "gsa:retrieval_stride=4:sparse_ratio=0.2"
@@ -147,18 +150,20 @@ class Arm:
             settings["sparse_ratio"] = knobs["sparse_ratio"]
         if "sparse_ratio" in settings and algorithm != "static" and knobs.get("observation_window") is not None:
             settings["observation_window"] = knobs["observation_window"]
+        config: dict[str, Any] = {"algorithm": algorithm, algorithm: settings}
+        for key in ENGINE_KNOBS:
+            if knobs.get(key) is not None:
+                config[key] = knobs[key]
         for option in variant:
             key, eq, value = option.partition("=")
             if not eq:
                 raise SystemExit(f"--algorithms: {self.name!r}: variant options are key=value, got {option!r}")
             try:  # numbers and booleans as JSON, anything else as the string given
-                settings[key] = json.loads(value)
+                parsed = json.loads(value)
             except json.JSONDecodeError:
-                settings[key] = value
-        config: dict[str, Any] = {"algorithm": algorithm, algorithm: settings}
-        for key in ("min_tokens", "dense_layers"):
-            if knobs.get(key) is not None:
-                config[key] = knobs[key]
+                parsed = value
+            # min_tokens and dense_layers belong to the sparse config, the rest to the algorithm
+            (config if key in ENGINE_KNOBS else settings)[key] = parsed
         return config
 
 
@@ -355,6 +360,8 @@ def accuracy_row(arm: str, context: int, trials: list[Trial], outcomes: list[boo
         "accuracy": round(sum(outcomes) / len(outcomes), 4),
         "accuracy_95": [round(lo, 4), round(hi, 4)],
         "by_depth": {d: round(sum(v) / len(v), 3) for d, v in sorted(by_depth.items())},
+        # per trial, in order ("1": found): the same trials in every arm, so any two arms can be paired
+        "outcomes": "".join("1" if ok else "0" for ok in outcomes),
     }
     if dense is not None:
         p = paired(dense, outcomes)
@@ -374,7 +381,7 @@ def main() -> int:
     p.add_argument(
         "--algorithms",
         help=f"comma-separated, from {', '.join(SETTINGS)} (default: all); a variant adds options after the "
-        "name, e.g. gsa:retrieval_stride=4 (arms side by side in one run)",
+        "name, e.g. gsa:retrieval_stride=4 or esa:dense_layers=0 (arms side by side in one run)",
     )
     p.add_argument("--contexts", help="speed contexts (default 2000,7000,16000,32000)")
     p.add_argument("--needle-contexts", help="accuracy contexts, native (default 2000,7000; quick: 7000)")
