@@ -4,7 +4,7 @@ Three engines with the same paged KV cache (``--num-gpu-blocks-override``, the s
 side in one run, on a real model (SmolLM2-135M-Instruct, benchmarks/real_model.py) and real text:
 
   dense      vLLM's attention over every block
-  sparse     ESA at --sparse-ratio, every layer sparse (dense_layers 0, as off-load needs)
+  sparse     ESA at --sparse-ratio, the first --dense-layers layers dense (UCM's default 2)
   offload    the same ESA, decoding requests' middle blocks moved to a host arena
              (sparse.offload_blocks): each keeps its sink and local windows and a few slots
 
@@ -61,10 +61,10 @@ SETTLE_S = 2.0
 ARMS = ("dense", "sparse", "offload")
 
 
-def sparse_config(arm: str, ratio: float, offload_blocks: int) -> dict[str, Any] | None:
+def sparse_config(arm: str, ratio: float, dense_layers: int, offload_blocks: int) -> dict[str, Any] | None:
     if arm == "dense":
         return None
-    config = {"algorithm": "esa", "min_tokens": 1024, "dense_layers": 0, "esa": {"sparse_ratio": ratio}}
+    config = {"algorithm": "esa", "min_tokens": 1024, "dense_layers": dense_layers, "esa": {"sparse_ratio": ratio}}
     if arm == "offload":
         config["offload_blocks"] = offload_blocks
     return config
@@ -72,7 +72,7 @@ def sparse_config(arm: str, ratio: float, offload_blocks: int) -> dict[str, Any]
 
 def engine(model: Path, arm: str, logs: Path, store: Path, args: argparse.Namespace) -> VLLMServer:
     extra = {}
-    sparse = sparse_config(arm, args.sparse_ratio, args.requests * math.ceil(args.context / BLOCK))
+    sparse = sparse_config(arm, args.sparse_ratio, args.dense_layers, args.requests * math.ceil(args.context / BLOCK))
     if sparse is not None:
         extra["sparse"] = sparse
     kv = kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, "kv_both", **extra)
@@ -160,6 +160,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=12, help="requests in the burst")
     p.add_argument("--blocks", type=int, help="KV blocks of every engine (default: four dense requests)")
     p.add_argument("--sparse-ratio", type=float, default=0.3)
+    p.add_argument("--dense-layers", type=int, default=2, help="layers that attend every block (UCM's default 2)")
     p.add_argument("--speed-rows", type=int, default=4, help="requests decoding together in the speed runs")
     p.add_argument("--repeats", type=int, default=3, help="speed rounds (the median is reported)")
     p.add_argument("--identity-prompts", type=int, default=3)
@@ -206,6 +207,7 @@ def main() -> int:
         "blocks": args.blocks,
         "block_size": BLOCK,
         "sparse_ratio": args.sparse_ratio,
+        "dense_layers": args.dense_layers,
         "rows": list(rows.values()),
         "offload_held_vs_dense": round(rows["offload"]["held_most"] / dense, 2) if dense else None,
         "offload_token_agreement_vs_sparse": [round(s, 4) for s in same],

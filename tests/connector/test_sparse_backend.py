@@ -285,19 +285,12 @@ def test_summaries_refreshed_from_the_kernels_cache_layout_equal_those_kept_at_w
     assert summaries.count.tolist() == [B, B, B]
 
 
-@pytest.mark.parametrize("algorithm", ["esa", "gsa", "kvstar", "psa"])
-def test_offloaded_blocks_are_attended_from_the_arena_as_they_were_from_the_cache(algorithm):
-    """offload_blocks: two decoding requests' middle blocks moved to the host arena, their cache
-    blocks then overwritten by other requests: the step attends the same blocks with the same bytes
-    (the output equals that without off-load, bit for bit), the kept arena blocks through the
-    requests' slots, never through the blocks they left."""
-    options = {"psa": {"max_ratio": 0.6}}.get(algorithm, {"sparse_ratio": 0.4, "min_blocks": 1})
-    config = {"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, algorithm: options}
-    seq_lens, query_lens = [300, 69, 270], [1, 5, 1]
-    *_, want, _ = run(config, seq_lens, query_lens)
-    RUNTIMES.clear()
-    left: list[int] = []
-    slots: list[int] = []
+def offloading_two_rows(
+    seq_lens: list[int], left: list[int], slots: list[int]
+) -> Callable[[SparseRuntime, Batch], None]:
+    """What the connector does for rows 0 and 2 (decoding) when off-load frees their middle blocks:
+    the blocks move to the arena, 6 free cache blocks each become their slots, and the blocks they
+    left are overwritten by their next owners. Records the blocks left and the slots."""
 
     def offload(runtime: SparseRuntime, batch: Batch) -> None:
         caches = {name: batch.kv_cache for name in runtime.layer_names}
@@ -317,12 +310,49 @@ def test_offloaded_blocks_are_attended_from_the_arena_as_they_were_from_the_cach
         batch.kv_cache[left] = torch.randn(len(left), *batch.kv_cache.shape[1:])  # the blocks' next owners
         runtime.place_offloaded(writing)
 
+    return offload
+
+
+@pytest.mark.parametrize("algorithm", ["esa", "gsa", "kvstar", "psa"])
+def test_offloaded_blocks_are_attended_from_the_arena_as_they_were_from_the_cache(algorithm):
+    """offload_blocks: two decoding requests' middle blocks moved to the host arena, their cache
+    blocks then overwritten by other requests: the step attends the same blocks with the same bytes
+    (the output equals that without off-load, bit for bit), the kept arena blocks through the
+    requests' slots, never through the blocks they left."""
+    options = {"psa": {"max_ratio": 0.6}}.get(algorithm, {"sparse_ratio": 0.4, "min_blocks": 1})
+    config = {"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, algorithm: options}
+    seq_lens, query_lens = [300, 69, 270], [1, 5, 1]
+    *_, want, _ = run(config, seq_lens, query_lens)
+    RUNTIMES.clear()
+    left: list[int] = []
+    slots: list[int] = []
+    offload = offloading_two_rows(seq_lens, left, slots)
     _, plan, tables, out, _ = run({**config, "offload_blocks": 20}, seq_lens, query_lens, before_forward=offload)
     assert plan.rows.tolist() == [0, 2]
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     (table,) = tables
     named = set((table // HKV).flatten().tolist())
     assert not named & set(left) and named & set(slots)
+
+
+def test_a_dense_layer_attends_offloaded_rows_over_every_block_from_the_arena():
+    """With dense layers (the default 2), off-loaded rows' dense layers read their middle blocks
+    from the arena and the rest from the cache, in one call: the output equals dense attention
+    without off-load bit for bit, the prefill chunk's row included, though the blocks they left
+    hold other requests' bytes now."""
+    config = {"algorithm": "esa", "min_tokens": 64, "esa": {"sparse_ratio": 0.4, "min_blocks": 1}}
+    seq_lens, query_lens = [300, 69, 270], [1, 5, 1]
+    *_, want, _ = run(config, seq_lens, query_lens, name=DENSE_LAYER)
+    RUNTIMES.clear()
+    left: list[int] = []
+    offload = offloading_two_rows(seq_lens, left, [])
+    _, plan, tables, out, vllm = run(
+        {**config, "offload_blocks": 20}, seq_lens, query_lens, name=DENSE_LAYER, before_forward=offload
+    )
+    assert plan.offloaded is not None and plan.offloaded.rows.tolist() == [0, 2] and tables == []
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    decodes = [0, 1 + 5]  # rows 0 and 2's query tokens
+    assert not torch.allclose(vllm[decodes], want[decodes], atol=1e-3)  # the cache alone holds others' bytes
 
 
 def test_gsa_ondevice_refuses_more_hash_bits_than_head_dim():

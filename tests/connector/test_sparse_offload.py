@@ -1,9 +1,11 @@
 """Sparse off-load in real vLLM (CPU build) engines: two engines with the same paged KV cache (the
-same number of blocks), both decoding with ESA through UCMConnector, one of them off-loading
-decoding requests' middle blocks to its host arena (``sparse.offload_blocks``).
+same number of blocks), both decoding with ESA through UCMConnector, the tiny model's first layer
+dense and its second sparse, one of them off-loading decoding requests' middle blocks to its host
+arena (``sparse.offload_blocks``).
 
-- Off-load changes no token: each prompt, alone, decodes the same text on both (and with KVStar,
-  whose selections are reused between retrievals, in a pair of its own).
+- Off-load changes no token: each prompt, alone, decodes the same text on both, the dense layer
+  reading the off-loaded blocks from the arena (and with KVStar, whose selections are reused
+  between retrievals, every layer sparse, in a pair of its own).
 - The off-loading engine runs at least twice the long requests at once: vLLM's own gauge of running
   requests, sampled while the same burst of requests goes through each.
 - Off-loaded requests that vLLM preempts give their slots back and finish.
@@ -29,9 +31,11 @@ BLOCKS = 180  # the paged cache of both engines: dense holds three such requests
 ESA = {"sparse_ratio": 0.1, "min_blocks": 4}  # at most 6 blocks per step: the sinks, 3 chosen, the local two
 
 
-def engine(tiny_model, logs, store, name: str, offload_blocks: int, algorithm: str = "esa") -> VLLMServer:
+def engine(
+    tiny_model, logs, store, name: str, offload_blocks: int, algorithm: str = "esa", dense_layers: int = 0
+) -> VLLMServer:
     options = {"esa": ESA, "kvstar": {**ESA, "retrieval_stride": 3}}[algorithm]
-    sparse = {"algorithm": algorithm, "min_tokens": 256, "dense_layers": 0, algorithm: options}
+    sparse = {"algorithm": algorithm, "min_tokens": 256, "dense_layers": dense_layers, algorithm: options}
     sparse["offload_blocks"] = offload_blocks
     server = VLLMServer(
         tiny_model,
@@ -46,8 +50,8 @@ def engine(tiny_model, logs, store, name: str, offload_blocks: int, algorithm: s
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    sparse = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "sparse", 0)
-    offload = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "offload", 1024)
+    sparse = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "sparse", 0, dense_layers=1)
+    offload = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "offload", 1024, dense_layers=1)
     with serving(sparse, offload):
         yield sparse, offload
 

@@ -54,8 +54,8 @@ class SparseConfig(StrictModel):
         ge=0,
         description="Blocks of host memory (per worker, every layer) that hold decoding requests' middle "
         "blocks, off the paged KV cache: each attends them through a few blocks of the cache, refilled with "
-        "what its selection keeps, so the cache holds more long requests. 0: off. Needs UCMConnector and "
-        "dense_layers 0 (a dense layer would read every block)",
+        "what its selection keeps, so the cache holds more long requests (a dense layer reads them all "
+        "where they lie). 0: off. Needs UCMConnector",
     )
     esa: ESAConfig | None = None
     gsa: GSAConfig | None = None
@@ -77,11 +77,6 @@ class SparseConfig(StrictModel):
         options = self.options
         if self.offload_blocks and self.algorithm == "static":
             raise ValueError("offload_blocks: static keeps the most recent blocks; there is nothing to off-load")
-        if self.offload_blocks and self.dense_layers:
-            raise ValueError(
-                f"offload_blocks: needs dense_layers 0, got {self.dense_layers}: "
-                "a dense layer attends every block, off-loaded ones too"
-            )
         if options.windows(1)[1] < 1:
             raise ValueError(
                 f"{self.algorithm}.local_window_sz: at least 1 when serving "

@@ -26,7 +26,9 @@ the step's forward. From then on the request's table names arena blocks as ids `
 the cache's blocks), the summaries are kept for ``P + V`` blocks, so selection is unchanged, and
 each layer copies the arena blocks a selection keeps into the request's slots (one per KV head and
 kept block) before attending: the same blocks in the same order, so the same output as without
-off-load.
+off-load. A dense layer reads every block of an off-loaded request where it lies: the layer's arena
+holds the middle, and a scratch region behind it a copy of the step's resident blocks (the sink and
+the newest blocks, a few), so that one kernel call attends them all (:meth:`offloaded_cache`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,18 @@ class Offloaded:
 
 
 @dataclass
+class OffloadedRows:
+    """The step's off-loaded requests as a dense layer attends them: every block, through the
+    layer's arena with the step's resident blocks copied behind it (:meth:`SparseRuntime.offloaded_cache`)."""
+
+    rows: torch.Tensor  # (O,) long: their rows of the batch
+    tokens: torch.Tensor  # (O,) long: each row's query token
+    seq_lens: torch.Tensor  # (O,) int32
+    tables: torch.Tensor  # (O, W) int32: blocks of the arena, then scratch blocks V, V + 1, ...
+    copy_from: torch.Tensor  # (S,) long: the resident cache blocks those scratch blocks copy, in order
+
+
+@dataclass
 class StepPlan:
     """What every sparse layer of one step shares. ``R`` sparse rows, ``Hkv`` KV heads."""
 
@@ -103,6 +117,7 @@ class StepPlan:
     stale: torch.Tensor  # (S,) int32: full blocks whose summaries must be recomputed first
     fixed: torch.Tensor | None = None  # static selection: the table every layer uses
     slots: torch.Tensor | None = None  # (R, K) long: each row's slots (-1: none); None: nothing off-loaded
+    offloaded: OffloadedRows | None = None  # for the dense layers; None: nothing off-loaded or no dense layer
 
 
 @dataclass
@@ -162,7 +177,9 @@ class SparseRuntime:
         self.plan: StepPlan | None = None
         self.host_blocks = config.offload_blocks
         self.resident = 0  # blocks of the paged cache (allocate_arena); arena block v is block resident + v
-        self.arena: dict[str, torch.Tensor] = {}  # per sparse layer, (V * Hkv, 2 * block, D): see allocate_arena
+        # Per layer, (V * Hkv, 2 * block, D): see allocate_arena; a dense layer's has scratch planes behind.
+        self.arena: dict[str, torch.Tensor] = {}
+        self.scratch_blocks = 0  # the dense layers' scratch, in blocks (grown as a step needs)
         # Per layer: the arena plane each cache plane holds (-1: none), and the slot holding each
         # arena plane (-1: none): what a layer's slots hold from one step to the next (see _fetch).
         self._holds: dict[str, torch.Tensor] = {}
@@ -245,8 +262,23 @@ class SparseRuntime:
             self.resident = len(cache)
             planes = cache_planes(cache)
             self.arena[name] = torch.zeros((self.host_blocks * self.num_kv_heads, *planes.shape[1:]), dtype=cache.dtype)
-            self._holds[name] = torch.full((len(planes),), -1, dtype=torch.int32)
-            self._slot_of[name] = torch.full((len(self.arena[name]),), -1, dtype=torch.int32)
+            if self.sparse_layer(name):
+                self._holds[name] = torch.full((len(planes),), -1, dtype=torch.int32)
+                self._slot_of[name] = torch.full((len(self.arena[name]),), -1, dtype=torch.int32)
+
+    def _grow_scratch(self, blocks: int) -> None:
+        """At least ``blocks`` scratch blocks behind each dense layer's arena (doubling: a copy of the
+        arena each time, a few times in an engine's life)."""
+        if blocks <= self.scratch_blocks:
+            return
+        self.scratch_blocks = max(blocks, 2 * self.scratch_blocks)
+        rows = (self.host_blocks + self.scratch_blocks) * self.num_kv_heads
+        for name in self.layer_names:
+            if not self.sparse_layer(name):
+                arena = self.arena[name]
+                grown = torch.zeros((rows, *arena.shape[1:]), dtype=arena.dtype)
+                grown[: self.host_blocks * self.num_kv_heads] = arena[: self.host_blocks * self.num_kv_heads]
+                self.arena[name] = grown
 
     def offload(
         self,
@@ -269,6 +301,8 @@ class SparseRuntime:
         slot_planes = (torch.tensor(slots)[:, None] * hkv + heads).flatten()
         for name in self.layer_names:
             self.arena[name][rows_to] = cache_planes(kv_caches[name])[rows_from]
+            if not self.sparse_layer(name):
+                continue
             self._holds[name][slot_planes] = -1  # fresh slots hold nothing yet; the arena blocks are in none
             self._slot_of[name][rows_to] = -1
             summaries = self.summaries.get(name)
@@ -317,7 +351,42 @@ class SparseRuntime:
             state.writing = block
             self._held[block] = plan.seq_lens[r]
         plan.slots = slots
-        plan.stale = self._stale(plan.tables, (plan.seq_lens.long() + b - 1) // b)
+        n = (plan.seq_lens.long() + b - 1) // b
+        plan.stale = self._stale(plan.tables, n)
+        if self.dense_layers:
+            rows = torch.tensor(sorted(row_of[block] for block in writing.values()), dtype=torch.long)
+            plan.offloaded = self._offloaded_rows(plan, rows, n[rows])
+
+    def _offloaded_rows(self, plan: StepPlan, rows: torch.Tensor, n: torch.Tensor) -> OffloadedRows:
+        """Plan rows ``rows`` (off-loaded, ``n`` blocks each) as the dense layers attend them: arena
+        block ``v`` stays ``v``, and each resident block gets a scratch block of its own behind the arena."""
+        tables = plan.tables[rows].long()
+        used = torch.arange(tables.shape[1])[None, :] < n[:, None]
+        resident = used & (tables < self.resident)
+        copy_from = tables[resident]
+        self._grow_scratch(len(copy_from))
+        tables = torch.where(used, tables - self.resident, 0)
+        tables[resident] = self.host_blocks + torch.arange(len(copy_from))
+        return OffloadedRows(
+            rows=plan.rows[rows],
+            tokens=plan.tokens[rows].long(),
+            seq_lens=plan.seq_lens[rows],
+            tables=tables.to(torch.int32),
+            copy_from=copy_from,
+        )
+
+    def offloaded_cache(self, layer_name: str, kv_cache: torch.Tensor) -> torch.Tensor:
+        """A dense layer's blocks of the step's off-loaded requests, shaped as the kernel reads a cache,
+        ``(V + scratch, Hkv, 2 * block, D)`` (``plan.offloaded.tables`` index it): the arena, with
+        the resident blocks they attend copied into the scratch behind it (after this step's keys
+        were written)."""
+        assert self.plan is not None and self.plan.offloaded is not None
+        hkv, heads = self.num_kv_heads, torch.arange(self.num_kv_heads)
+        copy_from = self.plan.offloaded.copy_from
+        rows_to = ((self.host_blocks + torch.arange(len(copy_from)))[:, None] * hkv + heads).flatten()
+        arena = self.arena[layer_name]
+        arena[rows_to] = cache_planes(kv_cache)[(copy_from[:, None] * hkv + heads).flatten()]
+        return arena.view(-1, hkv, *arena.shape[1:])
 
     def _stale(self, tables: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """The full blocks of these rows (``n`` blocks each) whose summaries must be recomputed

@@ -12,7 +12,9 @@ registers :class:`UCMAttentionBackend` in place of ``CPU_ATTN``. With no sparse 
   vLLM's own kernel attends them: the cache is viewed as ``(blocks * kv_heads, 1, block_size,
   head_dim)``, so that row ``phys * kv_heads + head`` is one head of one block, and each
   (request, KV head) becomes a row of that call with its group's query heads. Other rows (prefill
-  chunks, short requests) go through the kernel as before, in a call of their own.
+  chunks, short requests) go through the kernel as before, in a call of their own;
+- with off-load (``offload_blocks``), a dense layer attends the off-loaded requests in a call of
+  their own too, over the layer's arena (``SparseRuntime.offloaded_cache``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,36 @@ class UCMAttentionMetadata(CPUAttentionMetadata):
     sparse_starts: torch.Tensor | None = None  # (R * Hkv + 1,) one query token per (request, KV head)
     # The other rows' metadata in sparse layers (sparse rows narrowed to one token); None: no other rows.
     sparse_others: CPUAttentionMetadata | None = None
+    # Dense layers with off-loaded rows: the batch with those rows narrowed to one token, and the
+    # schedule of their own call. Made by the first dense layer: the plan learns which rows are
+    # off-loaded after the metadata is built (the connector's metadata is bound later).
+    offload_others: CPUAttentionMetadata | None = None
+    offload_schedule: torch.Tensor | None = None
+
+
+def narrowed(metadata: CPUAttentionMetadata, rows: torch.Tensor, shape: KernelShape) -> CPUAttentionMetadata:
+    """The step's metadata with ``rows`` attending one token (their output is replaced)."""
+    seq_lens = metadata.seq_lens.clone()
+    seq_lens[rows] = 1
+    return dataclasses.replace(
+        metadata,
+        seq_lens=seq_lens,
+        max_seq_len=int(seq_lens.max()),
+        scheduler_metadata=shape.schedule(seq_lens, metadata.query_start_loc, shape.num_heads, shape.num_kv_heads),
+    )
+
+
+def offload_metadata(md: UCMAttentionMetadata) -> CPUAttentionMetadata | None:
+    """The step's metadata for dense layers with off-loaded rows, made by the first of them: the
+    other rows' (None: none) and the off-loaded rows' own schedule (``md.offload_schedule``)."""
+    plan, shape = md.sparse_plan, md.sparse_shape
+    assert plan is not None and plan.offloaded is not None and shape is not None
+    if md.offload_schedule is None:
+        rows = plan.offloaded
+        md.offload_others = narrowed(md, rows.rows, shape) if len(rows.rows) < len(md.seq_lens) else None
+        starts = torch.arange(len(rows.rows) + 1, dtype=torch.int32)
+        md.offload_schedule = shape.schedule(rows.seq_lens, starts, shape.num_heads, shape.num_kv_heads)
+    return md.offload_others
 
 
 def sparse_metadata(
@@ -154,16 +186,7 @@ def sparse_metadata(
 ) -> UCMAttentionMetadata:
     """The step's metadata for sparse layers: the plan, the per-head call's schedule, and the other
     rows' metadata with the sparse rows narrowed to one token (their output is replaced)."""
-    others = None
-    if len(plan.rows) < len(metadata.seq_lens):
-        seq_lens = metadata.seq_lens.clone()
-        seq_lens[plan.rows] = 1
-        others = dataclasses.replace(
-            metadata,
-            seq_lens=seq_lens,
-            max_seq_len=int(seq_lens.max()),
-            scheduler_metadata=shape.schedule(seq_lens, metadata.query_start_loc, shape.num_heads, shape.num_kv_heads),
-        )
+    others = narrowed(metadata, plan.rows, shape) if len(plan.rows) < len(metadata.seq_lens) else None
     fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
     return UCMAttentionMetadata(
         **fields,
@@ -247,6 +270,19 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         md = attn_metadata
         runtime = RUNTIMES.get(layer.layer_name)
         if (
+            isinstance(md, UCMAttentionMetadata)
+            and md.sparse_plan is not None
+            and md.sparse_plan.offloaded is not None
+            and self.attn_type == AttentionType.DECODER
+            and runtime is not None
+            and not runtime.sparse_layer(layer.layer_name)
+        ):
+            others = offload_metadata(md)
+            if others is not None:
+                super().forward(layer, query, key, value, kv_cache, others, output, output_scale, output_block_scale)
+            self._offloaded_rows(layer, query, kv_cache, md, output)
+            return output
+        if (
             runtime is not None
             and runtime.window
             and md is not None
@@ -278,6 +314,62 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         self._sparse_rows(layer, query, kv_cache, md, output)
         return output
 
+    def _offloaded_rows(
+        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: UCMAttentionMetadata, output: torch.Tensor
+    ) -> None:
+        """A dense layer's off-loaded rows, in a call of their own over every block they hold, the
+        arena's included."""
+        runtime, plan = md.sparse, md.sparse_plan
+        assert runtime is not None and plan is not None and plan.offloaded is not None
+        assert md.offload_schedule is not None
+        rows = plan.offloaded
+        output = output.view(len(output), self.num_heads, -1)
+        out = torch.empty_like(output[rows.tokens])
+        self._attend(
+            layer,
+            query[rows.tokens].reshape(len(rows.rows), self.num_heads, -1),
+            runtime.offloaded_cache(layer.layer_name, kv_cache),
+            out,
+            torch.arange(len(rows.rows) + 1, dtype=torch.int32),
+            rows.seq_lens,
+            rows.tables,
+            md.offload_schedule,
+        )
+        output[rows.tokens] = out
+
+    def _attend(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        output: torch.Tensor,
+        starts: torch.Tensor,
+        seq_lens: torch.Tensor,
+        table: torch.Tensor,
+        schedule: torch.Tensor,
+    ) -> None:
+        """vLLM's kernel over ``cache`` as it reads a cache, ``(blocks, kv_heads, 2 * block, D)``."""
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=output,
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=table,
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=schedule,
+            s_aux=None,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
     def _sparse_rows(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: UCMAttentionMetadata, output: torch.Tensor
     ) -> None:
@@ -290,7 +382,6 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         if lens is not plan.lens:  # an adaptive budget: lengths differ per layer
             assert md.sparse_shape is not None
             schedule = md.sparse_shape.per_head_schedule(lens)
-        flat_keys, flat_values = cache_planes(kv_cache).unsqueeze(1).chunk(2, dim=2)
         g = self.num_heads // hkv
         rows = len(plan.rows)
         output = output.view(len(output), self.num_heads, -1)
@@ -298,24 +389,16 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         contiguous = int(tokens[-1]) == rows - 1  # the sparse rows are the step's first tokens
         q = query[:rows] if contiguous else query[tokens]
         out = output[:rows] if contiguous else torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q.reshape(rows * hkv, g, -1),
-            key_cache=flat_keys,
-            value_cache=flat_values,
-            output=out.view(rows * hkv, g, -1),
-            query_start_loc=md.sparse_starts,
-            seq_lens=lens,
-            scale=self.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=table,
-            softcap=self.logits_soft_cap,
-            scheduler_metadata=schedule,
-            s_aux=None,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
+        assert md.sparse_starts is not None and schedule is not None
+        self._attend(
+            layer,
+            q.reshape(rows * hkv, g, -1),
+            cache_planes(kv_cache).unsqueeze(1),  # one KV head per block: row phys * Hkv + head
+            out.view(rows * hkv, g, -1),
+            md.sparse_starts,
+            lens,
+            table,
+            schedule,
         )
         if not contiguous:
             output[tokens] = out
