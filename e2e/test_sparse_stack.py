@@ -1,7 +1,8 @@
 """Sparse attention on the PD path: ``ucm up -f`` a spec with ``sparse``; the plan gives it to the
 decode engine only. Prefill computes the prompt densely and writes its blocks; decode loads them
-from the store and decodes with ESA over 30% of the blocks — the same tokens a standalone engine
-with the same sparse settings decodes from KV it computed itself."""
+from the store, moves each request's middle blocks to its host arena (``offloadBlocks``) and
+decodes with ESA over 30% of the blocks — the same tokens a standalone engine with the same
+selection (no off-load: it needs UCMConnector) decodes from KV it computed itself."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ SPARSE = {
     "dense_layers": 0,
     "esa": {"sparse_ratio": 0.3, "min_blocks": 1, "local_window_sz": 1},
 }
-# The same settings as a resource spells them (camelCase).
-SPARSE_SPEC = SparseSpec.model_validate(SPARSE).model_dump(mode="json", by_alias=True, exclude_unset=True)
+# The same settings as a resource spells them (camelCase), with off-load.
+SPARSE_SPEC = SparseSpec.model_validate({**SPARSE, "offload_blocks": 64}).model_dump(
+    mode="json", by_alias=True, exclude_unset=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,7 @@ def test_pd_with_sparse_decode_answers_as_a_sparse_engine_does(sparse_stack: Sta
         assert text_of(got) == text_of(want), prompt
     assert metric(decode, "ucm_connector_loaded_blocks_total") > loaded  # the prompt came through the store
     assert metric(decode, "ucm_sparse_requests_total") == 3
+    assert metric(decode, "ucm_connector_sparse_offloaded_blocks_total") > 0  # off-loaded, and the same tokens
     attended = metric(decode, "ucm_sparse_blocks_attended_total")
     available = metric(decode, "ucm_sparse_blocks_available_total")
     assert 0 < attended < 0.75 * available  # it read a fraction of the KV

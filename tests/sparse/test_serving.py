@@ -226,3 +226,25 @@ def test_an_offloaded_request_back_after_a_step_without_it_decodes_sparsely_and_
     for table, _ in chosen.values():
         named = set((table // HKV).flatten().tolist())
         assert not named & set(moved)
+
+
+def test_a_request_whose_budget_is_its_windows_is_offloaded_with_no_slots():
+    """A short budget keeps only the sink and local windows: the request gives back all its middle
+    blocks and takes no slots (the planner's K is 0); it decodes over its windows."""
+    config = {"sparse_ratio": 0.05, "min_blocks": 1, "local_window_sz": 1}
+    rt = runtime({"algorithm": "esa", "min_tokens": 64, "dense_layers": 0, "offload_blocks": 16, "esa": config})
+    caches = {name: torch.zeros(64, HKV, B, 2 * D) for name in LAYERS}
+    rt.allocate_arena(caches)
+    tables = tables_for(330)  # blocks 0-12
+    step(rt, tables, [318], [318])
+    step(rt, tables, [319], [1])
+    moved = list(range(1, 9))
+
+    def offload() -> None:
+        rt.offload("r", 1, moved, list(range(8)), [], caches)
+        rt.place_offloaded({"r": 9})
+
+    plan, chosen = step(rt, tables, [320], [1], before_forward=offload)
+    assert plan is not None and plan.kept.tolist() == [2]  # the sink and the block it writes
+    for table, _ in chosen.values():
+        assert not set((table // HKV).flatten().tolist()) & set(moved)
