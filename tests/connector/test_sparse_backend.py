@@ -13,12 +13,13 @@ from collections.abc import Callable
 import pytest
 import torch
 from vllm import _custom_ops as ops
-from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
 
 from tests.sparse.reference import attention_over
 from ucm.config import ConfigError
 from ucm.integration.vllm.attention import KernelShape, UCMAttentionImpl, learn_layout, sparse_metadata
+from ucm.integration.vllm.config import kv_transfer_config
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.serving import RUNTIMES, SparseRuntime, invalidate_summaries
 
@@ -353,6 +354,17 @@ def test_a_dense_layer_attends_offloaded_rows_over_every_block_from_the_arena():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     decodes = [0, 1 + 5]  # rows 0 and 2's query tokens
     assert not torch.allclose(vllm[decodes], want[decodes], atol=1e-3)  # the cache alone holds others' bytes
+
+
+def test_offload_is_refused_for_models_with_alibi():
+    """Their layers attend through vLLM's call over the whole cache, blocks freed by off-load included."""
+    config = VllmConfig()
+    object.__setattr__(config, "model_config", types.SimpleNamespace(dtype=torch.float32))
+    sparse = {"algorithm": "esa", "offload_blocks": 16}
+    transfer = kv_transfer_config({"spec": "posix", "posix": {"roots": ["/unused"]}}, sparse=sparse)
+    config.kv_transfer_config = KVTransferConfig(**transfer)
+    with set_current_vllm_config(config), pytest.raises(ConfigError, match="ALiBi or attention sinks cannot off-load"):
+        UCMAttentionImpl(H, D, 1 / math.sqrt(D), HKV, [0.5] * H, None, "auto")
 
 
 def test_gsa_ondevice_refuses_more_hash_bits_than_head_dim():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -242,6 +242,19 @@ class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class UCMAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.alibi_slopes is None and self.sinks is None:
+            return
+        # Such layers attend through vLLM's own call (sparse or not), which would read the blocks
+        # off-load freed: refused before the model loads rather than decoding wrong tokens.
+        config = configured_sparse(get_current_vllm_config())
+        if config is not None and config.offload_blocks:
+            raise ConfigError(
+                f"{WHERE}.sparse.offload_blocks: models with ALiBi or attention sinks cannot off-load; "
+                "leave offload_blocks out"
+            )
+
     def do_kv_cache_update(
         self,
         layer: torch.nn.Module,
