@@ -201,17 +201,24 @@ def test_offload_is_refused_with_the_static_selection():
         SparseConfig.model_validate({"algorithm": "static", "offload_blocks": 64})
 
 
+def decoding_with_offload(algorithm: str, options: dict) -> tuple[SparseRuntime, dict, torch.Tensor]:
+    """A runtime that off-loads, its caches, and a request of blocks 0-12 that computed its prompt
+    (318 tokens) and decoded its first token: the next step may off-load it."""
+    config = {"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, "offload_blocks": 16, algorithm: options}
+    rt = runtime(config)
+    caches = {name: torch.zeros(64, HKV, B, 2 * D) for name in LAYERS}
+    rt.allocate_arena(caches)
+    tables = tables_for(330)
+    step(rt, tables, [318], [318])
+    step(rt, tables, [319], [1])
+    return rt, caches, tables
+
+
 def test_an_offloaded_request_back_after_a_step_without_it_decodes_sparsely_and_retrieves_afresh():
     """vLLM may leave a running request out of a step (its token budget spent on others): an
     off-loaded one must not come back as a new request (attending densely, its table naming blocks
     other requests hold now), and its last selection is stale: it retrieves."""
-    config = {"sparse_ratio": 0.3, "retrieval_stride": 4}
-    rt = runtime({"algorithm": "kvstar", "min_tokens": 64, "dense_layers": 0, "offload_blocks": 16, "kvstar": config})
-    caches = {name: torch.zeros(64, HKV, B, 2 * D) for name in LAYERS}
-    rt.allocate_arena(caches)
-    tables = tables_for(330)  # blocks 0-12
-    step(rt, tables, [318], [318])
-    step(rt, tables, [319], [1])
+    rt, caches, tables = decoding_with_offload("kvstar", {"sparse_ratio": 0.3, "retrieval_stride": 4})
     moved = list(range(1, 8))
 
     def offload() -> None:
@@ -231,13 +238,7 @@ def test_an_offloaded_request_back_after_a_step_without_it_decodes_sparsely_and_
 def test_a_request_whose_budget_is_its_windows_is_offloaded_with_no_slots():
     """A short budget keeps only the sink and local windows: the request gives back all its middle
     blocks and takes no slots (the planner's K is 0); it decodes over its windows."""
-    config = {"sparse_ratio": 0.05, "min_blocks": 1, "local_window_sz": 1}
-    rt = runtime({"algorithm": "esa", "min_tokens": 64, "dense_layers": 0, "offload_blocks": 16, "esa": config})
-    caches = {name: torch.zeros(64, HKV, B, 2 * D) for name in LAYERS}
-    rt.allocate_arena(caches)
-    tables = tables_for(330)  # blocks 0-12
-    step(rt, tables, [318], [318])
-    step(rt, tables, [319], [1])
+    rt, caches, tables = decoding_with_offload("esa", {"sparse_ratio": 0.05, "min_blocks": 1, "local_window_sz": 1})
     moved = list(range(1, 9))
 
     def offload() -> None:

@@ -200,6 +200,46 @@ def sparse_metadata(
     )
 
 
+def attend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    table: torch.Tensor,
+    schedule: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """vLLM's CPU kernel, causal, without ALiBi, sliding window or sinks: ``query`` rows from
+    ``starts`` attend ``seq_lens`` tokens of the blocks ``table`` names in the caches (each
+    ``(blocks, kv_heads, block_size, D)`` as the kernel reads them)."""
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=table,
+        softcap=softcap,
+        scheduler_metadata=schedule,
+        s_aux=None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
 class UCMAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(
         self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
@@ -338,50 +378,26 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         rows = plan.offloaded
         output = output.view(len(output), self.num_heads, -1)
         out = torch.empty_like(output[rows.tokens])
-        self._attend(
-            layer,
+        attend(
             query[rows.tokens].reshape(len(rows.rows), self.num_heads, -1),
-            runtime.offloaded_cache(layer.layer_name, kv_cache),
+            *runtime.offloaded_cache(layer.layer_name, kv_cache).chunk(2, dim=2),
             out,
             torch.arange(len(rows.rows) + 1, dtype=torch.int32),
             rows.seq_lens,
             rows.tables,
             md.offload_schedule,
+            **self._kernel_options(layer),
         )
         output[rows.tokens] = out
 
-    def _attend(
-        self,
-        layer: Any,
-        query: torch.Tensor,
-        cache: torch.Tensor,
-        output: torch.Tensor,
-        starts: torch.Tensor,
-        seq_lens: torch.Tensor,
-        table: torch.Tensor,
-        schedule: torch.Tensor,
-    ) -> None:
-        """vLLM's kernel over ``cache`` as it reads a cache, ``(blocks, kv_heads, 2 * block, D)``."""
-        key_cache, value_cache = cache.chunk(2, dim=2)
-        ops.cpu_attention_with_kv_cache(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=output,
-            query_start_loc=starts,
-            seq_lens=seq_lens,
-            scale=self.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=table,
-            softcap=self.logits_soft_cap,
-            scheduler_metadata=schedule,
-            s_aux=None,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+    def _kernel_options(self, layer: Any) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "softcap": self.logits_soft_cap,
+            "k_scale": layer._k_scale_float,
+            "v_scale": layer._v_scale_float,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
 
     def _sparse_rows(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: UCMAttentionMetadata, output: torch.Tensor
@@ -403,15 +419,15 @@ class UCMAttentionImpl(CPUAttentionBackendImpl):
         q = query[:rows] if contiguous else query[tokens]
         out = output[:rows] if contiguous else torch.empty_like(q)
         assert md.sparse_starts is not None and schedule is not None
-        self._attend(
-            layer,
+        attend(
             q.reshape(rows * hkv, g, -1),
-            cache_planes(kv_cache).unsqueeze(1),  # one KV head per block: row phys * Hkv + head
+            *cache_planes(kv_cache).unsqueeze(1).chunk(2, dim=2),  # one KV head per block: row phys * Hkv + head
             out.view(rows * hkv, g, -1),
             md.sparse_starts,
             lens,
             table,
             schedule,
+            **self._kernel_options(layer),
         )
         if not contiguous:
             output[tokens] = out

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from ucm.integration.vllm.attention import KernelShape, learn_layout
+from ucm.integration.vllm.attention import KernelShape, attend, learn_layout
 from ucm.integration.vllm.config import BlendConfig, Selection
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, rank_keys
@@ -469,24 +469,16 @@ class PagedAttention:
         runs = seq_lens.numel()
         q = q.contiguous()
         out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
-            query_start_loc=starts,
-            seq_lens=seq_lens,
+        attend(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            starts,
+            seq_lens,
+            self.table.expand(runs, -1).contiguous(),
+            self.shape.schedule(seq_lens, starts, q.shape[1], keys.shape[1]),
             scale=scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=self.table.expand(runs, -1).contiguous(),
-            softcap=0,
-            scheduler_metadata=self.shape.schedule(seq_lens, starts, q.shape[1], keys.shape[1]),
-            s_aux=None,
-            k_scale=1.0,
-            v_scale=1.0,
-            kv_cache_dtype="auto",
         )
         return out
 
