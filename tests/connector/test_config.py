@@ -125,3 +125,29 @@ def test_speculative_decoding_with_pipeline_stages_on_the_v1_runner_is_refused(p
             _check_deferred_saves(config)
     else:
         _check_deferred_saves(config)
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "asynchronous", "speculative", "refused"),
+    [
+        (2, 1, False, None, None),  # each rank moves its own KV heads
+        (1, 2, False, None, "needs one pipeline stage"),
+        (1, 1, True, None, "needs synchronous scheduling"),
+        (1, 1, False, {}, "decodes one token per step"),
+    ],
+)
+def test_offload_is_refused_where_a_step_can_run_ahead_of_its_moves(tp, pp, asynchronous, speculative, refused):
+    from types import SimpleNamespace
+
+    from ucm.integration.vllm.connector import _check_offload
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        scheduler_config=SimpleNamespace(async_scheduling=asynchronous),
+        speculative_config=speculative,
+    )
+    if refused:
+        with pytest.raises(ConfigError, match=rf"sparse\.offload_blocks: {refused}"):
+            _check_offload(config)
+    else:
+        _check_offload(config)

@@ -4,8 +4,9 @@ dense and its second sparse, one of them off-loading decoding requests' middle b
 arena (``sparse.offload_blocks``).
 
 - Off-load changes no token: each prompt, alone, decodes the same text on both, the dense layer
-  reading the off-loaded blocks from the arena (and with KVStar, whose selections are reused
-  between retrievals, every layer sparse, in a pair of its own).
+  reading the off-loaded blocks from the arena; and in a pair of tensor-parallel engines (two
+  ranks, a KV head each, each rank moving its own) with KVStar, whose selections are reused
+  between retrievals.
 - The off-loading engine runs at least twice the long requests at once: vLLM's own gauge of running
   requests, sampled while the same burst of requests goes through each.
 - Off-loaded requests that vLLM preempts give their slots back and finish.
@@ -32,17 +33,20 @@ ESA = {"sparse_ratio": 0.1, "min_blocks": 4}  # at most 6 blocks per step: the s
 
 
 def engine(
-    tiny_model, logs, store, name: str, offload_blocks: int, algorithm: str = "esa", dense_layers: int = 0
+    tiny_model, logs, store, name: str, offload_blocks: int, algorithm: str = "esa", tensor_parallel: int = 1
 ) -> VLLMServer:
     options = {"esa": ESA, "kvstar": {**ESA, "retrieval_stride": 3}}[algorithm]
-    sparse = {"algorithm": algorithm, "min_tokens": 256, "dense_layers": dense_layers, algorithm: options}
+    sparse = {"algorithm": algorithm, "min_tokens": 256, "dense_layers": 1, algorithm: options}
     sparse["offload_blocks"] = offload_blocks
     server = VLLMServer(
         tiny_model,
         logs / f"{name}.log",
         kv_transfer_config=kv_transfer_config({"spec": "posix", "posix": {"roots": [str(store)]}}, sparse=sparse),
-        extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--no-enable-prefix-caching"],
-        threads_bind="0" if offload_blocks else "1",
+        extra_args=[
+            *("--num-gpu-blocks-override", str(BLOCKS), "--no-enable-prefix-caching"),
+            *("--tensor-parallel-size", str(tensor_parallel)),
+        ],
+        threads_bind="0|1" if tensor_parallel > 1 else "0" if offload_blocks else "1",
     )
     return server
 
@@ -50,8 +54,8 @@ def engine(
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    sparse = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "sparse", 0, dense_layers=1)
-    offload = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "offload", 1024, dense_layers=1)
+    sparse = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "sparse", 0)
+    offload = engine(tiny_model, logs, tmp_path_factory.mktemp("store"), "offload", 1024)
     with serving(sparse, offload):
         yield sparse, offload
 
@@ -75,13 +79,14 @@ def test_offload_decodes_the_same_tokens(engines):
     assert m["ucm_connector_sparse_offload_blocks_saved_total"] == 3 * (48 - 3)  # less 3 slots each
 
 
-def test_offload_decodes_the_same_tokens_between_retrievals(tiny_model, tmp_path):
-    """KVStar reuses a selection for 3 steps: reused selections that named off-loaded blocks
+def test_tensor_parallel_offload_decodes_the_same_tokens_between_retrievals(tiny_model, tmp_path):
+    """Two ranks, one KV head each: every rank moves its own heads of the same blocks, by the same
+    metadata. KVStar reuses a selection for 3 steps: reused selections that named off-loaded blocks
     attend them through the slots they were copied into."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    sparse = engine(tiny_model, tmp_path, tmp_path / "a", "kvstar-sparse", 0, "kvstar")
-    offload = engine(tiny_model, tmp_path, tmp_path / "b", "kvstar-offload", 1024, "kvstar")
+    sparse = engine(tiny_model, tmp_path, tmp_path / "a", "kvstar-sparse", 0, "kvstar", tensor_parallel=2)
+    offload = engine(tiny_model, tmp_path, tmp_path / "b", "kvstar-offload", 1024, "kvstar", tensor_parallel=2)
     with serving(sparse, offload):
         for prompt in prompts(2, seed=4):
             assert complete(offload, prompt) == complete(sparse, prompt)

@@ -233,14 +233,13 @@ def test_blend_is_refused_for_engines_split_over_ranks():
         UCMDeploymentSpec.model_validate({**BASE, "blend": {}, "prefill": parallel, "decode": parallel})
 
 
-def test_offload_is_refused_for_decode_engines_split_over_ranks():
-    sparse = {"algorithm": "esa", "denseLayers": 0, "offloadBlocks": 4096}
-    parallel = {"parallel": {"tensor": 2}, "resources": {"gpus": 0}}
-    with pytest.raises(ValueError, match=r"sparse.offloadBlocks: decode engines split over ranks"):
-        UCMDeploymentSpec.model_validate({**BASE, "sparse": sparse, "prefill": parallel, "decode": parallel})
-    plan = plan_for(
-        {"sparse": sparse, "decode": {"resources": {"gpus": 0}}}
-    )  # one rank: the decode engines' connector is told
+def test_offload_is_refused_for_decode_engines_split_into_pipeline_stages():
+    sparse = {"algorithm": "esa", "offloadBlocks": 4096}
+    stages = {"parallel": {"pipeline": 2}, "resources": {"gpus": 0}}
+    with pytest.raises(ValueError, match=r"sparse.offloadBlocks: decode engines split into pipeline stages \(2\)"):
+        UCMDeploymentSpec.model_validate({**BASE, "sparse": sparse, "prefill": stages, "decode": stages})
+    # Tensor-parallel decode engines off-load: each rank moves its KV heads; their connector is told.
+    plan = plan_for({"sparse": sparse, "decode": {"parallel": {"tensor": 2}, "resources": {"gpus": 0}}})
     assert (
         json.loads(plan.files[KV_DECODE_CONFIG_FILE])["kv_connector_extra_config"]["sparse"]["offload_blocks"] == 4096
     )

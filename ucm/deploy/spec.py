@@ -391,12 +391,12 @@ class UCMDeploymentSpec(Spec):
         return self
 
     @model_validator(mode="after")
-    def _offload_on_one_rank(self) -> UCMDeploymentSpec:
+    def _offload_on_one_stage(self) -> UCMDeploymentSpec:
         d = self.decode.parallel
-        if self.sparse is not None and self.sparse.offload_blocks and d.tensor * d.pipeline > 1:
+        if self.sparse is not None and self.sparse.offload_blocks and d.pipeline > 1:
             raise ValueError(
-                f"sparse.offloadBlocks: decode engines split over ranks (tensor and pipeline {d.tensor} x "
-                f"{d.pipeline}) cannot off-load yet; run decode with both at 1 or leave offloadBlocks out"
+                f"sparse.offloadBlocks: decode engines split into pipeline stages ({d.pipeline}) cannot "
+                "off-load yet; run decode with parallel.pipeline 1 (tensor may be any) or leave offloadBlocks out"
             )
         return self
 

@@ -275,11 +275,15 @@ def _check_deferred_saves(vllm_config: VllmConfig) -> None:
 
 def _check_offload(vllm_config: VllmConfig) -> None:
     """Off-load frees blocks of a request the worker still names in its block table, and moves them
-    before the forward of the step that freed them: nothing may run a step ahead, and one worker
-    holds all of a block."""
+    before the forward of the step that freed them: nothing may run a step ahead. Tensor-parallel
+    ranks each hold their KV heads of every block and move them with the same metadata; pipeline
+    stages run several steps at once, so a stage could move a block a later step already reuses."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
-        raise ConfigError(f"{WHERE}.sparse.offload_blocks: needs one worker (tensor and pipeline parallel size 1)")
+    if parallel.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"{WHERE}.sparse.offload_blocks: needs one pipeline stage "
+            "(pipeline parallel size 1; tensor parallel is fine)"
+        )
     if vllm_config.scheduler_config.async_scheduling:
         raise ConfigError(f"{WHERE}.sparse.offload_blocks: needs synchronous scheduling (leave out --async-scheduling)")
     if vllm_config.speculative_config is not None:
