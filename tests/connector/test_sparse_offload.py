@@ -77,6 +77,9 @@ def test_offload_decodes_the_same_tokens(engines):
     m = offload.metrics()
     assert m["ucm_connector_sparse_offloaded_blocks_total"] == 3 * 48  # blocks [1, 49) of each request
     assert m["ucm_connector_sparse_offload_blocks_saved_total"] == 3 * (48 - 3)  # less 3 slots each
+    # Copies into the slots: some, and at most every slot's two KV heads at each decode step of the
+    # one sparse layer (a block a slot still holds is not copied again).
+    assert 0 < m["ucm_connector_sparse_offload_fetched_block_heads_total"] <= 3 * MAX_TOKENS * 3 * 2
 
 
 def test_tensor_parallel_offload_decodes_the_same_tokens_between_retrievals(tiny_model, tmp_path):

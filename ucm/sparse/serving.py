@@ -185,6 +185,7 @@ class SparseRuntime:
         self._holds: dict[str, torch.Tensor] = {}
         self._slot_of: dict[str, torch.Tensor] = {}
         self.offloaded: dict[str, Offloaded] = {}  # by request id
+        self.fetched = 0  # (block, KV head) planes copied from the arena into slots, since start
 
     def sparse_layer(self, layer_name: str) -> bool:
         return layer_index(layer_name) >= self.config.dense_layers
@@ -405,7 +406,7 @@ class SparseRuntime:
         already from an earlier step (a selection changes little from one step to the next), and
         the table pointed at the slots."""
         assert plan.slots is not None
-        fetch_into_slots(
+        self.fetched += fetch_into_slots(
             table, plan.slots, self._holds[layer_name], self._slot_of[layer_name], self.arena[layer_name], planes
         )
 

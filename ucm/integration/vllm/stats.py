@@ -37,6 +37,9 @@ COUNTERS: dict[str, str] = {
     "(sparse.offload_blocks)",
     "sparse_offload_blocks_saved": "Paged KV cache blocks sparse off-loads gave back: blocks freed (not shared "
     "with another request's prefix) minus the slots their requests attend them through",
+    "sparse_offload_fetched_block_heads": "Off-loaded blocks' KV heads copied from the host arena into their "
+    "requests' slots, summed over layers and ranks (one a slot still holds from an earlier step is not copied "
+    "again): the memory traffic off-load adds to sparse decoding",
     "blend_chunks_hit": "Prompt chunks whose KV Blend found in the store (at least their first block)",
     "blend_chunks_missed": "Prompt chunks of a block or more that Blend did not find in the store",
     "blend_reused_tokens": "Tokens whose cached KV Blend kept past its check layer",

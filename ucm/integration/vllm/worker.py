@@ -236,6 +236,7 @@ class WorkerSide:
             "store_skipped_blocks": metrics.STORE_SKIPPED_BLOCKS,
         }
         self._store_seen = dict.fromkeys(self._store_counters, 0.0)
+        self._fetched_seen = 0  # SparseRuntime.fetched, summed, as last forwarded
 
     def collect_store_counters(self) -> None:
         """The store's own counters live in this process, which vLLM's /metrics does not read:
@@ -324,11 +325,16 @@ class WorkerSide:
     def offload(self, meta: UCMConnectorMetadata) -> None:
         """Sparse off-load, before the step's forward: the blocks freed this step still hold their
         bytes, and the step's sparse plan names the arena where they go."""
-        for runtime in offloading_runtimes():
+        runtimes = offloading_runtimes()
+        for runtime in runtimes:
             runtime.release(meta.released)
             for move in meta.offloads:
                 runtime.offload(move.req_id, move.first, move.block_ids, move.arena, move.slots, self._kv_caches)
             runtime.place_offloaded(meta.offloaded)
+        # The copies the previous step's layers made (this step's are counted at the next).
+        fetched = sum(runtime.fetched for runtime in runtimes)
+        self._stats.add("sparse_offload_fetched_block_heads", fetched - self._fetched_seen)
+        self._fetched_seen = fetched
 
     def _start_load(self, transfer: BlockTransfer, share: Share, buffer: torch.Tensor | None, j: int) -> _Load:
         started = time.perf_counter()
