@@ -96,29 +96,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lens = torch.full((sequences,), kept * b, dtype=torch.int32)
     starts = torch.arange(sequences + 1, dtype=torch.int32)
     schedule = shape.per_head_schedule(lens)
-    cases = tables(args.rows, n, kept, torch.Generator().manual_seed(1))
+    # Per case: its table, and the layers' caches it goes through in turn.
+    cases = {
+        name: (table, caches) for name, table in tables(args.rows, n, kept, torch.Generator().manual_seed(1)).items()
+    }
+    cases["floor (hot)"] = (cases["window, one document"][0], [caches[0]] * len(caches))
 
     def layer(cache: torch.Tensor, table: torch.Tensor) -> None:
         attend(query, *cache.chunk(2, dim=2), out, starts, lens, table, schedule, scale=HEAD_DIM**-0.5)
 
-    def timed(name: str) -> float:
-        table = cases["window, one document"] if name == "floor (hot)" else cases[name]
-        layers = [caches[0]] * len(caches) if name == "floor (hot)" else caches
+    def timed(table: torch.Tensor, layers: list[torch.Tensor]) -> float:
         layer(layers[0], table)  # warm the kernel (and, for the floor, the blocks)
         started = time.perf_counter()
         for cache in layers:
             layer(cache, table)
         return (time.perf_counter() - started) / len(layers) * 1e3
 
-    names = [*cases, "floor (hot)"]
-    ms: dict[str, list[float]] = {name: [] for name in names}
+    ms: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
-        for name in names:
-            ms[name].append(timed(name))
+        for name, (table, layers) in cases.items():
+            ms[name].append(timed(table, layers))
     reference = statistics.median(ms["window, own documents"])
     results = []
-    for name in names:
-        table = cases["window, one document" if name == "floor (hot)" else name]
+    for name, (table, _) in cases.items():
         median = statistics.median(ms[name])
         results.append(
             {
