@@ -3,7 +3,8 @@ CPU worker runs it in, side by side in one run: what the kernel costs alone, and
 surroundings add.
 
 Per algorithm (its default scoring), ``--rows`` requests of ``--context`` tokens sharing their
-blocks as a shared document does, ``--layers`` layers each with its own summaries (the engine's
+blocks as a shared document does (``--distinct-documents``: each its own blocks, shuffled over the
+cache as a long-running engine's allocator leaves them), ``--layers`` layers each with its own summaries (the engine's
 per-layer tensors, sized for ``--num-blocks`` physical blocks). Every case runs in its own process
 (OpenMP reads its settings once):
 
@@ -56,15 +57,21 @@ def case(algorithm: str, memory: str, args: argparse.Namespace) -> dict[str, flo
     scoring = options.scoring(HEAD_DIM)
     b, rows = args.block_size, args.rows
     n = (args.context + b - 1) // b
-    first = args.num_blocks // 4  # where the document's blocks lie among the physical ones
+    first = args.num_blocks // 4  # where the documents' blocks lie among the physical ones
+    used = rows * n if args.distinct_documents else n + rows
+    if first + used > args.num_blocks:
+        raise SystemExit(f"--num-blocks: {args.num_blocks} is too few for {rows} rows of {n} blocks")
     layers = []
     for _ in range(args.layers if memory == "cold" else 1):
         summaries = BlockSummaries(scoring, args.num_blocks, b, KV_HEADS, HEAD_DIM, torch.float32)
-        slots = torch.arange(first * b, (first + n + rows) * b)
+        slots = torch.arange(first * b, (first + used) * b)
         summaries.write(torch.randn(len(slots), KV_HEADS, HEAD_DIM), slots)
         layers.append(summaries)
-    tables = torch.arange(first, first + n, dtype=torch.int32).repeat(rows, 1)
-    tables[:, -1] = torch.arange(first + n, first + n + rows, dtype=torch.int32)  # each row's own last block
+    if args.distinct_documents:
+        tables = (first + torch.randperm(used)).to(torch.int32).view(rows, n)
+    else:
+        tables = torch.arange(first, first + n, dtype=torch.int32).repeat(rows, 1)
+        tables[:, -1] = torch.arange(first + n, first + n + rows, dtype=torch.int32)  # each row's own last block
     seq_lens = torch.full((rows,), n * b - b // 2, dtype=torch.int32)
     budget = options.budget_blocks(torch.full((rows,), n), b).to(torch.int32)
     tokens = torch.arange(rows, dtype=torch.int32)
@@ -137,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "context": args.context,
         "block_size": args.block_size,
         "layers": args.layers,
+        "distinct_documents": args.distinct_documents,
         "cases": cases,
     }
 
@@ -157,6 +165,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=28, help="sparse layers (SmolLM2: 30, the first 2 dense)")
     parser.add_argument("--num-blocks", type=int, default=20000, help="physical blocks the summaries are sized for")
+    parser.add_argument("--distinct-documents", action="store_true", help="each row its own blocks, shuffled")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process

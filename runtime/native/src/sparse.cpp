@@ -542,6 +542,22 @@ void score8(const uint16_t* const* rep, const Group& grp, bool has_mean, bool ha
 }
 #endif
 
+// The representations of the blocks this many ahead of those being scored are asked for while
+// these are: a request's blocks lie wherever the engine put them, too scattered for the hardware
+// prefetcher (8 requests of their own 32k-token documents, summaries cold: 0.77 ms per layer
+// without, 0.44 with, against 0.48 for one pass of index_select over the same bytes).
+constexpr int64_t kPrefetchAhead = 48;
+
+// Prefetch the representations (`elems` bf16 each) of head h of blocks table[from..to), into L2:
+// asked into L1 (16 blocks ahead), they gained nothing.
+inline void prefetch_reps(const uint16_t* base, const int32_t* table, int64_t from, int64_t to, int64_t hkv,
+                          int64_t h, int64_t elems) {
+  for (int64_t i = from; i < to; ++i) {
+    const char* at = reinterpret_cast<const char*>(base + (static_cast<int64_t>(table[i]) * hkv + h) * elems);
+    for (int64_t byte = 0; byte < elems * 2; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+  }
+}
+
 // logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
 // logit (before the temperature) a key of the block gives that head. Both: rows 0..G-1 from the
 // mean key, rows G..2G-1 from the bound.
@@ -558,9 +574,11 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
 #if defined(__AVX512BF16__)
   if (fast && s.mode != Mode::Hash && (d == 64 || d == 128)) {  // 16 blocks at a time
     const uint16_t* base = static_cast<const uint16_t*>(s.rep);
+    prefetch_reps(base, table, 0, std::min(kPrefetchAhead, n), hkv, h, d * width);
     for (; blk + 16 <= n; blk += 16) {
       const uint16_t* rep[16];
       for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
+      prefetch_reps(base, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 16, n), hkv, h, d * width);
       if (d == 64)
         score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
       else
@@ -571,9 +589,11 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
   if (s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
     const uint16_t* base = static_cast<const uint16_t*>(s.rep);
+    prefetch_reps(base, table, 0, std::min(kPrefetchAhead, n), hkv, h, d * width);
     for (; blk + 8 <= n; blk += 8) {
       const uint16_t* rep[8];
       for (int i = 0; i < 8; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
+      prefetch_reps(base, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 8, n), hkv, h, d * width);
       if (d == 64)
         score8<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
       else
