@@ -4,9 +4,9 @@ surroundings add.
 
 Per algorithm (its default scoring), ``--rows`` requests of ``--context`` tokens sharing their
 blocks as a shared document does (``--distinct-documents``: each its own blocks, shuffled over the
-cache as a long-running engine's allocator leaves them), ``--layers`` layers each with its own summaries (the engine's
-per-layer tensors, sized for ``--num-blocks`` physical blocks). Every case runs in its own process
-(OpenMP reads its settings once):
+cache as a long-running engine's allocator leaves them), ``--layers`` layers each with its own
+summaries (the engine's per-layer tensors, sized for ``--num-blocks`` physical blocks). Every case
+runs in its own process (OpenMP reads its settings once):
 
   threads      2 bound: two OpenMP threads pinned to cores 0 and 1 (GOMP_CPU_AFFINITY, what a
                vLLM CPU worker sets); 2 unbound; 1
@@ -58,9 +58,7 @@ def case(algorithm: str, memory: str, args: argparse.Namespace) -> dict[str, flo
     b, rows = args.block_size, args.rows
     n = (args.context + b - 1) // b
     first = args.num_blocks // 4  # where the documents' blocks lie among the physical ones
-    used = rows * n if args.distinct_documents else n + rows
-    if first + used > args.num_blocks:
-        raise SystemExit(f"--num-blocks: {args.num_blocks} is too few for {rows} rows of {n} blocks")
+    used = blocks_used(args)
     layers = []
     for _ in range(args.layers if memory == "cold" else 1):
         summaries = BlockSummaries(scoring, args.num_blocks, b, KV_HEADS, HEAD_DIM, torch.float32)
@@ -110,6 +108,13 @@ def case(algorithm: str, memory: str, args: argparse.Namespace) -> dict[str, flo
         result[f"{name}_p50_ms"] = 1e3 * values[len(values) // 2]
         result[f"{name}_p99_ms"] = 1e3 * values[int(len(values) * 0.99)]
     return result
+
+
+def blocks_used(args: argparse.Namespace) -> int:
+    """Physical blocks the rows' tables name: one document and each row's own last block, or every
+    row's own document."""
+    n = (args.context + args.block_size - 1) // args.block_size
+    return args.rows * n if args.distinct_documents else n + args.rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,6 +178,8 @@ def main() -> int:
     unknown = sorted(set(args.algorithms.split(",")) - set(SCORED))
     if unknown:
         parser.error(f"--algorithms: {unknown[0]!r} is not one of {', '.join(SCORED)}")
+    if args.num_blocks // 4 + blocks_used(args) > args.num_blocks:  # the tables start a quarter in
+        parser.error(f"--num-blocks: {args.num_blocks} is too few for --rows {args.rows} of --context {args.context}")
     if args.case:
         algorithm, memory = args.case.split(",")
         print(json.dumps(case(algorithm, memory, args)))
