@@ -564,7 +564,7 @@ inline void prefetch_reps(const uint16_t* base, const int32_t* table, int64_t fr
 void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, int64_t n, int64_t seq, int64_t h,
                   const int32_t* channels, int64_t used, const uint8_t* qhash, float* logits) {
   const int64_t hkv = s.kv_heads, d = s.head_dim, g = grp.g, b = s.block_size, width = rep_width(s.mode);
-  const bool fast = kFastBf16 && s.rep_dtype == DType::BF16 && d % 32 == 0 && used == d;
+  [[maybe_unused]] const bool fast = kFastBf16 && s.rep_dtype == DType::BF16 && d % 32 == 0 && used == d;
   const bool has_mean = s.mode == Mode::Mean || s.mode == Mode::Both;
   const bool has_bound = s.mode == Mode::Bound || s.mode == Mode::Both;
   const int64_t bound_row = s.mode == Mode::Both ? g : 0;  // first logits row of the bound
