@@ -545,7 +545,7 @@ void score8(const uint16_t* const* rep, const Group& grp, bool has_mean, bool ha
 // The representations of the blocks this many ahead of those being scored are asked for while
 // these are: a request's blocks lie wherever the engine put them, too scattered for the hardware
 // prefetcher (8 requests of their own 32k-token documents, summaries cold: 0.77 ms per layer
-// without, 0.44 with, against 0.48 for one pass of index_select over the same bytes).
+// without, 0.45 with, about what one pass of index_select over the same bytes takes).
 constexpr int64_t kPrefetchAhead = 48;
 
 // Prefetch the representations (`elems` bf16 each) of head h of blocks table[from..to), into L2:
