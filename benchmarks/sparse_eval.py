@@ -272,7 +272,8 @@ def captured(tokens: int, layers: int, queries: int) -> list[Case]:
 ALGORITHMS: dict[str, TopKConfig | PSAConfig] = {
     "esa(0.3)": ESAConfig(sparse_ratio=0.3),
     "gsa(0.3)": GSAConfig(sparse_ratio=0.3),
-    "gsa(0.3,bound)": GSAConfig(sparse_ratio=0.3, block_repre="bound"),
+    "gsa(0.3,both)": GSAConfig(sparse_ratio=0.3, block_repre="both"),
+    "gsa(0.3,int8)": GSAConfig(sparse_ratio=0.3, summary_dtype="int8"),
     "gsa_ondevice(0.3)": GSAOnDeviceConfig(sparse_ratio=0.3),
     "kvstar(0.3)": KVStarConfig(sparse_ratio=0.3),
     "kvstar(0.3,dims=0.25)": KVStarConfig(sparse_ratio=0.3, blk_repre_dim_prune_ratio=0.25),

@@ -2,11 +2,12 @@
 CPU worker runs it in, side by side in one run: what the kernel costs alone, and what the engine's
 surroundings add.
 
-Per algorithm (its default scoring), ``--rows`` requests of ``--context`` tokens sharing their
-blocks as a shared document does (``--distinct-documents``: each its own blocks, shuffled over the
-cache as a long-running engine's allocator leaves them), ``--layers`` layers each with its own
-summaries (the engine's per-layer tensors, sized for ``--num-blocks`` physical blocks). Every case
-runs in its own process (OpenMP reads its settings once):
+Per algorithm (its default options, or a variant such as ``gsa:summary_dtype=int8``), ``--rows``
+requests of ``--context`` tokens sharing their blocks as a shared document does
+(``--distinct-documents``: each its own blocks, shuffled over the cache as a long-running engine's
+allocator leaves them), ``--layers`` layers each with its own summaries (the engine's per-layer
+tensors, sized for ``--num-blocks`` physical blocks). Every case runs in its own process (OpenMP
+reads its settings once):
 
   threads      2 bound: two OpenMP threads pinned to cores 0 and 1 (GOMP_CPU_AFFINITY, what a
                vLLM CPU worker sets); 2 unbound; 1
@@ -34,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from variants import parse_variant  # benchmarks/ is on sys.path when run as a script
+
 THREADS = {"2 bound": {"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "0 1"}, "2 unbound": {"OMP_NUM_THREADS": "2"}}
 THREADS["1"] = {"OMP_NUM_THREADS": "1"}
 NEIGHBOURS = ("none", "spinning")
@@ -41,7 +44,9 @@ MEMORY = ("warm", "cold")
 ALGORITHMS = ("gsa", "esa", "psa")
 SCORED = (*ALGORITHMS, "kvstar")  # those whose summaries are representations (not GSA on-device's hashes)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
-HEADER = f"{'algorithm':9} {'threads':9} {'neighbour':9} {'memory':6} {'mean ms':>8} {'p50':>7} {'p99':>7} {'floor':>7}"
+HEADER = (
+    f"{'algorithm':22} {'threads':9} {'neighbour':9} {'memory':6} {'mean ms':>8} {'p50':>7} {'p99':>7} {'floor':>7}"
+)
 SPIN = "import os\nwhile True:\n    os.sched_yield()\n"  # killed when its case ends
 
 
@@ -53,7 +58,8 @@ def case(algorithm: str, memory: str, args: argparse.Namespace) -> dict[str, flo
     from ucm.sparse.summaries import BlockSummaries
 
     torch.manual_seed(0)
-    options = OPTIONS[algorithm]()
+    name, variant = parse_variant(algorithm)
+    options = OPTIONS[name](**variant)
     scoring = options.scoring(HEAD_DIM)
     b, rows = args.block_size, args.rows
     n = (args.context + b - 1) // b
@@ -90,6 +96,8 @@ def case(algorithm: str, memory: str, args: argparse.Namespace) -> dict[str, flo
 
     def read(summaries: BlockSummaries) -> None:
         summaries.rep.index_select(0, distinct)
+        if summaries.rep_scale.numel():
+            summaries.rep_scale.index_select(0, distinct)
 
     timings: dict[str, list[float]] = {"select": [], "floor": []}
     for i in range(args.calls + len(layers)):
@@ -156,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_row(c: dict[str, Any]) -> None:
     print(
-        f"{c['algorithm']:9} {c['threads']:9} {c['neighbour']:9} {c['memory']:6} {c['select_mean_ms']:8.3f} "
+        f"{c['algorithm']:22} {c['threads']:9} {c['neighbour']:9} {c['memory']:6} {c['select_mean_ms']:8.3f} "
         f"{c['select_p50_ms']:7.3f} {c['select_p99_ms']:7.3f} {c['floor_mean_ms']:7.3f}",
         flush=True,
     )
@@ -175,7 +183,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = parser.parse_args()
-    unknown = sorted(set(args.algorithms.split(",")) - set(SCORED))
+    unknown = sorted({parse_variant(name)[0] for name in args.algorithms.split(",")} - set(SCORED))
     if unknown:
         parser.error(f"--algorithms: {unknown[0]!r} is not one of {', '.join(SCORED)}")
     if args.num_blocks // 4 + blocks_used(args) > args.num_blocks:  # the tables start a quarter in

@@ -65,6 +65,7 @@ from typing import Any
 
 import aiohttp
 from real_model import essays, serving_dtype, smollm2  # benchmarks/ is on sys.path when run as a script
+from variants import parse_variant
 
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.stats import paired, wilson
@@ -142,7 +143,7 @@ class Arm:
     def sparse(self, knobs: dict[str, Any]) -> dict[str, Any] | None:
         if self.name == "dense":
             return None
-        algorithm, *variant = self.name.split(":")
+        algorithm, variant = parse_variant(self.name)
         if algorithm not in SETTINGS:
             raise SystemExit(f"--algorithms: {algorithm!r} is not one of {', '.join(SETTINGS)}")
         settings = dict(SETTINGS[algorithm])
@@ -154,16 +155,9 @@ class Arm:
         for key in ENGINE_KNOBS:
             if knobs.get(key) is not None:
                 config[key] = knobs[key]
-        for option in variant:
-            key, eq, value = option.partition("=")
-            if not eq:
-                raise SystemExit(f"--algorithms: {self.name!r}: variant options are key=value, got {option!r}")
-            try:  # numbers and booleans as JSON, anything else as the string given
-                parsed = json.loads(value)
-            except json.JSONDecodeError:
-                parsed = value
+        for key, value in variant.items():
             # min_tokens and dense_layers belong to the sparse config, the rest to the algorithm
-            (config if key in ENGINE_KNOBS else settings)[key] = parsed
+            (config if key in ENGINE_KNOBS else settings)[key] = value
         return config
 
 

@@ -185,13 +185,15 @@ def chosen_blocks(batch: Batch, plan, table: torch.Tensor, row: int, h: int) -> 
     return [batch.table[row].tolist().index(p) for p in phys]
 
 
+@pytest.mark.parametrize("summary_dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("loaded", [False, True], ids=["written", "loaded-over-other-blocks"])
-def test_sparse_rows_attend_exactly_their_heads_selections_and_other_rows_are_untouched(loaded):
+def test_sparse_rows_attend_exactly_their_heads_selections_and_other_rows_are_untouched(loaded, summary_dtype):
     """Also when the blocks held another request's keys and this one's arrived by a connector load:
     their summaries are recomputed from the cache, not the previous request's."""
     # two long decodes (300 and 270 tokens), a prefill chunk of 5 tokens, a short decode (under min_tokens)
     seq_lens, query_lens = [300, 69, 270, 40], [1, 5, 1, 1]
-    config = {"algorithm": "gsa", "min_tokens": 64, "gsa": {"sparse_ratio": 0.4, "min_blocks": 1}}
+    options = {"sparse_ratio": 0.4, "min_blocks": 1, "summary_dtype": summary_dtype}
+    config = {"algorithm": "gsa", "min_tokens": 64, "gsa": options}
     batch, plan, tables, out, dense = run(config, seq_lens, query_lens, loaded=loaded)
     assert plan.rows.tolist() == [0, 2]
     (table,) = tables
@@ -314,13 +316,16 @@ def offloading_two_rows(
     return offload
 
 
-@pytest.mark.parametrize("algorithm", ["esa", "gsa", "kvstar", "psa"])
+@pytest.mark.parametrize("algorithm", ["esa", "gsa", "gsa:int8", "kvstar", "psa"])
 def test_offloaded_blocks_are_attended_from_the_arena_as_they_were_from_the_cache(algorithm):
     """offload_blocks: two decoding requests' middle blocks moved to the host arena, their cache
     blocks then overwritten by other requests: the step attends the same blocks with the same bytes
     (the output equals that without off-load, bit for bit), the kept arena blocks through the
-    requests' slots, never through the blocks they left."""
+    requests' slots, never through the blocks they left. (gsa:int8: the scales move with the bytes.)"""
+    algorithm, _, int8 = algorithm.partition(":")
     options = {"psa": {"max_ratio": 0.6}}.get(algorithm, {"sparse_ratio": 0.4, "min_blocks": 1})
+    if int8:
+        options["summary_dtype"] = "int8"
     config = {"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, algorithm: options}
     seq_lens, query_lens = [300, 69, 270], [1, 5, 1]
     *_, want, _ = run(config, seq_lens, query_lens)

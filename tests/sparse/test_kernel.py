@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.sparse import reference
-from ucm.sparse.summaries import BlockSummaries, Scoring, fetch_into_slots
+from ucm.sparse.summaries import QUANTIZED, BlockSummaries, Scoring, fetch_into_slots
 
 HKV, G, D, B = 3, 3, 64, 32
 H = HKV * G
@@ -19,6 +19,7 @@ SCALE = 1 / math.sqrt(D)
 SCORINGS = {
     "both": Scoring("both"),
     "bound": Scoring("bound"),
+    "bound-int8": Scoring("bound", dtype=QUANTIZED),
     "mean": Scoring("mean"),
     "mean-pruned-f16": Scoring("mean", dtype=torch.float16, keep_channels=0.5),
     "hash": Scoring("hash", hash_bits=32, seed=3),
@@ -42,6 +43,8 @@ def written(scoring: Scoring, tokens: int, blocks: int = 40, dtype=torch.bfloat1
 
 
 def block_summary(s: BlockSummaries, p: int):
+    if s.dtype == QUANTIZED:
+        return s.lo[p], s.hi[p], s.rep[p], s.rep_scale[p]
     if s.scoring.mode == "bound":
         return s.lo[p], s.hi[p], s.rep[p]
     if s.scoring.mode == "both":
@@ -61,7 +64,14 @@ def test_summaries_kept_at_write_equal_a_recomputation(name):
         got = block_summary(s, p)
         fill = min(B, tokens - i * B)
         assert int(s.count[p]) == fill
-        if scoring.mode in ("bound", "both"):
+        if s.dtype == QUANTIZED:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert torch.equal(got[3], want[3])  # the scales
+            assert torch.equal(got[2][:, 0], want[2][:, 0])  # centres rounded to nearest
+            # radii: rounded up from r plus the centre's error, which a fused multiply-add may
+            # compute a last bit apart
+            assert int((got[2][:, 1].int() - want[2][:, 1].int()).abs().max()) <= 1
+        elif scoring.mode in ("bound", "both"):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # extremes are exact
             torch.testing.assert_close(got[-1][:, -2:].float(), want[-1][:, -2:].float(), rtol=0, atol=0)
             if scoring.mode == "both":
@@ -92,7 +102,7 @@ def test_padding_slots_are_skipped():
     assert int(s.count[1]) == 2
 
 
-@pytest.mark.parametrize("name", ["bound", "mean", "both"])
+@pytest.mark.parametrize("name", ["bound", "bound-int8", "mean", "both"])
 def test_invalidated_blocks_are_reported_stale_until_refreshed(name):
     """Refreshed from the cache, a block's summary is bit for bit the one its writes kept (refresh
     folds a block's keys at once, write one token at a time)."""
@@ -106,13 +116,13 @@ def test_invalidated_blocks_are_reported_stale_until_refreshed(name):
     cache = torch.zeros(40, HKV, B, D, dtype=torch.bfloat16)
     t = torch.arange(4 * B)
     cache[table.long()[t // B], :, t % B] = keys[: 4 * B]
-    before = [t.clone() for t in (s.rep, s.mean, s.lo, s.hi)]
-    for t in (s.rep, s.mean, s.lo, s.hi):
+    before = [t.clone() for t in (s.rep, s.rep_scale, s.mean, s.lo, s.hi)]
+    for t in (s.rep, s.rep_scale, s.mean, s.lo, s.hi):
         if t.numel():
             t[table[[1, 2]].long()] = 0
     s.refresh(cache, torch.arange(B * D, dtype=torch.int32), s.stale(tables, full))
     assert len(s.stale(tables, full)) == 0
-    for t, kept in zip((s.rep, s.mean, s.lo, s.hi), before, strict=True):
+    for t, kept in zip((s.rep, s.rep_scale, s.mean, s.lo, s.hi), before, strict=True):
         assert torch.equal(t, kept)
 
 
@@ -200,12 +210,12 @@ def test_the_top_k_is_exact_at_any_length_with_ties_and_scores_below_zero():
             assert (out[h, :k] // HKV).tolist() == want, f"k={k}, head {h}"
 
 
-@pytest.mark.parametrize("name", ["both", "bound", "mean"])
+@pytest.mark.parametrize("name", ["both", "bound", "bound-int8", "mean"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_scores_at_the_head_dims_scored_several_blocks_at_a_time(name, head_dim):
     """Head dims 64 and 128 take an unrolled path: 16 blocks at a time where the CPU has AVX-512
-    BF16, 8 where it has AVX2 (40 blocks: two groups of 16 and a tail, or five of 8), each against
-    the reference."""
+    BF16 (AVX-512 VNNI for int8), 8 where it has AVX2 (40 blocks: two groups of 16 and a tail, or
+    five of 8), each against the reference."""
     scoring, n = SCORINGS[name], 40
     g = torch.Generator().manual_seed(12)
     s = BlockSummaries(scoring, n, B, HKV, head_dim, torch.bfloat16)
@@ -282,13 +292,17 @@ def test_adaptive_budget_keeps_the_fewest_blocks_reaching_the_mass():
                 assert reached - float(share[others[extra - 1]]) < mass * G
 
 
-def test_the_bound_is_above_every_logit_of_its_block():
-    """Quest's bound, kept as q . c + |q| . r (float32 here), is never below a key's q . k."""
+@pytest.mark.parametrize("dtype", [torch.float32, QUANTIZED])
+def test_the_bound_is_above_every_logit_of_its_block(dtype):
+    """Quest's bound, kept as q . c + |q| . r, is never below a key's q . k: in float32, and from
+    bytes (the centre's rounding error is in the radius)."""
     tokens = 12 * B
-    s, keys, table = written(Scoring("bound", dtype=torch.float32), tokens, dtype=torch.float32, seed=8)
+    s, keys, table = written(Scoring("bound", dtype=dtype), tokens, dtype=torch.float32, seed=8)
     q = torch.randn(H, D)
     for i, p in enumerate(table.tolist()):
-        c, r = s.rep[p, :, 0], s.rep[p, :, 1]  # (Hkv, D)
+        c, r = s.rep[p, :, 0].float(), s.rep[p, :, 1].float()  # (Hkv, D)
+        if dtype == QUANTIZED:
+            c, r = (c - 128) * s.rep_scale[p, :, None], r * s.rep_scale[p, :, None]
         block = keys[i * B : (i + 1) * B]  # (B, Hkv, D)
         for head in range(H):
             h = head // G

@@ -18,7 +18,7 @@ import torch
 
 from tests.sparse import reference
 from tests.sparse.test_kernel import HKV, SCALE, B, D, H, select, written
-from ucm.sparse.summaries import Scoring
+from ucm.sparse.summaries import QUANTIZED, Scoring
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = "cpu"
@@ -144,6 +144,8 @@ def test_unported_scorings_are_refused_by_name():
         TritonSelector(Scoring("hash", hash_bits=32), 4, B, HKV, D, "cpu")
     with pytest.raises(ValueError, match="blk_repre_dim_prune_ratio"):
         TritonSelector(Scoring("mean", keep_channels=0.5), 4, B, HKV, D, "cpu")
+    with pytest.raises(ValueError, match="summary_dtype: int8"):
+        TritonSelector(Scoring("bound", dtype=QUANTIZED), 4, B, HKV, D, "cpu")
 
 
 def test_a_prior_is_added_to_each_block_score_by_physical_block_and_head():

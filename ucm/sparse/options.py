@@ -81,11 +81,22 @@ class GSAConfig(TopKConfig):
     block_repre: Literal["both", "bound"] = Field(
         "bound", description="How blocks are scored: the bound (Quest), or both the bound and the mean key"
     )
+    summary_dtype: Literal["bfloat16", "int8"] = Field(
+        "bfloat16",
+        description="What the bound is scored from: bfloat16, or int8 with a scale per block and KV head (half the "
+        "bytes and dot products, still an upper bound; with block_repre bound)",
+    )
+
+    @model_validator(mode="after")
+    def _int8_scores_the_bound(self) -> GSAConfig:
+        if self.summary_dtype == "int8" and self.block_repre != "bound":
+            raise ValueError("summary_dtype: int8 scores block_repre 'bound' only, got block_repre 'both'")
+        return self
 
     def scoring(self, head_dim: int) -> Scoring:
-        from ucm.sparse.summaries import Scoring
+        from ucm.sparse.summaries import QUANTIZED, Scoring
 
-        return Scoring(self.block_repre)
+        return Scoring(self.block_repre, dtype=QUANTIZED if self.summary_dtype == "int8" else None)
 
 
 class StaticConfig(TopKConfig):

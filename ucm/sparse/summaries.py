@@ -13,6 +13,10 @@ Three kinds of summary, one per way of scoring a block for a query:
 - ``bound`` (Quest): per channel, the smallest and largest key in the block; a block's score for
   query ``q`` is ``sum_d max(q_d * lo_d, q_d * hi_d)``, an upper bound of every ``q . k`` in it. Kept
   in the cache's dtype (min and max of stored values are exact).
+  Scored as ``q . c + |q| . r`` (centre, radius) from bfloat16, or from bytes (``QUANTIZED``): one
+  scale per block head, the centre rounded to nearest and its error added to the radius, rounded
+  up, so that the bound stays a bound; half the bytes, and integer dot products against the query
+  quantized per head.
 - ``mean``: the mean key (ESA's block representation, KVStar's); score ``q . mean``, optionally over
   the channels where the query group's magnitude is largest (KVStar's pruned representation).
 - ``hash`` (GSA on-device): sign bits of each token's key under a fixed random rotation; a block's
@@ -48,6 +52,8 @@ except ImportError:  # checked where sparse attention is configured
 Mode = Literal["bound", "mean", "hash", "both"]
 MODES: dict[str, int] = {"bound": 0, "mean": 1, "hash": 2, "both": 3}
 DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QUANTIZED = torch.uint8  # representations as bytes with a scale per block head (bound only)
+REP_DTYPES: dict[torch.dtype, int] = {**DTYPES, QUANTIZED: 3}
 REP_ROWS: dict[str, int] = {"mean": 1, "bound": 2, "both": 3}  # a block head's representation: [mean] [c | r]
 
 
@@ -60,7 +66,8 @@ class Scoring:
     """How an algorithm summarizes and scores blocks."""
 
     mode: Mode
-    dtype: torch.dtype | None = None  # of the representations scored; None: bfloat16 (ranking needs no more)
+    dtype: torch.dtype | None = None  # of the representations scored; None: bfloat16 (ranking needs no more);
+    # QUANTIZED (bound only): bytes and a scale per block head, scored in integers (ucm_native's sparse.h)
     keep_channels: float = 1.0  # mean: share of channels scored (those the query weights most)
     hash_bits: int = 0  # hash: sign bits per key
     seed: int = 0  # hash: the rotation's seed
@@ -101,18 +108,23 @@ class BlockSummaries:
         self.scoring = scoring
         self.num_blocks, self.block_size, self.kv_heads, self.head_dim = num_blocks, block_size, kv_heads, head_dim
         self.dtype = scoring.dtype or torch.bfloat16  # of the representations scored
-        for dtype in (self.dtype, cache_dtype):
-            if dtype not in DTYPES:
-                raise ValueError(f"summaries: dtype {dtype} is not one of float32, bfloat16, float16")
+        if cache_dtype not in DTYPES:
+            raise ValueError(f"summaries: cache dtype {cache_dtype} is not one of float32, bfloat16, float16")
+        if self.dtype not in REP_DTYPES:
+            raise ValueError(f"summaries: dtype {self.dtype} is not one of float32, bfloat16, float16, uint8")
+        if self.dtype == QUANTIZED and scoring.mode != "bound":
+            raise ValueError(f"summaries: quantized (uint8) representations score the bound only, not {scoring.mode!r}")
         shape = (num_blocks, kv_heads, head_dim)
         empty = torch.empty(0)
-        self.lo = self.hi = self.mean = self.rep = self.hashes = self.projection = empty
+        self.lo = self.hi = self.mean = self.rep = self.rep_scale = self.hashes = self.projection = empty
         if scoring.mode in ("bound", "both"):
             self.lo, self.hi = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
         if scoring.mode in ("mean", "both"):
             self.mean = torch.zeros(shape, dtype=torch.float32)
         if scoring.mode != "hash":  # what selection reads
             self.rep = torch.zeros(num_blocks, kv_heads, REP_ROWS[scoring.mode], head_dim, dtype=self.dtype)
+            if self.dtype == QUANTIZED:
+                self.rep_scale = torch.zeros(num_blocks, kv_heads, dtype=torch.float32)
         else:
             bits = scoring.hash_bits
             if bits % 8 or not 8 <= bits <= head_dim:
@@ -123,11 +135,12 @@ class BlockSummaries:
         self._kernel = _native.SparseSummaries(
             mode=MODES[scoring.mode],
             dtype=DTYPES[cache_dtype],
-            rep_dtype=DTYPES[self.dtype],
+            rep_dtype=REP_DTYPES[self.dtype],
             lo=_ptr(self.lo),
             hi=_ptr(self.hi),
             mean=_ptr(self.mean),
             rep=_ptr(self.rep),
+            rep_scale=_ptr(self.rep_scale),
             hashes=_ptr(self.hashes),
             projection=_ptr(self.projection),
             count=self.count.data_ptr(),
@@ -150,7 +163,7 @@ class BlockSummaries:
 
     def copy_rows(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Blocks ``source`` summarized again as blocks ``target`` (long): their bytes moved there."""
-        for t in (self.lo, self.hi, self.mean, self.rep, self.hashes, self.count):
+        for t in (self.lo, self.hi, self.mean, self.rep, self.rep_scale, self.hashes, self.count):
             if t.numel():
                 t[target] = t[source]
 

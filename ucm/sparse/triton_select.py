@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ucm.sparse.summaries import MODES, REP_ROWS, Scoring
+from ucm.sparse.summaries import MODES, QUANTIZED, REP_ROWS, Scoring
 
 ESTIMATES = {"mean": 1, "bound": 1, "both": 2}  # softmaxes averaged per query head
 
@@ -247,6 +247,8 @@ class TritonSelector:
             raise ValueError(f"triton selection: scoring {scoring.mode!r} is not ported (mean, bound, both are)")
         if scoring.keep_channels < 1:
             raise ValueError("triton selection: channel pruning (KVStar's blk_repre_dim_prune_ratio < 1) is not ported")
+        if scoring.dtype == QUANTIZED:
+            raise ValueError("triton selection: int8 summaries (GSA's summary_dtype: int8) are not ported")
         check_head_dim("triton selection", head_dim)
         self.scoring = scoring
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim

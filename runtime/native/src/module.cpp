@@ -39,19 +39,20 @@ static void def_sparse(nb::module_& m) {
       .def(
           "__init__",
           [](sp::Summaries* self, int mode, int dtype, int rep_dtype, uintptr_t lo, uintptr_t hi, uintptr_t mean,
-             uintptr_t rep, uintptr_t hashes, uintptr_t projection, uintptr_t count, int64_t block_size,
+             uintptr_t rep, uintptr_t rep_scale, uintptr_t hashes, uintptr_t projection, uintptr_t count, int64_t block_size,
              int64_t kv_heads, int64_t head_dim, int64_t hash_bytes) {
             if (mode < 0 || mode > 3) throw std::invalid_argument("mode: 0 (bound), 1 (mean), 2 (hash) or 3 (both)");
-            for (int t : {dtype, rep_dtype})
-              if (t < 0 || t > 2) throw std::invalid_argument("dtypes: 0 (f32), 1 (bf16) or 2 (f16)");
+            if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype: 0 (f32), 1 (bf16) or 2 (f16)");
+            if (rep_dtype < 0 || rep_dtype > 3)
+              throw std::invalid_argument("rep_dtype: 0 (f32), 1 (bf16), 2 (f16) or 3 (u8, quantized)");
             new (self) sp::Summaries{static_cast<sp::Mode>(mode), static_cast<sp::DType>(dtype),
                                      static_cast<sp::DType>(rep_dtype), ptr<void>(lo), ptr<void>(hi),
-                                     ptr<float>(mean), ptr<void>(rep), ptr<uint8_t>(hashes),
+                                     ptr<float>(mean), ptr<void>(rep), ptr<float>(rep_scale), ptr<uint8_t>(hashes),
                                      ptr<const float>(projection), ptr<int32_t>(count), block_size, kv_heads,
                                      head_dim, hash_bytes};
           },
           nb::arg("mode"), nb::arg("dtype"), nb::arg("rep_dtype"), nb::arg("lo"), nb::arg("hi"), nb::arg("mean"),
-          nb::arg("rep"), nb::arg("hashes"), nb::arg("projection"), nb::arg("count"), nb::arg("block_size"),
+          nb::arg("rep"), nb::arg("rep_scale"), nb::arg("hashes"), nb::arg("projection"), nb::arg("count"), nb::arg("block_size"),
           nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("hash_bytes"))
       .def(
           "write",

@@ -332,6 +332,8 @@ void check(const Summaries& s) {
   if (mean && (!s.mean || !s.rep)) throw std::invalid_argument("mean summaries need mean and rep");
   if (s.mode == Mode::Hash && (!s.hashes || !s.projection || s.hash_bytes < 1))
     throw std::invalid_argument("hash summaries need hashes, a projection and hash_bytes");
+  if (s.rep_dtype == DType::U8 && (s.mode != Mode::Bound || !s.rep_scale))
+    throw std::invalid_argument("quantized (u8) representations: bound summaries only, with rep_scale");
 }
 
 // Vectors of D in one (block, head)'s representation.
@@ -375,6 +377,26 @@ void read_running(const Summaries& s, int64_t p, int64_t h, Running& r) {
   }
 }
 
+// [c | r] (D floats each) as bytes [c_q + 128 | r_q] and their scale (see sparse.h). The scale is
+// the larger of max|c| / 127 and max r / 254: a centre rounds by at most half a step, so r plus that
+// error stays within 254.5 steps and r_q within 255.
+void quantize_bound(const float* c, const float* r, int64_t d, uint8_t* out, float& scale) {
+  float top_c = 0.0f, top_r = 0.0f;
+  for (int64_t i = 0; i < d; ++i) {
+    top_c = std::max(top_c, std::fabs(c[i]));
+    top_r = std::max(top_r, r[i]);
+  }
+  const float s = std::max(top_c / 127.0f, top_r / 254.0f);
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float cq = std::clamp(std::nearbyint(c[i] * inv), -127.0f, 127.0f);
+    const float error = std::fabs(c[i] - s * cq);
+    out[i] = static_cast<uint8_t>(cq + 128.0f);
+    out[d + i] = static_cast<uint8_t>(std::min(255.0f, std::ceil((r[i] + error) * inv)));
+  }
+  scale = s;
+}
+
 // Store `r` as block p, head h's summary and derive its representation.
 void publish(const Summaries& s, int64_t p, int64_t h, const Running& r) {
   const int64_t d = s.head_dim, at = (p * s.kv_heads + h) * d;
@@ -385,13 +407,22 @@ void publish(const Summaries& s, int64_t p, int64_t h, const Running& r) {
     next += d;
   }
   if (s.mode == Mode::Bound || s.mode == Mode::Both) {
+    float c[512], radius[512];
     for (int64_t i = 0; i < d; ++i) {
       store(s.lo, s.dtype, at + i, r.lo[i]);
       store(s.hi, s.dtype, at + i, r.hi[i]);
       // lo and hi are stored values (exact in their dtype); c and r are rounded only once, here.
       const float lo = load(s.lo, s.dtype, at + i), hi = load(s.hi, s.dtype, at + i);
-      store(s.rep, s.rep_dtype, next + i, 0.5f * (lo + hi));
-      store(s.rep, s.rep_dtype, next + d + i, 0.5f * (hi - lo));
+      c[i] = 0.5f * (lo + hi);
+      radius[i] = 0.5f * (hi - lo);
+    }
+    if (s.rep_dtype == DType::U8) {
+      quantize_bound(c, radius, d, static_cast<uint8_t*>(s.rep) + next, s.rep_scale[p * s.kv_heads + h]);
+    } else {
+      for (int64_t i = 0; i < d; ++i) {
+        store(s.rep, s.rep_dtype, next + i, c[i]);
+        store(s.rep, s.rep_dtype, next + d + i, radius[i]);
+      }
     }
   }
 }
@@ -424,13 +455,37 @@ struct Group {
   const float* q_abs;   // (G, D) |q|
   const uint16_t* qb;   // (G, D) bf16 of q (Bound/Mean fast path)
   const uint16_t* qab;  // (G, D) bf16 of |q|
+  const int8_t* q8;       // (G, D) q quantized per head (U8 representations)
+  const int8_t* q8_abs;   // (G, D) |q8|
+  const float* q8_scale;  // (G,) q ~ q8_scale * q8
+  const int32_t* q8_sum;  // (G,) sum of q8: the stored centres' offset of 128 adds 128 * q8_sum
 };
 
-#if defined(__AVX512BF16__)
-constexpr bool kFastBf16 = true;
+// Each query head's row of q (G, D) as int8 with one scale (max |q| / 127) per head.
+void quantize_query(const float* q, int64_t g, int64_t d, int8_t* q8, int8_t* q8_abs, float* scale, int32_t* sum) {
+  for (int64_t j = 0; j < g; ++j) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < d; ++i) top = std::max(top, std::fabs(q[j * d + i]));
+    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < d; ++i) {
+      const int8_t v = static_cast<int8_t>(std::clamp(std::nearbyint(q[j * d + i] * inv), -127.0f, 127.0f));
+      q8[j * d + i] = v;
+      q8_abs[j * d + i] = static_cast<int8_t>(v < 0 ? -v : v);
+      total += v;
+    }
+    scale[j] = top / 127.0f;
+    sum[j] = total;
+  }
+}
 
-inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+// A block's U8 bound for query head j from its integer dot product `dots` (sum over D of
+// (c_q + 128) q8 + r_q |q8|), in the same operations on every path (so the same bits).
+inline float quantized_logit(float dots, float block_scale, const Group& grp, int64_t j) {
+  return (dots - 128.0f * static_cast<float>(grp.q8_sum[j])) * block_scale * grp.q8_scale[j];
+}
 
+#if defined(__AVX512F__)
 // The lane sums of 16 vectors as the 16 lanes of one, in order: 45 shuffles and adds where 16
 // separate reductions take ~130 (the scoring loop's largest cost once the dot products are bf16).
 inline __m512 reduce16(const __m512* v) {
@@ -446,6 +501,12 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr bool kFastBf16 = true;
+
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // sum over D (a multiple of 32) of a . b, both bf16.
 inline __m512 dot_bf16(__m512 acc, const uint16_t* a, const uint16_t* b, int64_t d) {
@@ -490,6 +551,35 @@ void score16(const uint16_t* const* rep, const Group& grp, bool has_mean, bool h
 }
 #else
 constexpr bool kFastBf16 = false;
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// score16 for U8 representations ([c_q + 128 | r_q], D bytes each) with their 16 scales: both dot
+// products of a block in one integer accumulator (u8 x s8, four products per lane and instruction),
+// half the instructions and bytes of bf16.
+template <int64_t D>
+void score16_u8(const uint8_t* const* rep, __m512 scales, const Group& grp, int64_t n, float* logits) {
+  __m512 acc[16];
+  for (int64_t j = 0; j < grp.g; ++j) {
+    __m512i q[D / 64], qa[D / 64];
+    for (int64_t k = 0; k < D / 64; ++k) {
+      q[k] = _mm512_loadu_si512(grp.q8 + j * D + 64 * k);
+      qa[k] = _mm512_loadu_si512(grp.q8_abs + j * D + 64 * k);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      __m512i a = _mm512_setzero_si512();
+      for (int64_t k = 0; k < D / 64; ++k) {
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(rep[i] + 64 * k), q[k]);
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(rep[i] + D + 64 * k), qa[k]);
+      }
+      acc[i] = _mm512_cvtepi32_ps(a);
+    }
+    // Whole numbers below 2^24 throughout: the float sums are exact, as the integer ones.
+    const __m512 dots = _mm512_sub_ps(reduce16(acc), _mm512_set1_ps(128.0f * static_cast<float>(grp.q8_sum[j])));
+    _mm512_storeu_ps(logits + j * n, _mm512_mul_ps(_mm512_mul_ps(dots, scales), _mm512_set1_ps(grp.q8_scale[j])));
+  }
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
@@ -548,13 +638,15 @@ void score8(const uint16_t* const* rep, const Group& grp, bool has_mean, bool ha
 // without, 0.45 with, about what one pass of index_select over the same bytes takes).
 constexpr int64_t kPrefetchAhead = 48;
 
-// Prefetch the representations (`elems` bf16 each) of head h of blocks table[from..to), into L2:
-// asked into L1 (16 blocks ahead), they gained nothing.
-inline void prefetch_reps(const uint16_t* base, const int32_t* table, int64_t from, int64_t to, int64_t hkv,
-                          int64_t h, int64_t elems) {
+// Prefetch the representations (`bytes` each) of head h of blocks table[from..to), and their scales
+// when quantized, into L2: asked into L1 (16 blocks ahead), they gained nothing.
+inline void prefetch_reps(const void* base, const float* scales, const int32_t* table, int64_t from, int64_t to,
+                          int64_t hkv, int64_t h, int64_t bytes) {
   for (int64_t i = from; i < to; ++i) {
-    const char* at = reinterpret_cast<const char*>(base + (static_cast<int64_t>(table[i]) * hkv + h) * elems);
-    for (int64_t byte = 0; byte < elems * 2; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+    const int64_t row = static_cast<int64_t>(table[i]) * hkv + h;
+    const char* at = static_cast<const char*>(base) + row * bytes;
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+    if (scales) __builtin_prefetch(scales + row, 0, 2);
   }
 }
 
@@ -574,11 +666,12 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
 #if defined(__AVX512BF16__)
   if (fast && s.mode != Mode::Hash && (d == 64 || d == 128)) {  // 16 blocks at a time
     const uint16_t* base = static_cast<const uint16_t*>(s.rep);
-    prefetch_reps(base, table, 0, std::min(kPrefetchAhead, n), hkv, h, d * width);
+    prefetch_reps(base, nullptr, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d * width);
     for (; blk + 16 <= n; blk += 16) {
       const uint16_t* rep[16];
       for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
-      prefetch_reps(base, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 16, n), hkv, h, d * width);
+      prefetch_reps(base, nullptr, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 16, n), hkv, h,
+                    2 * d * width);
       if (d == 64)
         score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
       else
@@ -586,14 +679,34 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
     }
   }
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {  // 16 blocks at a time
+    const uint8_t* base = static_cast<const uint8_t*>(s.rep);
+    prefetch_reps(base, s.rep_scale, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d);
+    const __m512i vhkv = _mm512_set1_epi32(static_cast<int32_t>(hkv)), vh = _mm512_set1_epi32(static_cast<int32_t>(h));
+    for (; blk + 16 <= n; blk += 16) {
+      const uint8_t* rep[16];
+      for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * 2 * d;
+      prefetch_reps(base, s.rep_scale, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 16, n), hkv, h,
+                    2 * d);
+      const __m512i rows = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(table + blk), vhkv), vh);
+      const __m512 scales = _mm512_i32gather_ps(rows, s.rep_scale, 4);
+      if (d == 64)
+        score16_u8<64>(rep, scales, grp, n, logits + blk);
+      else
+        score16_u8<128>(rep, scales, grp, n, logits + blk);
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
   if (s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
     const uint16_t* base = static_cast<const uint16_t*>(s.rep);
-    prefetch_reps(base, table, 0, std::min(kPrefetchAhead, n), hkv, h, d * width);
+    prefetch_reps(base, nullptr, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d * width);
     for (; blk + 8 <= n; blk += 8) {
       const uint16_t* rep[8];
       for (int i = 0; i < 8; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
-      prefetch_reps(base, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 8, n), hkv, h, d * width);
+      prefetch_reps(base, nullptr, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 8, n), hkv, h,
+                    2 * d * width);
       if (d == 64)
         score8<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
       else
@@ -616,6 +729,18 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
       continue;
     }
     const int64_t at = (p * hkv + h) * d * width;
+    if (s.rep_dtype == DType::U8) {
+      const uint8_t* rep = static_cast<const uint8_t*>(s.rep) + at;
+      const float scale = s.rep_scale[p * hkv + h];
+      for (int64_t j = 0; j < g; ++j) {
+        const int8_t *qj = grp.q8 + j * d, *qa = grp.q8_abs + j * d;
+        int32_t dots = 0;
+#pragma omp simd reduction(+ : dots)
+        for (int64_t i = 0; i < d; ++i) dots += rep[i] * qj[i] + rep[d + i] * qa[i];
+        logits[j * n + blk] = quantized_logit(static_cast<float>(dots), scale, grp, j);
+      }
+      continue;
+    }
 #if defined(__AVX512BF16__)
     if (fast) {
       const uint16_t* rep = static_cast<const uint16_t*>(s.rep) + at;
@@ -708,6 +833,9 @@ void select(const Summaries& s, const Selection& sel) {
     std::vector<uint64_t> ranked;
     std::vector<float> q(g * d), q_abs(g * d);
     std::vector<uint16_t> qb(g * d), qab(g * d);
+    std::vector<int8_t> q8(g * d), q8_abs(g * d);
+    std::vector<float> q8_scale(g);
+    std::vector<int32_t> q8_sum(g);
     float channel_weight[512];
     int32_t channels[512];
     uint8_t qhash[64 * 64];
@@ -742,11 +870,16 @@ void select(const Summaries& s, const Selection& sel) {
         });
         std::sort(channels, channels + used);
       }
+      if (s.rep_dtype == DType::U8) quantize_query(q.data(), g, d, q8.data(), q8_abs.data(), q8_scale.data(), q8_sum.data());
       if (s.mode == Mode::Hash)
         for (int64_t j = 0; j < g; ++j) hash_key(&q[j * d], s.projection, d, s.hash_bytes, qhash + j * s.hash_bytes);
       const int64_t estimates = s.mode == Mode::Both ? 2 : 1;
       logits.resize(estimates * g * n);
-      const Group grp{g, d, q.data(), q_abs.data(), qb.data(), qab.data()};
+      const Group grp{g,           d,
+                      q.data(),    q_abs.data(),
+                      qb.data(),   qab.data(),
+                      q8.data(),   q8_abs.data(),
+                      q8_scale.data(), q8_sum.data()};
       score_blocks(s, grp, table, n, seq, h, channels, used, qhash, logits.data());
       // Per query head (and estimate), a softmax over blocks (each head's share of the group's
       // attention), summed over the group: a head whose logits are larger does not outvote the

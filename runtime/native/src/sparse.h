@@ -10,7 +10,7 @@
 
 namespace ucm::sparse {
 
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, U8 = 3 };  // U8: quantized representations only
 enum class Mode : int { Bound = 0, Mean = 1, Hash = 2, Both = 3 };
 
 // What selection reads per (block, head) is the representation `rep`, derived at write time:
@@ -19,6 +19,11 @@ enum class Mode : int { Bound = 0, Mean = 1, Hash = 2, Both = 3 };
 //   Mean:  the mean key;
 //   Both:  [mean | c | r]: each query head's blocks are ranked by both estimates (two softmaxes over
 //          the blocks, averaged): a block either one favours is kept.
+// Bound with rep_dtype U8: [c_q + 128 | r_q] in bytes and one scale s per (block, head) in rep_scale,
+// c_q = round(c / s) in [-127, 127] and r_q = ceil((r + |c - s c_q|) / s) in [0, 255]: the centre's
+// rounding error is folded into the radius, so q . (s c_q) + |q| . (s r_q) is still an upper bound
+// of every q . k in the block. Half the bytes of bf16, scored in integer dot products (exact, so the
+// same on every machine) against the query quantized per head to int8.
 // Exact state behind it is kept for maintenance: lo/hi (Bound, Both; in the cache's dtype: minima
 // and maxima of stored values are exact) and the running mean in float32 (Mean, Both).
 struct Summaries {
@@ -29,6 +34,7 @@ struct Summaries {
   void* hi;                 // Bound, Both: (P, Hkv, D)
   float* mean;              // Mean, Both: (P, Hkv, D)
   void* rep;                // Bound: (P, Hkv, 2, D); Mean: (P, Hkv, D); Both: (P, Hkv, 3, D)
+  float* rep_scale;         // rep_dtype U8: (P, Hkv)
   uint8_t* hashes;          // Hash: (P, B, Hkv, W) sign bits of each token's projected key
   const float* projection;  // Hash: (D, W * 8) row-major
   int32_t* count;           // (P,) tokens summarized; 0 after an invalidation
