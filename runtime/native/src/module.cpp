@@ -39,8 +39,8 @@ static void def_sparse(nb::module_& m) {
       .def(
           "__init__",
           [](sp::Summaries* self, int mode, int dtype, int rep_dtype, uintptr_t lo, uintptr_t hi, uintptr_t mean,
-             uintptr_t rep, uintptr_t rep_scale, uintptr_t hashes, uintptr_t projection, uintptr_t count, int64_t block_size,
-             int64_t kv_heads, int64_t head_dim, int64_t hash_bytes) {
+             uintptr_t rep, uintptr_t rep_scale, uintptr_t hashes, uintptr_t projection, uintptr_t count,
+             int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t hash_bytes) {
             if (mode < 0 || mode > 3) throw std::invalid_argument("mode: 0 (bound), 1 (mean), 2 (hash) or 3 (both)");
             if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype: 0 (f32), 1 (bf16) or 2 (f16)");
             if (rep_dtype < 0 || rep_dtype > 3)
@@ -52,8 +52,8 @@ static void def_sparse(nb::module_& m) {
                                      head_dim, hash_bytes};
           },
           nb::arg("mode"), nb::arg("dtype"), nb::arg("rep_dtype"), nb::arg("lo"), nb::arg("hi"), nb::arg("mean"),
-          nb::arg("rep"), nb::arg("rep_scale"), nb::arg("hashes"), nb::arg("projection"), nb::arg("count"), nb::arg("block_size"),
-          nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("hash_bytes"))
+          nb::arg("rep"), nb::arg("rep_scale"), nb::arg("hashes"), nb::arg("projection"), nb::arg("count"),
+          nb::arg("block_size"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("hash_bytes"))
       .def(
           "write",
           [](const sp::Summaries& s, uintptr_t keys, int key_dtype, int64_t token_stride, uintptr_t slots,

@@ -683,7 +683,8 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {  // 16 blocks at a time
     const uint8_t* base = static_cast<const uint8_t*>(s.rep);
     prefetch_reps(base, s.rep_scale, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d);
-    const __m512i vhkv = _mm512_set1_epi32(static_cast<int32_t>(hkv)), vh = _mm512_set1_epi32(static_cast<int32_t>(h));
+    const __m512i vhkv = _mm512_set1_epi32(static_cast<int32_t>(hkv));
+    const __m512i vh = _mm512_set1_epi32(static_cast<int32_t>(h));
     for (; blk + 16 <= n; blk += 16) {
       const uint8_t* rep[16];
       for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * 2 * d;
@@ -870,16 +871,14 @@ void select(const Summaries& s, const Selection& sel) {
         });
         std::sort(channels, channels + used);
       }
-      if (s.rep_dtype == DType::U8) quantize_query(q.data(), g, d, q8.data(), q8_abs.data(), q8_scale.data(), q8_sum.data());
+      if (s.rep_dtype == DType::U8)
+        quantize_query(q.data(), g, d, q8.data(), q8_abs.data(), q8_scale.data(), q8_sum.data());
       if (s.mode == Mode::Hash)
         for (int64_t j = 0; j < g; ++j) hash_key(&q[j * d], s.projection, d, s.hash_bytes, qhash + j * s.hash_bytes);
       const int64_t estimates = s.mode == Mode::Both ? 2 : 1;
       logits.resize(estimates * g * n);
-      const Group grp{g,           d,
-                      q.data(),    q_abs.data(),
-                      qb.data(),   qab.data(),
-                      q8.data(),   q8_abs.data(),
-                      q8_scale.data(), q8_sum.data()};
+      const Group grp{g,         d,         q.data(),        q_abs.data(), qb.data(), qab.data(),
+                      q8.data(), q8_abs.data(), q8_scale.data(), q8_sum.data()};
       score_blocks(s, grp, table, n, seq, h, channels, used, qhash, logits.data());
       // Per query head (and estimate), a softmax over blocks (each head's share of the group's
       // attention), summed over the group: a head whose logits are larger does not outvote the
