@@ -582,19 +582,51 @@ void score16_u8(const uint8_t* const* rep, __m512 scales, const Group& grp, int6
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-// 8 bf16 as floats (a bf16 is a float's upper half).
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
+#if defined(__AVX2__)
 // The lane sums of 8 vectors as the 8 lanes of one, in order (16 single-lane reductions, each a
 // chain of dependent adds, were as costly as the dot products themselves).
 inline __m256 sum8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// score16_u8 on AVX2: 8 blocks, their bytes widened to 16 bits and multiplied in pairs into 32-bit
+// lanes (vpmaddwd): the same whole numbers as VNNI's (vpmaddubsw would saturate at 2^15).
+template <int64_t D>
+void score8_u8(const uint8_t* const* rep, __m256 scales, const Group& grp, int64_t n, float* logits) {
+  __m256 acc[8];
+  for (int64_t j = 0; j < grp.g; ++j) {
+    __m256i q[D / 16], qa[D / 16];
+    for (int64_t k = 0; k < D / 16; ++k) {
+      q[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp.q8 + j * D + 16 * k)));
+      qa[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp.q8_abs + j * D + 16 * k)));
+    }
+    auto widened = [](const uint8_t* p) {
+      return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    };
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      __m256i a = _mm256_setzero_si256();
+      for (int64_t k = 0; k < D / 16; ++k) {
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(widened(rep[i] + 16 * k), q[k]));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(widened(rep[i] + D + 16 * k), qa[k]));
+      }
+      acc[i] = _mm256_cvtepi32_ps(a);
+    }
+    const __m256 dots = _mm256_sub_ps(sum8(acc), _mm256_set1_ps(128.0f * static_cast<float>(grp.q8_sum[j])));
+    _mm256_storeu_ps(logits + j * n, _mm256_mul_ps(_mm256_mul_ps(dots, scales), _mm256_set1_ps(grp.q8_scale[j])));
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+// 8 bf16 as floats (a bf16 is a float's upper half).
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
 // AVX2's score16: 8 blocks' bf16 representations against every query head of the group (floats,
@@ -696,6 +728,26 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
         score16_u8<64>(rep, scales, grp, n, logits + blk);
       else
         score16_u8<128>(rep, scales, grp, n, logits + blk);
+    }
+  }
+#endif
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {  // 8 blocks at a time
+    const uint8_t* base = static_cast<const uint8_t*>(s.rep);
+    prefetch_reps(base, s.rep_scale, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d);
+    const __m256i vhkv = _mm256_set1_epi32(static_cast<int32_t>(hkv));
+    const __m256i vh = _mm256_set1_epi32(static_cast<int32_t>(h));
+    for (; blk + 8 <= n; blk += 8) {
+      const uint8_t* rep[8];
+      for (int i = 0; i < 8; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * 2 * d;
+      prefetch_reps(base, s.rep_scale, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 8, n), hkv, h,
+                    2 * d);
+      const __m256i ids = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + blk));
+      const __m256 scales = _mm256_i32gather_ps(s.rep_scale, _mm256_add_epi32(_mm256_mullo_epi32(ids, vhkv), vh), 4);
+      if (d == 64)
+        score8_u8<64>(rep, scales, grp, n, logits + blk);
+      else
+        score8_u8<128>(rep, scales, grp, n, logits + blk);
     }
   }
 #endif
