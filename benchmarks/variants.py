@@ -7,14 +7,14 @@ import json
 from typing import Any
 
 
-def parse_variant(name: str, flag: str = "--algorithms") -> tuple[str, dict[str, Any]]:
+def parse_variant(name: str) -> tuple[str, dict[str, Any]]:
     """(algorithm, options) of an arm's name; option values as JSON (numbers, booleans) or the string given."""
     algorithm, *variant = name.split(":")
     options: dict[str, Any] = {}
     for option in variant:
         key, eq, value = option.partition("=")
         if not eq:
-            raise SystemExit(f"{flag}: {name!r}: variant options are key=value, got {option!r}")
+            raise SystemExit(f"--algorithms: {name!r}: variant options are key=value, got {option!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:

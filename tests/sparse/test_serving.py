@@ -128,6 +128,11 @@ def test_static_selection_takes_no_retrieval_stride():
         SparseConfig.model_validate({"algorithm": "static", "static": {"retrieval_stride": 2}})
 
 
+def test_int8_summaries_are_refused_beside_the_mean_key():
+    with pytest.raises(ValidationError, match=r"summary_dtype: int8 scores block_repre 'bound' only"):
+        SparseConfig.model_validate({"algorithm": "gsa", "gsa": {"summary_dtype": "int8", "block_repre": "both"}})
+
+
 def test_counts_cover_dense_layers_and_sparse_layers():
     rt = runtime({"algorithm": "static", "min_tokens": 64, "dense_layers": 1, "static": {"sparse_ratio": 0.5}})
     tables = tables_for(320)
