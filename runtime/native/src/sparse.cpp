@@ -682,6 +682,25 @@ inline void prefetch_reps(const void* base, const float* scales, const int32_t* 
   }
 }
 
+// The SIMD paths' walk over a request's blocks, W at a time: each group's representations (`elems`
+// of T per block head) handed to score(rep, first block), the blocks kPrefetchAhead on asked for
+// meanwhile. Returns the first block left for the scalar tail.
+template <int W, typename T, typename Score>
+int64_t score_in_groups(const void* reps, const float* scales, const int32_t* table, int64_t n, int64_t hkv,
+                        int64_t h, int64_t elems, Score score) {
+  const T* base = static_cast<const T*>(reps);
+  const int64_t bytes = elems * static_cast<int64_t>(sizeof(T));
+  prefetch_reps(base, scales, table, 0, std::min(kPrefetchAhead, n), hkv, h, bytes);
+  int64_t blk = 0;
+  for (; blk + W <= n; blk += W) {
+    const T* rep[W];
+    for (int i = 0; i < W; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * elems;
+    prefetch_reps(base, scales, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + W, n), hkv, h, bytes);
+    score(rep, blk);
+  }
+  return blk;
+}
+
 // logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
 // logit (before the temperature) a key of the block gives that head. Both: rows 0..G-1 from the
 // mean key, rows G..2G-1 from the bound.
@@ -696,75 +715,62 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   float row[3 * 512];
   int64_t blk = 0;
 #if defined(__AVX512BF16__)
-  if (fast && s.mode != Mode::Hash && (d == 64 || d == 128)) {  // 16 blocks at a time
-    const uint16_t* base = static_cast<const uint16_t*>(s.rep);
-    prefetch_reps(base, nullptr, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d * width);
-    for (; blk + 16 <= n; blk += 16) {
-      const uint16_t* rep[16];
-      for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
-      prefetch_reps(base, nullptr, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 16, n), hkv, h,
-                    2 * d * width);
-      if (d == 64)
-        score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
-      else
-        score16<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
-    }
+  if (fast && s.mode != Mode::Hash && (d == 64 || d == 128)) {
+    blk = score_in_groups<16, uint16_t>(s.rep, nullptr, table, n, hkv, h, d * width,
+                                        [&](const uint16_t* const* rep, int64_t first) {
+                                          if (d == 64)
+                                            score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
+                                                        logits + first);
+                                          else
+                                            score16<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
+                                                         logits + first);
+                                        });
   }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {  // 16 blocks at a time
-    const uint8_t* base = static_cast<const uint8_t*>(s.rep);
-    prefetch_reps(base, s.rep_scale, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d);
+  if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {
     const __m512i vhkv = _mm512_set1_epi32(static_cast<int32_t>(hkv));
     const __m512i vh = _mm512_set1_epi32(static_cast<int32_t>(h));
-    for (; blk + 16 <= n; blk += 16) {
-      const uint8_t* rep[16];
-      for (int i = 0; i < 16; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * 2 * d;
-      prefetch_reps(base, s.rep_scale, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 16, n), hkv, h,
-                    2 * d);
-      const __m512i rows = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(table + blk), vhkv), vh);
-      const __m512 scales = _mm512_i32gather_ps(rows, s.rep_scale, 4);
-      if (d == 64)
-        score16_u8<64>(rep, scales, grp, n, logits + blk);
-      else
-        score16_u8<128>(rep, scales, grp, n, logits + blk);
-    }
+    blk = score_in_groups<16, uint8_t>(s.rep, s.rep_scale, table, n, hkv, h, 2 * d,
+                                       [&](const uint8_t* const* rep, int64_t first) {
+                                         const __m512i ids = _mm512_loadu_si512(table + first);
+                                         const __m512 scales = _mm512_i32gather_ps(
+                                             _mm512_add_epi32(_mm512_mullo_epi32(ids, vhkv), vh), s.rep_scale, 4);
+                                         if (d == 64)
+                                           score16_u8<64>(rep, scales, grp, n, logits + first);
+                                         else
+                                           score16_u8<128>(rep, scales, grp, n, logits + first);
+                                       });
   }
 #endif
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {  // 8 blocks at a time
-    const uint8_t* base = static_cast<const uint8_t*>(s.rep);
-    prefetch_reps(base, s.rep_scale, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d);
+  if (s.rep_dtype == DType::U8 && (d == 64 || d == 128)) {
     const __m256i vhkv = _mm256_set1_epi32(static_cast<int32_t>(hkv));
     const __m256i vh = _mm256_set1_epi32(static_cast<int32_t>(h));
-    for (; blk + 8 <= n; blk += 8) {
-      const uint8_t* rep[8];
-      for (int i = 0; i < 8; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * 2 * d;
-      prefetch_reps(base, s.rep_scale, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 8, n), hkv, h,
-                    2 * d);
-      const __m256i ids = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + blk));
-      const __m256 scales = _mm256_i32gather_ps(s.rep_scale, _mm256_add_epi32(_mm256_mullo_epi32(ids, vhkv), vh), 4);
-      if (d == 64)
-        score8_u8<64>(rep, scales, grp, n, logits + blk);
-      else
-        score8_u8<128>(rep, scales, grp, n, logits + blk);
-    }
+    blk = score_in_groups<8, uint8_t>(s.rep, s.rep_scale, table, n, hkv, h, 2 * d,
+                                      [&](const uint8_t* const* rep, int64_t first) {
+                                        const __m256i ids =
+                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + first));
+                                        const __m256 scales = _mm256_i32gather_ps(
+                                            s.rep_scale, _mm256_add_epi32(_mm256_mullo_epi32(ids, vhkv), vh), 4);
+                                        if (d == 64)
+                                          score8_u8<64>(rep, scales, grp, n, logits + first);
+                                        else
+                                          score8_u8<128>(rep, scales, grp, n, logits + first);
+                                      });
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
   if (s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
-    const uint16_t* base = static_cast<const uint16_t*>(s.rep);
-    prefetch_reps(base, nullptr, table, 0, std::min(kPrefetchAhead, n), hkv, h, 2 * d * width);
-    for (; blk + 8 <= n; blk += 8) {
-      const uint16_t* rep[8];
-      for (int i = 0; i < 8; ++i) rep[i] = base + (static_cast<int64_t>(table[blk + i]) * hkv + h) * d * width;
-      prefetch_reps(base, nullptr, table, blk + kPrefetchAhead, std::min(blk + kPrefetchAhead + 8, n), hkv, h,
-                    2 * d * width);
-      if (d == 64)
-        score8<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
-      else
-        score8<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n, logits + blk);
-    }
+    blk = score_in_groups<8, uint16_t>(s.rep, nullptr, table, n, hkv, h, d * width,
+                                       [&](const uint16_t* const* rep, int64_t first) {
+                                         if (d == 64)
+                                           score8<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
+                                                      logits + first);
+                                         else
+                                           score8<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
+                                                       logits + first);
+                                       });
   }
 #endif
   for (; blk < n; ++blk) {
