@@ -97,11 +97,12 @@ def test_every_rule_and_panel_has_data_from_a_running_stack(monitored: Stack):
         # A rate() has data once its series has two samples in the window: a counter born at the
         # first prefix hit has none until the next scrape, so the panels are waited for as the rules are.
         deadline = time.monotonic() + 240
-        missing, empty = records, panel_queries()
+        panels = panel_queries()
+        missing, empty = records, panels
         while (missing or empty) and time.monotonic() < deadline:
             time.sleep(5)
             missing = [name for name in records if not query(url, name)]
-            empty = [expr for expr in panel_queries() if not query(url, expr)]
+            empty = [expr for expr in panels if not query(url, expr)]
         assert not missing, f"recording rules without data after {load.sent} requests: {missing}"
         assert not empty, f"dashboard queries without data after {load.sent} requests: {empty}"
     assert load.failed == 0
