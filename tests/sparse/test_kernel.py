@@ -304,6 +304,11 @@ def test_the_bound_is_above_every_logit_of_its_block(dtype):
         if dtype == QUANTIZED:
             c, r = (c - 128) * s.rep_scale[p, :, None], r * s.rep_scale[p, :, None]
         block = keys[i * B : (i + 1) * B]  # (B, Hkv, D)
+        if dtype == QUANTIZED:  # per channel, the bytes' interval holds every key: a bound for any query
+            scale = s.rep_scale[p, :, None].double()
+            centre, radius = (s.rep[p, :, 0].double() - 128) * scale, s.rep[p, :, 1].double() * scale
+            exact = block.double()
+            assert torch.all(centre - radius <= exact.amin(0)) and torch.all(centre + radius >= exact.amax(0))
         for head in range(H):
             h = head // G
             bound = q[head] @ c[h] + q[head].abs() @ r[h]

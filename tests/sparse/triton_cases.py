@@ -31,7 +31,12 @@ else:
 from ucm.sparse.triton_attention import sparse_decode
 from ucm.sparse.triton_select import TritonSelector
 
-SCORINGS = {"both": Scoring("both"), "bound": Scoring("bound"), "mean": Scoring("mean")}
+SCORINGS = {
+    "both": Scoring("both"),
+    "bound": Scoring("bound"),
+    "bound-int8": Scoring("bound", dtype=QUANTIZED),
+    "mean": Scoring("mean"),
+}
 
 
 def flash_cache(keys: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -64,11 +69,31 @@ def test_summaries_from_the_cache_equal_the_native_ones_kept_at_write(name):
     idx = table.long()
     rep, count = sel.rep.cpu(), sel.count.cpu()
     assert torch.equal(count[idx], native.count[idx])
-    if name != "mean":  # [c | r] from exact extremes; the interpreter rounds to bfloat16 by truncation: 1 ulp
+    if name == "bound-int8":  # the same quantization; a radius may differ by one step where one side fuses
+        assert torch.equal(sel.rep_scale.cpu()[idx], native.rep_scale[idx])  # c - s * c_q into an FMA
+        assert torch.equal(rep[idx][:, :, 0], native.rep[idx][:, :, 0])
+        assert (rep[idx][:, :, 1].int() - native.rep[idx][:, :, 1].int()).abs().max() <= 1
+    elif name != "mean":  # [c | r] from exact extremes; the interpreter rounds to bfloat16 by truncation: 1 ulp
         torch.testing.assert_close(rep[idx][:, :, -2:], native.rep[idx][:, :, -2:], rtol=2**-7, atol=1e-6)
     if name != "bound":  # the mean: a float32 sum in another order, then rounded to bfloat16
         mean, want = rep[idx][:, :, 0].float(), native.rep[idx][:, :, 0].float()
         torch.testing.assert_close(mean, want, rtol=1e-2, atol=1e-3)
+
+
+def test_the_int8_bound_from_the_cache_contains_every_key_of_its_block():
+    """Per channel, the interval the bytes and scale of summarize describe, s (c_q -+ r_q), holds
+    every key of the block (the centre's rounding error is in the radius, rounded up): so the bound
+    is above every q . k, whatever the query, as the native kernel's is."""
+    tokens = 12 * B
+    keys = torch.randn(tokens, HKV, D, generator=torch.Generator().manual_seed(8))
+    table = torch.randperm(20, generator=torch.Generator().manual_seed(9))[:12].to(torch.int32)
+    sel = TritonSelector(SCORINGS["bound-int8"], 20, B, HKV, D, DEVICE)
+    fills = torch.full((12,), B, dtype=torch.int32)
+    sel.summarize(flash_cache(keys, table, 20).to(DEVICE), table.to(DEVICE), fills.to(DEVICE))
+    rep, scale = sel.rep.cpu()[table.long()].double(), sel.rep_scale.cpu()[table.long()].double()[..., None]
+    centre, radius = (rep[:, :, 0] - 128) * scale, rep[:, :, 1] * scale  # (blocks, Hkv, D)
+    blocks = keys.double().view(12, B, HKV, D)
+    assert torch.all(centre - radius <= blocks.amin(1)) and torch.all(centre + radius >= blocks.amax(1))
 
 
 @pytest.mark.parametrize("name", SCORINGS)
@@ -84,8 +109,9 @@ def test_selection_keeps_the_windows_and_the_best_blocks_per_head_as_the_native_
     got, got_kept, got_scores = run(sel, q, tables, [tokens], [budget], mass=mass)
     want, want_kept, _ = run(native, q, tables, [tokens], [budget], mass=mass)
     fills = [min(B, tokens - i * B) for i in range(n)]
-    rep = sel.rep.cpu()
-    summaries = [(rep[p], rep[p]) for p in ids]  # what the reference reads: the representation
+    rep, rep_scale = sel.rep.cpu(), sel.rep_scale.cpu()
+    # what the reference reads: the representation (and the int8 scales)
+    summaries = [(rep[p], rep[p], rep[p], rep_scale[p]) if sel.quantized else (rep[p], rep[p]) for p in ids]
     forced = {0, n - 2, n - 1}
     for h in range(HKV):
         ref = reference.group_scores(scoring, q[0], summaries, fills, h, HKV, SCALE, sel.dtype)
@@ -144,8 +170,8 @@ def test_unported_scorings_are_refused_by_name():
         TritonSelector(Scoring("hash", hash_bits=32), 4, B, HKV, D, "cpu")
     with pytest.raises(ValueError, match="blk_repre_dim_prune_ratio"):
         TritonSelector(Scoring("mean", keep_channels=0.5), 4, B, HKV, D, "cpu")
-    with pytest.raises(ValueError, match="summary_dtype: int8"):
-        TritonSelector(Scoring("bound", dtype=QUANTIZED), 4, B, HKV, D, "cpu")
+    with pytest.raises(ValueError, match="int8 summaries score the bound only"):
+        TritonSelector(Scoring("both", dtype=QUANTIZED), 4, B, HKV, D, "cpu")
 
 
 def test_a_prior_is_added_to_each_block_score_by_physical_block_and_head():

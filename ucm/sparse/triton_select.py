@@ -1,6 +1,7 @@
 """Block selection on GPUs, in Triton: the scores and the choice of the native kernel
-(:mod:`ucm.sparse.summaries`) for the ``mean``, ``bound`` and ``both`` scorings, with fixed shapes
-(no host synchronisation, no data-dependent allocation: capturable in a CUDA graph).
+(:mod:`ucm.sparse.summaries`) for the ``mean``, ``bound`` and ``both`` scorings, the bound also from
+int8 bytes (GSA's default), with fixed shapes (no host synchronisation, no data-dependent
+allocation: capturable in a CUDA graph).
 
 On a GPU the summaries are not folded key by key as on the CPU: a block's summary is recomputed
 from the paged cache whenever the block changes (:meth:`TritonSelector.summarize`, one program per
@@ -14,7 +15,12 @@ prior, forces the windows and keeps the top blocks: the k-th score by bisection 
 bits (32 counts), ties going to the lower block as in the native kernel; with an adaptive budget a
 sort of the scores gives the count. Measured on an H200 (benchmarks/gpu_paths.py): the same steps as
 ~40 torch operations took ~1 ms per layer whatever the context (launches), a bitonic sort of 4,096
-blocks as much as the rest, and a broadcast product in place of tl.dot spilled registers. The hash
+blocks as much as the rest, and a broadcast product in place of tl.dot spilled registers.
+
+The int8 bound is the native kernel's arithmetic: the same quantization of [c | r] in summarize and
+of the query per head in the logits, whose dot products are whole numbers below 2^24 (|c_q|, |q8|
+<= 127, r_q <= 255) and so exact as float32 products on TF32 tensor cores; the logits are then the
+native kernel's bits, the bytes read half the bfloat16 bound's. (A GPU has not run it yet.) The hash
 scoring (GSA on-device) and KVStar's channel pruning are not ported (the constructor says so).
 
 Tested against the native kernel and the plain-torch reference (tests/sparse/test_triton.py) under
@@ -44,8 +50,10 @@ def _summarize(
     r_block,
     r_head,
     r_row,
+    rep_scale,
     count,
     MODE: tl.constexpr,
+    QUANT: tl.constexpr,
     BT: tl.constexpr,
     D: tl.constexpr,
 ):
@@ -65,10 +73,42 @@ def _summarize(
         first = 0 if MODE == 0 else 1
         lo = tl.min(tl.where(present, keys, float("inf")), 0)
         hi = tl.max(tl.where(present, keys, float("-inf")), 0)
-        tl.store(out + first * r_row, ((lo + hi) * 0.5).to(rep.dtype.element_ty))
-        tl.store(out + (first + 1) * r_row, ((hi - lo) * 0.5).to(rep.dtype.element_ty))
+        centre, radius = (lo + hi) * 0.5, (hi - lo) * 0.5
+        if QUANT:  # as the native kernel's quantize_bound: the centre to nearest, its error into the radius
+            scale = tl.maximum(
+                tl.math.div_rn(tl.max(tl.abs(centre), 0), 127.0), tl.math.div_rn(tl.max(radius, 0), 254.0)
+            )
+            inv = tl.where(scale > 0, tl.math.div_rn(1.0, scale), 0.0)
+            cq = tl.minimum(tl.maximum(_rint(centre * inv), -127.0), 127.0)
+            rq = tl.minimum(tl.ceil((radius + tl.abs(centre - scale * cq)) * inv), 255.0)
+            tl.store(out, (cq + 128.0).to(tl.uint8))
+            tl.store(out + r_row, rq.to(tl.uint8))
+            tl.store(rep_scale + p * tl.num_programs(1) + h, scale)
+        else:
+            tl.store(out + first * r_row, centre.to(rep.dtype.element_ty))
+            tl.store(out + (first + 1) * r_row, radius.to(rep.dtype.element_ty))
     if h == 0:
         tl.store(count + p, n)
+
+
+@triton.jit
+def _rint(x):
+    """x rounded to the nearest whole number, ties to even (C's nearbyint; libdevice's rint does not
+    run under the interpreter): x - floor(x) is exact, so the tie is seen exactly."""
+    down = tl.floor(x)
+    frac = x - down
+    odd = (down.to(tl.int32) & 1) == 1
+    return down + ((frac > 0.5) | ((frac == 0.5) & odd)).to(tl.float32)
+
+
+@triton.jit
+def _quantize_query(q):
+    """(GP, D) float32 query heads as int8 values (in float32) per head, and each head's scale: the
+    native kernel's quantize_query."""
+    top = tl.max(tl.abs(q), 1)
+    inv = tl.where(top > 0, tl.math.div_rn(127.0, top), 0.0)
+    q8 = tl.minimum(tl.maximum(_rint(q * inv[:, None]), -127.0), 127.0)
+    return q8, tl.math.div_rn(top, 127.0)
 
 
 def check_head_dim(who: str, head_dim: int) -> None:
@@ -110,6 +150,7 @@ def _logits(
     r_block,
     r_head,
     r_row,
+    rep_scale,
     out,
     o_row,
     o_head,
@@ -121,6 +162,7 @@ def _logits(
     D: tl.constexpr,
     BN: tl.constexpr,
     MODE: tl.constexpr,
+    QUANT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -132,20 +174,28 @@ def _logits(
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     q = group_query(query, q_token, q_head, tokens, r, h, G, GP, D)
-    q = q.to(rep.dtype.element_ty).to(tl.float32)  # in the representations' precision
     base = rep + phys[:, None] * r_block + h * r_head + d[None, :]
     dest = out + r * o_row + h * o_head + g[:, None] * o_q + j[None, :]
     keep = (g < G)[:, None] & held[None, :]
-    if MODE == 1 or MODE == 3:  # q . mean
-        mean = tl.load(base, mask=held[:, None], other=0.0).to(tl.float32)
-        tl.store(dest, _dot(q, tl.trans(mean), IEEE), mask=keep)
-    if MODE == 0 or MODE == 3:  # Quest's bound: q . c + |q| . r
-        first = 0 if MODE == 0 else 1
-        c = tl.load(base + first * r_row, mask=held[:, None], other=0.0).to(tl.float32)
-        rad = tl.load(base + (first + 1) * r_row, mask=held[:, None], other=0.0).to(tl.float32)
-        bound = _dot(q, tl.trans(c), IEEE) + _dot(tl.abs(q), tl.trans(rad), IEEE)
-        second = 1 if MODE == 3 else 0  # the bound is the second estimate beside the mean
-        tl.store(dest + second * o_est, bound, mask=keep)
+    if QUANT:  # the bound from bytes [c_q + 128 | r_q]: whole numbers, exact in TF32 and in the sums
+        q8, q_scale = _quantize_query(q.to(tl.float32))
+        c = tl.load(base, mask=held[:, None], other=128).to(tl.float32) - 128.0
+        rad = tl.load(base + r_row, mask=held[:, None], other=0).to(tl.float32)
+        dots = _dot(q8, tl.trans(c), False) + _dot(tl.abs(q8), tl.trans(rad), False)
+        block_scale = tl.load(rep_scale + phys * tl.num_programs(1) + h, mask=held, other=0.0)
+        tl.store(dest, dots * block_scale[None, :] * q_scale[:, None], mask=keep)
+    else:
+        q = q.to(rep.dtype.element_ty).to(tl.float32)  # in the representations' precision
+        if MODE == 1 or MODE == 3:  # q . mean
+            mean = tl.load(base, mask=held[:, None], other=0.0).to(tl.float32)
+            tl.store(dest, _dot(q, tl.trans(mean), IEEE), mask=keep)
+        if MODE == 0 or MODE == 3:  # Quest's bound: q . c + |q| . r
+            first = 0 if MODE == 0 else 1
+            c = tl.load(base + first * r_row, mask=held[:, None], other=0.0).to(tl.float32)
+            rad = tl.load(base + (first + 1) * r_row, mask=held[:, None], other=0.0).to(tl.float32)
+            bound = _dot(q, tl.trans(c), IEEE) + _dot(tl.abs(q), tl.trans(rad), IEEE)
+            second = 1 if MODE == 3 else 0  # the bound is the second estimate beside the mean
+            tl.store(dest + second * o_est, bound, mask=keep)
 
 
 @triton.jit
@@ -247,14 +297,20 @@ class TritonSelector:
             raise ValueError(f"triton selection: scoring {scoring.mode!r} is not ported (mean, bound, both are)")
         if scoring.keep_channels < 1:
             raise ValueError("triton selection: channel pruning (KVStar's blk_repre_dim_prune_ratio < 1) is not ported")
-        if scoring.dtype == QUANTIZED:
-            raise ValueError("triton selection: int8 summaries (GSA's summary_dtype: int8) are not ported")
+        if scoring.dtype == QUANTIZED and scoring.mode != "bound":
+            raise ValueError(f"triton selection: int8 summaries score the bound only, not {scoring.mode!r}")
         check_head_dim("triton selection", head_dim)
         self.scoring = scoring
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
         self.dtype = scoring.dtype or torch.bfloat16
         self.rep = torch.zeros(num_blocks, kv_heads, REP_ROWS[scoring.mode], head_dim, dtype=self.dtype, device=device)
+        # int8: a scale per block and KV head (as BlockSummaries.rep_scale); otherwise never read
+        self.rep_scale = torch.zeros(num_blocks if self.quantized else 1, kv_heads, device=device)
         self.count = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == QUANTIZED
 
     def summarize(self, key_cache: torch.Tensor, blocks: torch.Tensor, fills: torch.Tensor) -> None:
         """Recompute ``blocks`` (int32) holding ``fills`` (int32, > 0) tokens each from ``key_cache``
@@ -274,8 +330,10 @@ class TritonSelector:
             self.rep.stride(0),
             self.rep.stride(1),
             self.rep.stride(2),
+            self.rep_scale,
             self.count,
             MODE=MODES[self.scoring.mode],
+            QUANT=self.quantized,
             BT=triton.next_power_of_2(self.block_size),
             D=self.head_dim,
         )
@@ -316,6 +374,7 @@ class TritonSelector:
             self.rep.stride(0),
             self.rep.stride(1),
             self.rep.stride(2),
+            self.rep_scale,
             logits,
             logits.stride(0),
             logits.stride(1),
@@ -327,6 +386,7 @@ class TritonSelector:
             D=self.head_dim,
             BN=bn,
             MODE=MODES[self.scoring.mode],
+            QUANT=self.quantized,
             IEEE=self.dtype == torch.float32,
         )
         if out.stride(1) != 1 or (scores is not None and scores.stride(1) != 1):
