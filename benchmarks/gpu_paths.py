@@ -9,7 +9,8 @@ Transfer: a request's blocks between paged KV in GPU memory (32 layers of FlashA
 
 Decode step: one decode token of R requests over N-token contexts, per layer, for two model shapes
 (SmolLM2-135M: 9 query heads over 3 KV heads of 64; Llama-3-8B: 32 over 8 of 128), 32-token blocks,
-keeping 30% of the blocks, in ms:
+keeping 30% of the blocks, per scoring (``--scorings``: both, the bfloat16 bound, the int8 bound,
+GSA's default), in ms:
   dense      attention over every key (torch SDPA's flash kernel on contiguous K/V, each KV head's
              query group as its rows): what a dense engine pays, about
   paged      ucm.sparse.triton_attention.sparse_decode over every block (the same kernel, dense)
@@ -41,7 +42,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ucm import native
-from ucm.sparse.summaries import Scoring
+from ucm.sparse.summaries import QUANTIZED, Scoring
 from ucm.sparse.triton_attention import sparse_decode
 from ucm.sparse.triton_select import TritonSelector
 
@@ -88,7 +89,10 @@ def transfer(request_blocks: int) -> dict[str, float]:
     return out
 
 
-def decode_step(shape: str, tokens: int, requests: int, ratio: float) -> dict[str, float]:
+SCORINGS = {"both": Scoring("both"), "bound": Scoring("bound"), "int8": Scoring("bound", dtype=QUANTIZED)}
+
+
+def decode_step(scoring: str, shape: str, tokens: int, requests: int, ratio: float) -> dict[str, float]:
     hq, hkv, dim = SHAPES[shape]
     g = hq // hkv
     width = tokens // BLOCK
@@ -96,7 +100,7 @@ def decode_step(shape: str, tokens: int, requests: int, ratio: float) -> dict[st
     keys = torch.randn(pool, BLOCK, hkv, dim, device="cuda", dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     tables = torch.randperm(pool, device="cuda").to(torch.int32).view(requests, width)
-    sel = TritonSelector(Scoring("both"), pool, BLOCK, hkv, dim, "cuda")
+    sel = TritonSelector(SCORINGS[scoring], pool, BLOCK, hkv, dim, "cuda")
     sel.summarize(keys, tables.flatten().contiguous(), torch.full((pool,), BLOCK, dtype=torch.int32, device="cuda"))
     query = torch.randn(requests, hq, dim, device="cuda", dtype=torch.bfloat16)
     rows = torch.arange(requests, dtype=torch.int32, device="cuda")
@@ -167,7 +171,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.3)
     ap.add_argument("--parts", default="transfer,decode", help="which of transfer, decode to run")
+    ap.add_argument("--scorings", default="both,int8", help=f"decode step's selections, of {', '.join(SCORINGS)}")
     args = ap.parse_args()
+    scorings = args.scorings.split(",")
+    if unknown := set(scorings) - set(SCORINGS):
+        ap.error(f"--scorings: {', '.join(sorted(unknown))} unknown; choose from {', '.join(SCORINGS)}")
     if not torch.cuda.is_available():
         print("gpu_paths: no GPU here (run it on the device machine)", file=sys.stderr)
         return 2
@@ -183,12 +191,13 @@ def main() -> int:
         report["decode_step"] = {}
         head = ("tokens", "dense", "paged", "select", "adaptive", "graph", "sparse", "summ.", "step gr.")
         head += ("x dense", "x paged", "bound")
-        print(f"\n{'ms':>13}", " ".join(f"{h:>8}" for h in head))
-        for shape in SHAPES:
-            for tokens in (4096, 32768, 131072):
-                r = decode_step(shape, tokens, args.requests, args.ratio)
-                report["decode_step"][f"{shape}/{tokens}"] = r
-                print(f"{shape:>13} {tokens:>8}", " ".join(f"{r[k]:8.3f}" for k in STEP_KEYS))
+        print(f"\n{'ms':>19}", " ".join(f"{h:>8}" for h in head))
+        for scoring in scorings:
+            for shape in SHAPES:
+                for tokens in (4096, 32768, 131072):
+                    r = decode_step(scoring, shape, tokens, args.requests, args.ratio)
+                    report["decode_step"][f"{scoring}/{shape}/{tokens}"] = r
+                    print(f"{scoring:>5} {shape:>13} {tokens:>8}", " ".join(f"{r[k]:8.3f}" for k in STEP_KEYS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
