@@ -2,7 +2,7 @@
 CPU worker runs it in, side by side in one run: what the kernel costs alone, and what the engine's
 surroundings add.
 
-Per algorithm (its default options, or a variant such as ``gsa:summary_dtype=int8``), ``--rows``
+Per algorithm (its default options, or a variant such as ``gsa:summary_dtype=bfloat16``), ``--rows``
 requests of ``--context`` tokens sharing their blocks as a shared document does
 (``--distinct-documents``: each its own blocks, shuffled over the cache as a long-running engine's
 allocator leaves them), ``--layers`` layers each with its own summaries (the engine's per-layer

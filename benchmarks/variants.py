@@ -1,4 +1,4 @@
-"""Benchmark arms named as an algorithm and options: ``gsa:summary_dtype=int8:sparse_ratio=0.2``
+"""Benchmark arms named as an algorithm and options: ``gsa:summary_dtype=bfloat16:sparse_ratio=0.2``
 (side by side in one run with plain ``gsa``)."""
 
 from __future__ import annotations

@@ -316,16 +316,17 @@ def offloading_two_rows(
     return offload
 
 
-@pytest.mark.parametrize("algorithm", ["esa", "gsa", "gsa:int8", "kvstar", "psa"])
+@pytest.mark.parametrize("algorithm", ["esa", "gsa", "gsa:bfloat16", "kvstar", "psa"])
 def test_offloaded_blocks_are_attended_from_the_arena_as_they_were_from_the_cache(algorithm):
     """offload_blocks: two decoding requests' middle blocks moved to the host arena, their cache
     blocks then overwritten by other requests: the step attends the same blocks with the same bytes
     (the output equals that without off-load, bit for bit), the kept arena blocks through the
-    requests' slots, never through the blocks they left. (gsa:int8: the scales move with the bytes.)"""
-    algorithm, _, int8 = algorithm.partition(":")
+    requests' slots, never through the blocks they left. (gsa, int8 by default: the scales move with
+    the bytes.)"""
+    algorithm, _, summary_dtype = algorithm.partition(":")
     options = {"psa": {"max_ratio": 0.6}}.get(algorithm, {"sparse_ratio": 0.4, "min_blocks": 1})
-    if int8:
-        options["summary_dtype"] = "int8"
+    if summary_dtype:
+        options["summary_dtype"] = summary_dtype
     config = {"algorithm": algorithm, "min_tokens": 64, "dense_layers": 0, algorithm: options}
     seq_lens, query_lens = [300, 69, 270], [1, 5, 1]
     *_, want, _ = run(config, seq_lens, query_lens)

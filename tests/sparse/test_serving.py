@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.serving import SparseRuntime
+from ucm.sparse.summaries import QUANTIZED
 
 HKV, G, D, B = 2, 2, 64, 32
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
@@ -131,6 +132,16 @@ def test_static_selection_takes_no_retrieval_stride():
 def test_int8_summaries_are_refused_beside_the_mean_key():
     with pytest.raises(ValidationError, match=r"summary_dtype: int8 scores block_repre 'bound' only"):
         SparseConfig.model_validate({"algorithm": "gsa", "gsa": {"summary_dtype": "int8", "block_repre": "both"}})
+
+
+@pytest.mark.parametrize(
+    ("options", "dtype"),
+    [({}, QUANTIZED), ({"block_repre": "both"}, None), ({"summary_dtype": "bfloat16"}, None)],
+)
+def test_gsa_scores_the_bound_from_int8_unless_told_otherwise_or_beside_the_mean_key(options, dtype):
+    """The default needs no summary_dtype with either block_repre: int8 for the bound, bfloat16 with both."""
+    config = SparseConfig.model_validate({"algorithm": "gsa", "gsa": options})
+    assert config.options.scoring(64).dtype == dtype
 
 
 def test_counts_cover_dense_layers_and_sparse_layers():

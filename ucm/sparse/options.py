@@ -75,16 +75,19 @@ class GSAConfig(TopKConfig):
     each channel's smallest and largest key (Quest's bound); ``block_repre: both`` averages it with
     the mean key's estimate. The bound alone reads two thirds of the bytes per block, which is what
     selection costs at long context (selection 4.5% of a 32k step against 5.4%), with needles no
-    worse on SmolLM2 (docs/benchmarks/sparse_serving.md). (UCM's design note scores blocks by past
+    worse on SmolLM2 (docs/benchmarks/sparse_serving.md); kept as int8 by default, it reads half of
+    that again (selection 2.6 to 2.8% of a 32k step), its needles at 7,000 tokens within 200 paired
+    trials of dense (+0.010, interval -0.030 to +0.051). (UCM's design note scores blocks by past
     accesses and position, which cannot see what the current query needs.)"""
 
     block_repre: Literal["both", "bound"] = Field(
         "bound", description="How blocks are scored: the bound (Quest), or both the bound and the mean key"
     )
-    summary_dtype: Literal["bfloat16", "int8"] = Field(
-        "bfloat16",
-        description="What the bound is scored from: bfloat16, or int8 with a scale per block and KV head (half the "
-        "bytes and dot products, still an upper bound; with block_repre bound)",
+    summary_dtype: Literal["bfloat16", "int8"] | None = Field(
+        None,
+        description="What the bound is scored from: int8 with a scale per block and KV head (half the bytes and dot "
+        "products, still an upper bound; block_repre bound only), or bfloat16. Default: int8 with block_repre bound, "
+        "bfloat16 with both",
     )
 
     @model_validator(mode="after")
@@ -93,10 +96,15 @@ class GSAConfig(TopKConfig):
             raise ValueError("summary_dtype: int8 scores block_repre 'bound' only, got block_repre 'both'")
         return self
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the bound is scored from int8: asked for, or by default with the bound alone."""
+        return self.summary_dtype == "int8" or (self.summary_dtype is None and self.block_repre == "bound")
+
     def scoring(self, head_dim: int) -> Scoring:
         from ucm.sparse.summaries import QUANTIZED, Scoring
 
-        return Scoring(self.block_repre, dtype=QUANTIZED if self.summary_dtype == "int8" else None)
+        return Scoring(self.block_repre, dtype=QUANTIZED if self.quantized else None)
 
 
 class StaticConfig(TopKConfig):
