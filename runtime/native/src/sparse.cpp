@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace ucm::sparse {
@@ -544,7 +545,8 @@ void score16(const uint16_t* const* rep, const Group& grp, bool has_mean, bool h
     }
     if (has_bound) {
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) acc[i] = dot(dot(_mm512_setzero_ps(), rep[i] + bound_at, q), rep[i] + bound_at + D, qa);
+      for (int i = 0; i < 16; ++i)
+        acc[i] = dot(dot(_mm512_setzero_ps(), rep[i] + bound_at, q), rep[i] + bound_at + D, qa);
       _mm512_storeu_ps(logits + (bound_row + j) * n, reduce16(acc));
     }
   }
@@ -701,6 +703,16 @@ int64_t score_in_groups(const void* reps, const float* scales, const int32_t* ta
   return blk;
 }
 
+// score(std::integral_constant<int64_t, D>{}) for the head dims the SIMD paths unroll for (64 or
+// 128, checked by their callers): one dispatch from a runtime D to the templates.
+template <typename Score>
+void by_head_dim(int64_t d, Score score) {
+  if (d == 64)
+    score(std::integral_constant<int64_t, 64>{});
+  else
+    score(std::integral_constant<int64_t, 128>{});
+}
+
 // logits[j * n + blk] for every query head j and block of the request: an estimate of the largest
 // logit (before the temperature) a key of the block gives that head. Both: rows 0..G-1 from the
 // mean key, rows G..2G-1 from the bound.
@@ -718,12 +730,10 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   if (fast && s.mode != Mode::Hash && (d == 64 || d == 128)) {
     blk = score_in_groups<16, uint16_t>(s.rep, nullptr, table, n, hkv, h, d * width,
                                         [&](const uint16_t* const* rep, int64_t first) {
-                                          if (d == 64)
-                                            score16<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
-                                                        logits + first);
-                                          else
-                                            score16<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
+                                          by_head_dim(d, [&](auto dim) {
+                                            score16<dim>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
                                                          logits + first);
+                                          });
                                         });
   }
 #endif
@@ -736,10 +746,9 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
                                          const __m512i ids = _mm512_loadu_si512(table + first);
                                          const __m512 scales = _mm512_i32gather_ps(
                                              _mm512_add_epi32(_mm512_mullo_epi32(ids, vhkv), vh), s.rep_scale, 4);
-                                         if (d == 64)
-                                           score16_u8<64>(rep, scales, grp, n, logits + first);
-                                         else
-                                           score16_u8<128>(rep, scales, grp, n, logits + first);
+                                         by_head_dim(d, [&](auto dim) {
+                                           score16_u8<dim>(rep, scales, grp, n, logits + first);
+                                         });
                                        });
   }
 #endif
@@ -753,10 +762,9 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + first));
                                         const __m256 scales = _mm256_i32gather_ps(
                                             s.rep_scale, _mm256_add_epi32(_mm256_mullo_epi32(ids, vhkv), vh), 4);
-                                        if (d == 64)
-                                          score8_u8<64>(rep, scales, grp, n, logits + first);
-                                        else
-                                          score8_u8<128>(rep, scales, grp, n, logits + first);
+                                        by_head_dim(d, [&](auto dim) {
+                                          score8_u8<dim>(rep, scales, grp, n, logits + first);
+                                        });
                                       });
   }
 #endif
@@ -764,12 +772,10 @@ void score_blocks(const Summaries& s, const Group& grp, const int32_t* table, in
   if (s.rep_dtype == DType::BF16 && used == d && s.mode != Mode::Hash && (d == 64 || d == 128)) {
     blk = score_in_groups<8, uint16_t>(s.rep, nullptr, table, n, hkv, h, d * width,
                                        [&](const uint16_t* const* rep, int64_t first) {
-                                         if (d == 64)
-                                           score8<64>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
-                                                      logits + first);
-                                         else
-                                           score8<128>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
+                                         by_head_dim(d, [&](auto dim) {
+                                           score8<dim>(rep, grp, has_mean, has_bound, bound_at, bound_row, n,
                                                        logits + first);
+                                         });
                                        });
   }
 #endif
