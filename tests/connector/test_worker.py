@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from ucm.deploy.ports import free_port
+from ucm.hugepages import HUGE_PAGE, thp_mode
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import Store, create_store
 from ucm.store.base import Task
+from ucm_testing.memory import huge_page_bytes
 
 NB, LAYERS = 16, 3
 REPO = Path(__file__).resolve().parents[2]
@@ -38,12 +40,12 @@ def loading(w: WorkerSide, path: str) -> WorkerSide:
     return w
 
 
-def worker(store_root, load_mode="layer", save_mode="layer", in_place=None, **parallel) -> WorkerSide:
-    """``parallel``: rank, tp_size, shares_per_rank, kv_heads (default: one worker, TP=1)."""
+def worker(store_root, load_mode="layer", save_mode="layer", in_place=None, **options) -> WorkerSide:
+    """``options``: rank, tp_size, shares_per_rank, kv_heads (default: one worker, TP=1), huge_pages."""
     store = create_store({"spec": "posix", "posix": {"roots": [str(store_root)]}})
     return WorkerSide(
         store,
-        **({"rank": 0, "tp_size": 1} | parallel),
+        **({"rank": 0, "tp_size": 1} | options),
         load_mode=load_mode,
         save_mode=save_mode,
         stats=StatsRecorder(),
@@ -84,6 +86,31 @@ def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode,
     assert consumer.take_load_errors() == set()
     stats = consumer._stats.take().data
     assert stats["loaded_blocks"] == 4
+    consumer.close()
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="the kernel grants no huge pages here")
+def test_a_host_cache_registered_with_huge_pages_is_on_them_and_loads_as_before(tmp_path):
+    """vLLM allocates a host cache as one zeroed buffer viewed per layer and registers it before any
+    forward pass: with huge_pages the worker trades the buffer's pages for 2 MiB ones (zeroed as
+    before), and blocks land where they did."""
+    blocks = 128  # 4 MiB of cache per layer
+    src = {name: torch.randn(blocks, *t.shape[1:]) for name, t in kv_caches(False).items()}
+    producer = worker(tmp_path)
+    producer.register(src, blocks)
+    run_step(producer, src, UCMConnectorMetadata(saves=[BlockTransfer("r", IDS, [3, 4, 5, 6])]))
+    producer.close()
+    buffer = torch.zeros(LAYERS, blocks, *src["model.layers.0.attn"].shape[1:])
+    dst = {name: buffer[i] for i, name in enumerate(src)}
+    consumer = worker(tmp_path, huge_pages=True)
+    consumer.register(dst, blocks)
+    run_step(consumer, dst, UCMConnectorMetadata(loads=[BlockTransfer("r", IDS, [100, 101, 102, 103])]))
+    assert consumer.take_load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][100:104], src[name][3:7])
+        assert not dst[name][:100].any() and not dst[name][104:].any()
+    buffer.add_(1.0)  # every page touched: what the engine's writes do over time
+    assert huge_page_bytes(buffer) >= 4 * HUGE_PAGE
     consumer.close()
 
 

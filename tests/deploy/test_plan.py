@@ -323,7 +323,7 @@ def test_named_scrapers_reach_the_engines_metrics_and_nobody_else_does():
 
 def test_file_store_tuning_and_connector_timing_reach_every_engine(tmp_path):
     files = {"capacity": "10Gi", "ioThreads": 16, "directIO": True, "fsync": True, "verifyChecksum": False}
-    connector = {"loadMode": "step", "pdWaitTimeoutS": 5, "pdSaveWaitS": 0}
+    connector = {"loadMode": "step", "pdWaitTimeoutS": 5, "pdSaveWaitS": 0, "hugePages": False}
     overrides = {"store": {**BASE["store"], "files": files}, "connector": connector}
     for site in (K8S, local_site(tmp_path)):  # the operator and `ucm up` alike
         extra = kv(plan_for(overrides, site))
@@ -336,6 +336,7 @@ def test_file_store_tuning_and_connector_timing_reach_every_engine(tmp_path):
             "verify_checksum": False,
         }
         assert (extra["load_mode"], extra["pd_wait_timeout_s"], extra["pd_save_wait_s"]) == ("step", 5, 0)
+        assert extra["huge_pages"] is False
         assert "save_mode" not in extra  # unset: the connector's default
 
 

@@ -154,6 +154,12 @@ class ConnectorSpec(Spec):
     pd_save_wait_s: float = Field(
         10.0, ge=0, le=600, description="Prefill answers once its blocks are in the store, waiting up to this long"
     )
+    huge_pages: bool = Field(
+        True,
+        description="CPU engines keep their KV cache on transparent 2 MiB pages, which a node's transparent_hugepage "
+        "mode 'madvise' grants only when asked: fewer TLB misses where decode reads scattered blocks (sparse "
+        "attention). No effect on GPU engines or on nodes whose mode is 'never'",
+    )
 
 
 class _StoreSpec(Spec):

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ucm import metrics
 from ucm.config import ConfigError
+from ucm.hugepages import huge_zeros
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.summaries import BlockSummaries, Scoring, fetch_into_slots
 
@@ -179,6 +181,7 @@ class SparseRuntime:
         self.resident = 0  # blocks of the paged cache (allocate_arena); arena block v is block resident + v
         # Per layer, (V * Hkv, 2 * block, D): see allocate_arena; a dense layer's has scratch planes behind.
         self.arena: dict[str, torch.Tensor] = {}
+        self._zeros: Callable[..., torch.Tensor] = torch.zeros  # the arena's allocation (allocate_arena)
         self.scratch_blocks = 0  # the dense layers' scratch, in blocks (grown as a step needs)
         # Per layer: the arena plane each cache plane holds (-1: none), and the slot holding each
         # arena plane (-1: none): what a layer's slots hold from one step to the next (see _fetch).
@@ -256,13 +259,15 @@ class SparseRuntime:
             summaries.invalidate(blocks)
 
     # -- off-load --------------------------------------------------------------------------------
-    def allocate_arena(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """The host arena, once, beside the paged cache (``kv_caches``: each layer's, as registered)."""
+    def allocate_arena(self, kv_caches: dict[str, torch.Tensor], huge_pages: bool = False) -> None:
+        """The host arena, once, beside the paged cache (``kv_caches``: each layer's, as registered),
+        on 2 MiB pages with ``huge_pages`` (its blocks are read scattered, as the cache's)."""
+        self._zeros = huge_zeros if huge_pages else torch.zeros
         for name in self.layer_names:
             cache = kv_caches[name]
             self.resident = len(cache)
             planes = cache_planes(cache)
-            self.arena[name] = torch.zeros((self.host_blocks * self.num_kv_heads, *planes.shape[1:]), dtype=cache.dtype)
+            self.arena[name] = self._zeros(self.host_blocks * self.num_kv_heads, *planes.shape[1:], dtype=cache.dtype)
             if self.sparse_layer(name):
                 self._holds[name] = torch.full((len(planes),), -1, dtype=torch.int32)
                 self._slot_of[name] = torch.full((len(self.arena[name]),), -1, dtype=torch.int32)
@@ -277,7 +282,7 @@ class SparseRuntime:
         for name in self.layer_names:
             if not self.sparse_layer(name):
                 arena = self.arena[name]
-                grown = torch.zeros((rows, *arena.shape[1:]), dtype=arena.dtype)
+                grown = self._zeros(rows, *arena.shape[1:], dtype=arena.dtype)
                 grown[: self.host_blocks * self.num_kv_heads] = arena[: self.host_blocks * self.num_kv_heads]
                 self.arena[name] = grown
 

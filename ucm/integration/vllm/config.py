@@ -152,6 +152,12 @@ class ConnectorConfig(StrictModel):
         "saves dropped) until a probe is answered in time; /health says so after store_unhealthy_after_s of "
         "it. null: never skip the store",
     )
+    huge_pages: bool = Field(
+        True,
+        description="A host (CPU) KV cache and sparse off-load's arena go on transparent 2 MiB pages, which the "
+        "node's transparent_hugepage mode 'madvise' gives only when asked: far fewer TLB misses where decode reads "
+        "blocks scattered over the cache (sparse attention). No effect on a GPU's cache or where the mode is 'never'",
+    )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
     blend: BlendConfig | None = Field(
         None, description="Reuse chunks' KV wherever they appear in a prompt (Blend); null: prefixes only"

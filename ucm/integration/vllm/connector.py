@@ -159,6 +159,7 @@ class UCMConnector(KVConnectorBase_V1):
                 blend=config.blend,
                 any_rank=functools.partial(or_across, group=get_tp_group().cpu_group) if tp > 1 else None,
                 stages=StageRelay.of(get_pp_group()) if pp > 1 else None,
+                huge_pages=config.huge_pages,
             )
         self._num_blocks = kv_cache_config.num_blocks
         logger.info("UCMConnector %s: role=%s store=%s", role.name.lower(), kv_role, config.store["spec"])

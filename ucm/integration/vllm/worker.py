@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ucm import metrics
+from ucm.hugepages import reback_zeroed, thp_mode
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys
@@ -195,14 +196,17 @@ class WorkerSide:
         kv_heads: int = 0,
         any_rank: Callable[[bool], bool] | None = None,
         stages: StageRelay | None = None,
+        huge_pages: bool = False,
     ) -> None:
         """``rank`` of ``tp_size`` workers; each keeps ``shares_per_rank`` shares of a block in the
         store (more than one when the store splits blocks by a larger TP than the engine's), each
         share an equal range of this worker's ``kv_heads`` KV heads. ``any_rank`` ORs a flag across
         the tensor-parallel ranks that compute together (a collective: every rank calls it in the
         same step), so that a load failing on one rank keeps every rank from saving over it;
-        ``stages`` hands that verdict on from each pipeline stage to the next."""
+        ``stages`` hands that verdict on from each pipeline stage to the next. ``huge_pages``: a host
+        KV cache and sparse off-load's arena go on 2 MiB pages (:mod:`ucm.hugepages`)."""
         self._store = store
+        self._huge_pages = huge_pages
         self._blend_config = blend
         self._blender = None
         self._load_timeout_s = load_timeout_s
@@ -247,10 +251,18 @@ class WorkerSide:
             self._store_seen[key] = total
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if self._huge_pages:  # first: nothing has written to the cache or kept its address yet
+            moved = reback_zeroed(kv_caches.values())
+            if moved:  # the node's mode decides: "never" keeps 4 KiB pages whatever is asked
+                logger.info(
+                    "UCM: %d MiB of host KV cache asked onto 2 MiB pages (transparent_hugepage: %s)",
+                    moved >> 20,
+                    thp_mode(),
+                )
         self.layout = KVLayout(kv_caches, num_blocks)
         self._kv_caches = kv_caches
         for runtime in offloading_runtimes():
-            runtime.allocate_arena(kv_caches)
+            runtime.allocate_arena(kv_caches, huge_pages=self._huge_pages)
         k, of = self._shares_per_rank, self._tp_size * self._shares_per_rank
         if k == 1:
             self._shares = [Share(self._rank, of, self.layout)]

@@ -1,0 +1,47 @@
+"""ucm.hugepages: host tensors moved onto 2 MiB pages, their contents unchanged."""
+
+import pytest
+import torch
+
+from ucm.hugepages import HUGE_PAGE, huge_zeros, reback_zeroed, thp_mode
+from ucm_testing.memory import huge_page_bytes
+
+MODE = thp_mode()
+granted = pytest.mark.skipif(
+    MODE not in ("always", "madvise"), reason=f"transparent_hugepage is {MODE!r} here: the kernel grants no huge pages"
+)
+FLOATS = 8 * HUGE_PAGE // 4  # 16 MiB of float32: at least seven whole 2 MiB pages inside
+
+
+def test_the_kernels_mode_is_the_bracketed_word(tmp_path):
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    assert thp_mode(tmp_path / "enabled") == "madvise"
+    assert thp_mode(tmp_path / "missing") is None
+
+
+@granted
+def test_huge_zeros_are_zeros_on_huge_pages():
+    t = huge_zeros(FLOATS // 64, 64, dtype=torch.float32)
+    assert t.shape == (FLOATS // 64, 64) and t.dtype == torch.float32
+    assert not t.any()
+    assert huge_page_bytes(t) >= 7 * HUGE_PAGE
+
+
+@granted
+def test_a_zeroed_tensor_rebacked_reads_the_same_and_is_written_on_huge_pages():
+    t = torch.zeros(FLOATS)
+    if MODE == "madvise":  # nothing asked yet: 4 KiB pages
+        assert huge_page_bytes(t) == 0
+    moved = reback_zeroed([t, t[:100], t.view(2, -1)[1]])  # one storage, counted once
+    assert 7 * HUGE_PAGE <= moved <= t.numel() * 4 and moved % HUGE_PAGE == 0
+    assert not t.any()
+    t.fill_(1.5)
+    assert bool((t == 1.5).all())
+    assert huge_page_bytes(t) >= 7 * HUGE_PAGE
+
+
+def test_tensors_without_a_whole_huge_page_or_off_the_host_are_left_alone():
+    small = torch.zeros(1000)
+    assert reback_zeroed([small, torch.zeros(FLOATS, device="meta")]) == 0
+    small[3] = 2.0
+    assert small[3] == 2.0 and small.sum() == 2.0
