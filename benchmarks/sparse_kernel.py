@@ -20,9 +20,12 @@ reads the same bytes whatever they hold):
 Per case: ms per layer (``--layers`` layers in turn, each its own cache: a layer's blocks are cold
 when it comes round again, as in a forward pass), median of ``--repeats`` rounds (each round runs
 every case in turn), the distinct blocks a layer reads, and the case's time over the window on own
-documents (a static selection without the shared document's help).
+documents (a static selection without the shared document's help). With ``--huge-pages`` every case
+but the floor runs a second time, in the same rounds, on a copy of the caches on 2 MiB pages (the
+connector's ``huge_pages``; needs transparent_hugepage "madvise" or "always").
 
     python benchmarks/sparse_kernel.py --json OUT.json     # ~1 min on 2 cores, ~2 GB of memory
+    python benchmarks/sparse_kernel.py --huge-pages        # ~2 min, ~4 GB
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from real_model import serving_dtype  # benchmarks/ is on sys.path when run as a script
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+from ucm.hugepages import huge_zeros, thp_mode
 from ucm.integration.vllm.attention import KernelShape, attend
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = KernelShape(HEADS, KV_HEADS, HEAD_DIM, dtype, _get_attn_isa(dtype, b, HEAD_DIM), "auto")
     # A layer's cache as the sparse rows' call sees it: one KV head per block (row phys * Hkv + head).
     caches = [torch.randn(blocks * KV_HEADS, 1, 2 * b, HEAD_DIM, dtype=dtype) for _ in range(args.layers)]
+    # The same caches on 2 MiB pages (what UCMConnector's huge_pages asks for), timed beside them.
+    huge = [huge_zeros(*c.shape, dtype=dtype).copy_(c) for c in caches] if args.huge_pages else []
     sequences = args.rows * KV_HEADS
     query = torch.randn(sequences, HEADS // KV_HEADS, HEAD_DIM, dtype=dtype)
     out = torch.empty_like(query)
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name: (table, caches) for name, table in tables(args.rows, n, kept, torch.Generator().manual_seed(1)).items()
     }
     cases["floor (hot)"] = (cases["window, one document"][0], [caches[0]] * len(caches))
+    if huge:
+        cases |= {f"{name}, 2 MiB pages": (table, huge) for name, (table, _) in list(cases.items())[:-1]}
 
     def layer(cache: torch.Tensor, table: torch.Tensor) -> None:
         attend(query, *cache.chunk(2, dim=2), out, starts, lens, table, schedule, scale=HEAD_DIM**-0.5)
@@ -137,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kept_per_row_and_head": kept,
         "layers": args.layers,
         "threads": args.threads,
+        "transparent_hugepage": thp_mode(),
         "cases": results,
     }
 
@@ -150,6 +159,9 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8, help="layers called in turn, each with its own cache")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the kernel's OpenMP threads)")
     p.add_argument("--repeats", type=int, default=7, help="rounds; each runs every case once")
+    p.add_argument(
+        "--huge-pages", action="store_true", help="every case but the floor also on a copy of the caches on 2 MiB pages"
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     report = run(args)
@@ -158,10 +170,10 @@ def main() -> int:
         f"{report['blocks_per_row']} blocks kept per row and KV head, {report['dtype']}, "
         f"{report['threads']} threads"
     )
-    print(f"{'case':26} {'ms/layer':>9} {'distinct blocks':>16} {'vs window, own documents':>25}")
+    print(f"{'case':40} {'ms/layer':>9} {'distinct blocks':>16} {'vs window, own documents':>25}")
     for c in report["cases"]:
         print(
-            f"{c['case']:26} {c['ms_per_layer']:9.3f} {c['distinct_blocks_per_layer']:16d} "
+            f"{c['case']:40} {c['ms_per_layer']:9.3f} {c['distinct_blocks_per_layer']:16d} "
             f"{c['vs_window_own_documents']:25.3f}"
         )
     if args.json:

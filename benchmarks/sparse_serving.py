@@ -132,6 +132,7 @@ class Text:
 
 
 ENGINE_KNOBS = ("min_tokens", "dense_layers")
+CONNECTOR_KNOBS = ("huge_pages",)  # variant options for the connector, any arm's (dense:huge_pages=false)
 
 
 @dataclass
@@ -140,10 +141,18 @@ class Arm:
     group: str  # "native" or "scaled": the model configuration
     factor: int  # RoPE scaling factor (1: native)
 
+    @property
+    def connector(self) -> dict[str, Any]:
+        """The arm's connector options (CONNECTOR_KNOBS of its variant)."""
+        return {k: v for k, v in parse_variant(self.name)[1].items() if k in CONNECTOR_KNOBS}
+
     def sparse(self, knobs: dict[str, Any]) -> dict[str, Any] | None:
-        if self.name == "dense":
+        algorithm, options = parse_variant(self.name)
+        variant = {k: v for k, v in options.items() if k not in CONNECTOR_KNOBS}
+        if algorithm == "dense":
+            if variant:
+                raise SystemExit(f"--algorithms: {self.name!r}: dense takes connector options only ({CONNECTOR_KNOBS})")
             return None
-        algorithm, variant = parse_variant(self.name)
         if algorithm not in SETTINGS:
             raise SystemExit(f"--algorithms: {algorithm!r} is not one of {', '.join(SETTINGS)}")
         settings = dict(SETTINGS[algorithm])
@@ -206,7 +215,7 @@ def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: in
     if arm.factor > 1:
         rope = {"rope_type": "linear", "factor": float(arm.factor)}
         args += ["--hf-overrides", json.dumps({"rope_scaling": rope, "max_position_embeddings": length})]
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(arm.connector)
     sparse = arm.sparse(knobs)
     if sparse is not None:
         extra["sparse"] = sparse
@@ -375,7 +384,9 @@ def main() -> int:
     p.add_argument(
         "--algorithms",
         help=f"comma-separated, from {', '.join(SETTINGS)} (default: all); a variant adds options after the "
-        "name, e.g. gsa:retrieval_stride=4 or esa:dense_layers=0 (arms side by side in one run)",
+        "name, e.g. gsa:retrieval_stride=4 or esa:dense_layers=0, or a connector option to any arm, e.g. "
+        "dense:huge_pages=false (arms side by side in one run; such an arm is measured against dense and static "
+        "with the same connector options when the run has them)",
     )
     p.add_argument("--contexts", help="speed contexts (default 2000,7000,16000,32000)")
     p.add_argument("--needle-contexts", help="accuracy contexts, native (default 2000,7000; quick: 7000)")
@@ -516,12 +527,22 @@ def speed_row(name: str, group: str, context: int, rows: int, s: Speed, arms: di
         else 1.0,
         "selection_share_of_step": round(selection / s.wall_s, 4),
     }
-    if name != "dense":
-        row["speedup_vs_dense"] = round(paired_ratio(s, arms["dense"]), 3)
-        row["token_agreement_vs_dense"] = round(agreement(s.texts, arms["dense"].texts), 3)
-    if name not in ("dense", "static") and "static" in arms:
-        row["speedup_vs_bound"] = round(paired_ratio(s, arms["static"]), 3)
+    algorithm = parse_variant(name)[0]
+    dense, static = counterpart("dense", name, arms), counterpart("static", name, arms)
+    if algorithm != "dense":
+        row["speedup_vs_dense"] = round(paired_ratio(s, arms[dense]), 3)
+        row["token_agreement_vs_dense"] = round(agreement(s.texts, arms[dense].texts), 3)
+    if algorithm not in ("dense", "static") and static in arms:
+        row["speedup_vs_bound"] = round(paired_ratio(s, arms[static]), 3)
     return row
+
+
+def counterpart(base: str, name: str, arms: dict[str, Any]) -> str:
+    """The arm ``name`` is measured against as ``base`` (dense, static): the one with the same connector
+    options when the run has it (gsa:huge_pages=false against static:huge_pages=false), else ``base``."""
+    options = [o for o in name.split(":")[1:] if o.partition("=")[0] in CONNECTOR_KNOBS]
+    twin = ":".join([base, *options])
+    return twin if twin in arms else base
 
 
 def step_split(long: Speed, short: Speed, rows: int) -> dict[str, Any]:
