@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ucm.hugepages import HUGE_PAGE, huge_zeros, reback_zeroed, thp_mode
+from ucm.hugepages import HUGE_PAGE, MADV_DONTNEED, _huge_range, _madvise, huge_zeros, reback_zeroed, thp_mode
 from ucm_testing.memory import huge_page_bytes
 
 MODE = thp_mode()
@@ -11,6 +11,7 @@ granted = pytest.mark.skipif(
     MODE not in ("always", "madvise"), reason=f"transparent_hugepage is {MODE!r} here: the kernel grants no huge pages"
 )
 FLOATS = 8 * HUGE_PAGE // 4  # 16 MiB of float32: at least seven whole 2 MiB pages inside
+MADV_NOHUGEPAGE = 15
 
 
 def test_the_kernels_mode_is_the_bracketed_word(tmp_path):
@@ -20,18 +21,24 @@ def test_the_kernels_mode_is_the_bracketed_word(tmp_path):
 
 
 @granted
-def test_huge_zeros_are_zeros_on_huge_pages():
-    t = huge_zeros(FLOATS // 64, 64, dtype=torch.float32)
-    assert t.shape == (FLOATS // 64, 64) and t.dtype == torch.float32
-    assert not t.any()
-    assert huge_page_bytes(t) >= 7 * HUGE_PAGE
+def test_huge_zeros_are_zeros_on_huge_pages_even_in_memory_used_before():
+    for _ in range(3):
+        # Freed tensors: the allocator hands their pages (4 KiB, present) out again.
+        for floats in (FLOATS, FLOATS // 2, FLOATS):
+            torch.ones(floats)
+        t = huge_zeros(FLOATS // 64, 64, dtype=torch.float32)
+        assert t.shape == (FLOATS // 64, 64) and t.dtype == torch.float32
+        assert not t.any()
+        assert huge_page_bytes(t) >= 7 * HUGE_PAGE
 
 
 @granted
 def test_a_zeroed_tensor_rebacked_reads_the_same_and_is_written_on_huge_pages():
     t = torch.zeros(FLOATS)
-    if MODE == "madvise":  # nothing asked yet: 4 KiB pages
-        assert huge_page_bytes(t) == 0
+    start, length = _huge_range(t)  # on 4 KiB pages, whatever the allocator handed out
+    assert _madvise(start, length, MADV_NOHUGEPAGE) and _madvise(start, length, MADV_DONTNEED)
+    t.zero_()
+    assert huge_page_bytes(t) == 0
     moved = reback_zeroed([t, t[:100], t.view(2, -1)[1]])  # one storage, counted once
     assert 7 * HUGE_PAGE <= moved <= t.numel() * 4 and moved % HUGE_PAGE == 0
     assert not t.any()

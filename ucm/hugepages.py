@@ -61,11 +61,19 @@ def _madvise(start: int, length: int, advice: int) -> bool:
     return False
 
 
+def _reback(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s whole 2 MiB pages asked for huge pages and given back (their next touch
+    faults in a zeroed huge page): pages already present would otherwise stay 4 KiB."""
+    start, length = _huge_range(t)
+    return length if _madvise(start, length, MADV_HUGEPAGE) and _madvise(start, length, MADV_DONTNEED) else 0
+
+
 def huge_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on 2 MiB pages where the kernel grants them: asked for
-    before the first write, which faults the pages in."""
+    """``torch.zeros(shape, dtype=dtype)`` on 2 MiB pages where the kernel grants them. The
+    allocator may hand out memory used before (4 KiB pages, present): it is given back first, and
+    the zeroing faults in huge pages."""
     t = torch.empty(shape, dtype=dtype)
-    _madvise(*_huge_range(t), MADV_HUGEPAGE)
+    _reback(t)
     return t.zero_()
 
 
@@ -73,9 +81,9 @@ def reback_zeroed(tensors: Iterable[torch.Tensor]) -> int:
     """Move host tensors that hold only zeros, and that nothing reads but through them, onto 2 MiB
     pages; returns the bytes moved. Each distinct storage's whole 2 MiB pages are asked for huge
     pages and given back (``MADV_DONTNEED``): their next touch faults in a zeroed huge page, so the
-    contents read the same. Pages already present would otherwise stay 4 KiB until the kernel's
-    background collapse gets to them (16 MiB every 10 s by default), and collapsing them now copies
-    every page (~2.4 s per GiB here).
+    contents read the same. Present pages would otherwise stay 4 KiB until the kernel's background
+    collapse gets to them (16 MiB every 10 s by default), and collapsing them now copies every page
+    (~2.4 s per GiB here).
 
     For vLLM's KV cache at registration: allocated with ``torch.zeros`` and registered before any
     forward pass, so no request's KV is in it yet."""
@@ -84,7 +92,5 @@ def reback_zeroed(tensors: Iterable[torch.Tensor]) -> int:
         if t.device.type != "cpu" or t.untyped_storage().data_ptr() in seen:
             continue
         seen.add(t.untyped_storage().data_ptr())
-        start, length = _huge_range(t)
-        if _madvise(start, length, MADV_HUGEPAGE) and _madvise(start, length, MADV_DONTNEED):
-            moved += length
+        moved += _reback(t)
     return moved
