@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -85,12 +86,22 @@ def reback_zeroed(tensors: Iterable[torch.Tensor]) -> int:
     collapse gets to them (16 MiB every 10 s by default), and collapsing them now copies every page
     (~2.4 s per GiB here).
 
+    Only private memory of this process qualifies: pinned tensors (a GPU copies through their
+    pages) are left alone. The pages are faulted in again at once where the kernel can
+    (``MADV_POPULATE_WRITE``), as ``torch.zeros`` had them: no first-touch faults while serving.
+    Nothing is done where the mode is "never" (the pages would come back 4 KiB).
+
     For vLLM's KV cache at registration: allocated with ``torch.zeros`` and registered before any
     forward pass, so no request's KV is in it yet."""
+    if thp_mode() == "never":
+        return 0
     moved, seen = 0, set()
     for t in tensors:
-        if t.device.type != "cpu" or t.untyped_storage().data_ptr() in seen:
+        if t.device.type != "cpu" or t.is_pinned() or t.untyped_storage().data_ptr() in seen:
             continue
         seen.add(t.untyped_storage().data_ptr())
-        moved += _reback(t)
+        done = _reback(t)
+        if done:
+            _madvise(_huge_range(t)[0], done, MADV_POPULATE_WRITE)
+        moved += done
     return moved

@@ -251,7 +251,9 @@ class WorkerSide:
             self._store_seen[key] = total
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        if self._huge_pages:  # first: nothing has written to the cache or kept its address yet
+        # First: nothing has written to the cache or kept its address yet. A CPU engine's only: a GPU
+        # engine may register host tensors the device copies through (vLLM's HiSparse).
+        if self._huge_pages and all(t.device.type == "cpu" for t in kv_caches.values()):
             moved = reback_zeroed(kv_caches.values())
             if moved:  # the node's mode decides: "never" keeps 4 KiB pages whatever is asked
                 logger.info(
