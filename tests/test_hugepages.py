@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ucm import hugepages
-from ucm.hugepages import HUGE_PAGE, MADV_DONTNEED, _huge_range, _madvise, huge_zeros, reback_zeroed, thp_mode
+from ucm.hugepages import HUGE_PAGE, MADV_DONTNEED, _madvise, huge_range, huge_zeros, reback_zeroed, thp_mode
 from ucm_testing.memory import huge_page_bytes
 
 MODE = thp_mode()
@@ -36,7 +36,7 @@ def test_huge_zeros_are_zeros_on_huge_pages_even_in_memory_used_before():
 @granted
 def test_a_zeroed_tensor_rebacked_reads_the_same_and_is_written_on_huge_pages():
     t = torch.zeros(FLOATS)
-    start, length = _huge_range(t)  # on 4 KiB pages, whatever the allocator handed out
+    start, length = huge_range(t)  # on 4 KiB pages, whatever the allocator handed out
     assert _madvise(start, length, MADV_NOHUGEPAGE) and _madvise(start, length, MADV_DONTNEED)
     t.zero_()
     assert huge_page_bytes(t) == 0

@@ -45,7 +45,7 @@ def thp_mode(path: Path = THP_ENABLED) -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def _huge_range(t: torch.Tensor) -> tuple[int, int]:
+def huge_range(t: torch.Tensor) -> tuple[int, int]:
     """(start, length) of the whole 2 MiB pages inside ``t``'s storage (length 0: none)."""
     storage = t.untyped_storage()
     begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
@@ -65,7 +65,7 @@ def _madvise(start: int, length: int, advice: int) -> bool:
 def _reback(t: torch.Tensor) -> int:
     """Bytes of ``t``'s whole 2 MiB pages asked for huge pages and given back (their next touch
     faults in a zeroed huge page): pages already present would otherwise stay 4 KiB."""
-    start, length = _huge_range(t)
+    start, length = huge_range(t)
     return length if _madvise(start, length, MADV_HUGEPAGE) and _madvise(start, length, MADV_DONTNEED) else 0
 
 
@@ -102,6 +102,6 @@ def reback_zeroed(tensors: Iterable[torch.Tensor]) -> int:
         seen.add(t.untyped_storage().data_ptr())
         done = _reback(t)
         if done:
-            _madvise(_huge_range(t)[0], done, MADV_POPULATE_WRITE)
+            _madvise(huge_range(t)[0], done, MADV_POPULATE_WRITE)
         moved += done
     return moved

@@ -6,15 +6,14 @@ from pathlib import Path
 
 import torch
 
-HUGE_PAGE = 2 << 20
+from ucm.hugepages import huge_range
 
 
 def huge_page_bytes(t: torch.Tensor, smaps: Path = Path("/proc/self/smaps")) -> int:
     """Bytes of 2 MiB pages (AnonHugePages) in the mappings that overlap the whole 2 MiB pages of
     ``t``'s storage (its unaligned ends share mappings with other memory)."""
-    begin = t.untyped_storage().data_ptr()
-    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
-    end = (begin + t.untyped_storage().nbytes()) // HUGE_PAGE * HUGE_PAGE
+    start, length = huge_range(t)
+    end = start + length
     total, inside = 0, False
     for line in smaps.read_text().splitlines():
         first = line.split(maxsplit=1)[0]
