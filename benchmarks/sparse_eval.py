@@ -25,8 +25,12 @@ output relative error, attention-mass recall (per KV head: the mass of its kept 
 over the query heads sharing it), and the selection's CPU time next to dense attention of the same
 query. PSA vs fixed top-k in the same block order (GSA's: mean and bound; one fraction for everything):
 the smallest top-k fraction and the smallest PSA eps whose mean recall reaches 98% (and 95%), and
-the ratio of their mean KV fractions; beside it the bound, an oracle that knows the true mass and
-keeps per KV head the fewest blocks reaching the target.
+the ratio of their mean KV fractions; beside it two bounds: an oracle that knows the true mass and
+keeps per KV head the fewest blocks reaching the target, and a ranked oracle that takes blocks in
+PSA's own order and stops exactly at the target (the best any stopping rule on PSA's estimate can
+do). On the real case the comparison is repeated per captured layer and over the layers served
+sparsely (UCM keeps the first ``dense_layers`` dense): one top-k fraction for every layer lets PSA
+win by adapting across layers alone, which a per-layer budget would match.
 
     python benchmarks/sparse_eval.py --quick --json OUT.json
 """
@@ -45,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ucm.sparse.config import SparseConfig
 from ucm.sparse.options import (
     ESAConfig,
     GSAConfig,
@@ -74,13 +79,14 @@ class Case:
     mass: torch.Tensor  # (Hkv, n) true attention mass per block, mean over the group (evaluation only)
     dense: torch.Tensor  # (H, D)
     dense_s: float
+    layer: int = -1  # the model layer it was captured from (real case)
 
     @property
     def num_blocks(self) -> int:
         return -(-len(self.keys) // BLOCK)
 
 
-def make_case(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Case:
+def make_case(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int = -1) -> Case:
     """The case of one query over ``keys``/``values``, with dense attention timed and the truth."""
     keys = keys.to(CACHE_DTYPE).float()  # what attention reads from a bf16 cache
     values = values.to(CACHE_DTYPE).float()
@@ -91,7 +97,7 @@ def make_case(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Case
     n = -(-len(keys) // BLOCK)
     p = probabilities(q, keys)  # (H, N)
     per_block = torch.nn.functional.pad(p, (0, n * BLOCK - len(keys))).view(len(q), n, BLOCK).sum(-1)
-    return Case(q, keys, values, per_block.view(hkv, g, n).mean(1), dense, dense_s)
+    return Case(q, keys, values, per_block.view(hkv, g, n).mean(1), dense, dense_s, layer)
 
 
 def probabilities(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -172,8 +178,11 @@ def blocks_for_mass(case: Case, target: float) -> list[int]:
     return ((cum < target).sum(-1) + 1).tolist()
 
 
-def select(options: TopKConfig | PSAConfig, case: Case) -> tuple[list[torch.Tensor], float]:
-    """The blocks each KV head keeps, through the serving selection; and the seconds it took."""
+def select(
+    options: TopKConfig | PSAConfig, case: Case, scores: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], float]:
+    """The blocks each KV head keeps, through the serving selection; and the seconds it took.
+    ``scores`` ((Hkv, blocks) float32) receives each block's estimated share, as the kernel ranks them."""
     n, (hkv, d) = case.num_blocks, case.keys.shape[1:]
     budget = int(options.budget_blocks(torch.tensor([n]), BLOCK)[0])
     sink, local = options.windows(BLOCK)
@@ -199,6 +208,7 @@ def select(options: TopKConfig | PSAConfig, case: Case) -> tuple[list[torch.Tens
         out,
         mass=scoring.mass,
         kept=kept,
+        scores=scores,
     )
     secs = time.perf_counter() - t0
     counts = kept.tolist() if scoring.mass > 0 else [budget] * hkv
@@ -265,7 +275,7 @@ def captured(tokens: int, layers: int, queries: int) -> list[Case]:
     for i in chosen:
         q_all, k_all, v_all = grabbed[i]
         for pos in range(tokens - queries, tokens):
-            cases.append(make_case(q_all[pos].contiguous(), k_all[: pos + 1], v_all[: pos + 1]))
+            cases.append(make_case(q_all[pos].contiguous(), k_all[: pos + 1], v_all[: pos + 1], i))
     return cases
 
 
@@ -285,25 +295,33 @@ ALGORITHMS: dict[str, TopKConfig | PSAConfig] = {
 def evaluation(cases: list[Case]) -> dict[str, Any]:
     """Every algorithm at its usual settings, then PSA against fixed top-k at equal recall."""
     results = [evaluate(name, cases, options) for name, options in ALGORITHMS.items()]
-    # PSA vs fixed top-k in the same block order (GSA's bfloat16 bound, which PSA ranks by): one fraction for
-    # all vs adaptive.
-    fractions = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9]
+    return {"cases": len(cases), "algorithms": results} | psa_vs_topk(cases)
+
+
+TOPK_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+PSA_EPSILONS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.993, 0.995, 0.997, 0.999)
+
+
+def psa_vs_topk(cases: list[Case]) -> dict[str, Any]:
+    """PSA vs fixed top-k in the same block order (GSA's bfloat16 bound, which PSA ranks by): one
+    fraction for all vs adaptive; beside them two bounds. The oracle knows the true mass (the least
+    KV any selection needs); the ranked oracle takes blocks in PSA's own order and stops exactly
+    when the true mass is reached (the least KV any stopping rule on PSA's estimate needs)."""
     topk = [
         evaluate(f"topk({f})", cases, GSAConfig(sparse_ratio=f, min_blocks=1, summary_dtype="bfloat16"))
-        for f in fractions
+        for f in TOPK_FRACTIONS
     ]
-    epsilons = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.993, 0.995, 0.997, 0.999]
-    psa = [evaluate(f"psa(eps={e})", cases, PSAConfig(eps=e)) for e in epsilons]
-    report: dict[str, Any] = {"cases": len(cases), "algorithms": results, "topk_sweep": topk, "psa_sweep": psa}
+    psa = [evaluate(f"psa(eps={e})", cases, PSAConfig(eps=e)) for e in PSA_EPSILONS]
+    report: dict[str, Any] = {"topk_sweep": topk, "psa_sweep": psa}
     for target, key in ((0.98, "98"), (0.95, "95")):
         t, p = smallest(topk, "kv_fraction", target), smallest(psa, "kv_fraction", target)
         report[f"topk_kv_fraction_{key}"] = t["kv_fraction"] if t else None
         report[f"psa_kv_fraction_{key}"] = p["kv_fraction"] if p else None
         report[f"psa_vs_topk_kv_ratio_{key}"] = p["kv_fraction"] / t["kv_fraction"] if t and p else None
-        # The bound: an oracle that keeps, per KV head, the fewest blocks holding the target mass.
-        oracle = statistics.fmean(n / c.num_blocks for c in cases for n in oracle_blocks(c, target))
-        report[f"oracle_kv_fraction_{key}"] = oracle
-        report[f"oracle_vs_topk_kv_ratio_{key}"] = oracle / t["kv_fraction"] if t else None
+        for bound, blocks in (("oracle", oracle_blocks), ("ranked_oracle", ranked_oracle_blocks)):
+            fraction = statistics.fmean(n / c.num_blocks for c in cases for n in blocks(c, target))
+            report[f"{bound}_kv_fraction_{key}"] = fraction
+            report[f"{bound}_vs_topk_kv_ratio_{key}"] = fraction / t["kv_fraction"] if t else None
     return report
 
 
@@ -311,6 +329,38 @@ def oracle_blocks(case: Case, target: float) -> list[int]:
     """Per KV head, the fewest blocks whose true mass (the group's mean) reaches ``target``."""
     cum = case.mass.sort(-1, descending=True).values.cumsum(-1)
     return ((cum < target).sum(-1) + 1).tolist()
+
+
+def ranked_oracle_blocks(case: Case, target: float) -> list[int]:
+    """Per KV head, the fewest blocks reaching ``target`` of the true mass when taken in PSA's order:
+    its windows first, then by its estimated share (ties in block order, as the kernel ranks)."""
+    options = PSAConfig()
+    scores = torch.empty(case.keys.shape[1], case.num_blocks, dtype=torch.float32)
+    select(options, case, scores)
+    sink, local = options.windows(BLOCK)
+    n = case.num_blocks
+    scores[:, : min(sink, n)] = math.inf
+    scores[:, max(0, n - local) :] = math.inf
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    cum = case.mass.gather(-1, order).cumsum(-1)
+    return ((cum < target).sum(-1) + 1).clamp(min=min(n, sink + local), max=n).tolist()
+
+
+def layer_figures(cases: list[Case]) -> dict[str, Any]:
+    """PSA vs top-k per captured layer and over the layers served sparsely (UCM's default keeps the
+    first ``dense_layers`` dense): one fraction for every layer lets PSA win by adapting across
+    layers alone, so the figures within a layer show what adapting per head buys."""
+    dense = SparseConfig.model_fields["dense_layers"].default
+    served = [c for c in cases if c.layer >= dense]
+
+    def figures_of(subset: list[Case]) -> dict[str, Any]:
+        return {k: v for k, v in psa_vs_topk(subset).items() if not k.endswith("_sweep")} | {"cases": len(subset)}
+
+    layers = sorted({c.layer for c in cases})
+    return {
+        "sparse_layers": {"layers": sorted({c.layer for c in served})} | figures_of(served),
+        "by_layer": {str(layer): figures_of([c for c in cases if c.layer == layer]) for layer in layers},
+    }
 
 
 def show(title: str, report: dict[str, Any]) -> None:
@@ -321,12 +371,28 @@ def show(title: str, report: dict[str, Any]) -> None:
             f"{r['time_vs_dense']:>12.2f}"
         )
     for key in ("98", "95"):
-        t, p = report[f"topk_kv_fraction_{key}"], report[f"psa_kv_fraction_{key}"]
-        print(
-            f"recall >= {key}%: top-k KV {t}, PSA KV {p}, psa_vs_topk_kv_ratio_{key} = "
-            f"{report[f'psa_vs_topk_kv_ratio_{key}']} (an oracle: KV {report[f'oracle_kv_fraction_{key}']:.3f}, "
-            f"{report[f'oracle_vs_topk_kv_ratio_{key}']})"
-        )
+        print(f"recall >= {key}%: " + psa_line(report, key))
+
+
+def psa_line(figures: dict[str, Any], key: str) -> str:
+    def f(name: str) -> str:
+        value = figures[name]
+        return "-" if value is None else f"{value:.3f}"
+
+    return (
+        f"top-k KV {f(f'topk_kv_fraction_{key}')}, PSA KV {f(f'psa_kv_fraction_{key}')}, "
+        f"psa_vs_topk_kv_ratio_{key} {f(f'psa_vs_topk_kv_ratio_{key}')} (bounds: oracle KV "
+        f"{f(f'oracle_kv_fraction_{key}')}, ratio {f(f'oracle_vs_topk_kv_ratio_{key}')}; PSA's order stopped "
+        f"exactly: KV {f(f'ranked_oracle_kv_fraction_{key}')}, ratio {f(f'ranked_oracle_vs_topk_kv_ratio_{key}')})"
+    )
+
+
+def show_layers(figures: dict[str, Any]) -> None:
+    served = figures["sparse_layers"]
+    print(f"\nPSA vs top-k at >= 98% recall, per layer (the layers served sparsely: {served['layers']})")
+    for layer, per_layer in figures["by_layer"].items():
+        print(f"layer {layer:>3} ({per_layer['cases']} queries): " + psa_line(per_layer, "98"))
+    print(f"sparse layers ({served['cases']} queries): " + psa_line(served, "98"))
 
 
 def main() -> int:
@@ -360,8 +426,9 @@ def main() -> int:
         real = captured(real_tokens, real_layers, real_queries)
         torch.set_num_threads(1)
         report["real"] = {"model": "SmolLM2-135M-Instruct", "text": "Paul Graham essays", "tokens": real_tokens}
-        report["real"] |= evaluation(real)
+        report["real"] |= evaluation(real) | layer_figures(real)
         show(f"SmolLM2-135M on essays, {real_tokens} tokens", report["real"])
+        show_layers(report["real"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
