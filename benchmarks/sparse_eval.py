@@ -23,9 +23,9 @@ per algorithm, shaped like long-context attention:
 The true attention mass is used only to score. Per algorithm: fraction of KV blocks attended,
 output relative error, attention-mass recall (per KV head: the mass of its kept blocks, averaged
 over the query heads sharing it), and the selection's CPU time next to dense attention of the same
-query. PSA vs fixed top-k in the same block order (GSA's: mean and bound; one fraction for everything):
-the smallest top-k fraction and the smallest PSA eps whose mean recall reaches 98% (and 95%), and
-the ratio of their mean KV fractions; beside it two bounds: an oracle that knows the true mass and
+query. PSA vs fixed top-k ranked by GSA's bound in bfloat16 (one fraction for everything; PSA ranks
+by the mean beside the bound): the smallest top-k fraction and the smallest PSA eps whose mean
+recall reaches 98% (and 95%), and the ratio of their mean KV fractions; beside it two bounds: an oracle that knows the true mass and
 keeps per KV head the fewest blocks reaching the target, and a ranked oracle that takes blocks in
 PSA's own order and stops exactly at the target (the best any stopping rule on PSA's estimate can
 do). On the real case the comparison is repeated per captured layer and over the layers served
@@ -303,8 +303,8 @@ PSA_EPSILONS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.993, 0.995, 0.997, 0.999
 
 
 def psa_vs_topk(cases: list[Case]) -> dict[str, Any]:
-    """PSA vs fixed top-k in the same block order (GSA's bfloat16 bound, which PSA ranks by): one
-    fraction for all vs adaptive; beside them two bounds. The oracle knows the true mass (the least
+    """PSA vs fixed top-k ranked by GSA's bfloat16 bound: one fraction for all vs adaptive; beside
+    them two bounds. The oracle knows the true mass (the least
     KV any selection needs); the ranked oracle takes blocks in PSA's own order and stops exactly
     when the true mass is reached (the least KV any stopping rule on PSA's estimate needs)."""
     topk = [
