@@ -5,12 +5,9 @@ import torch
 
 from ucm import hugepages
 from ucm.hugepages import HUGE_PAGE, MADV_DONTNEED, _madvise, huge_range, huge_zeros, reback_zeroed, thp_mode
-from ucm_testing.memory import huge_page_bytes
+from ucm_testing.memory import huge_page_bytes, huge_pages_refused
 
-MODE = thp_mode()
-granted = pytest.mark.skipif(
-    MODE not in ("always", "madvise"), reason=f"transparent_hugepage is {MODE!r} here: the kernel grants no huge pages"
-)
+granted = pytest.mark.skipif(huge_pages_refused() is not None, reason=str(huge_pages_refused()))
 FLOATS = 8 * HUGE_PAGE // 4  # 16 MiB of float32: at least seven whole 2 MiB pages inside
 MADV_NOHUGEPAGE = 15
 

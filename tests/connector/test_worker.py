@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from ucm.deploy.ports import free_port
-from ucm.hugepages import HUGE_PAGE, thp_mode
+from ucm.hugepages import HUGE_PAGE
 from ucm.integration.vllm.metadata import BlockTransfer, UCMConnectorMetadata, rank_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import Store, create_store
 from ucm.store.base import Task
-from ucm_testing.memory import huge_page_bytes
+from ucm_testing.memory import huge_page_bytes, huge_pages_refused
 
 NB, LAYERS = 16, 3
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_saved_blocks_load_back_into_other_slots(tmp_path, load_mode, save_mode,
     consumer.close()
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="the kernel grants no huge pages here")
+@pytest.mark.skipif(huge_pages_refused() is not None, reason=str(huge_pages_refused()))
 def test_a_host_cache_registered_with_huge_pages_is_on_them_and_loads_as_before(tmp_path):
     """vLLM allocates a host cache as one zeroed buffer viewed per layer and registers it before any
     forward pass: with huge_pages the worker trades the buffer's pages for 2 MiB ones (zeroed as
