@@ -25,12 +25,13 @@ output relative error, attention-mass recall (per KV head: the mass of its kept 
 over the query heads sharing it), and the selection's CPU time next to dense attention of the same
 query. PSA vs fixed top-k ranked by GSA's bound in bfloat16 (one fraction for everything; PSA ranks
 by the mean beside the bound): the smallest top-k fraction and the smallest PSA eps whose mean
-recall reaches 98% (and 95%), and the ratio of their mean KV fractions; beside it two bounds: an oracle that knows the true mass and
-keeps per KV head the fewest blocks reaching the target, and a ranked oracle that takes blocks in
-PSA's own order and stops exactly at the target (the best any stopping rule on PSA's estimate can
-do). On the real case the comparison is repeated per captured layer and over the layers served
-sparsely (UCM keeps the first ``dense_layers`` dense): one top-k fraction for every layer lets PSA
-win by adapting across layers alone, which a per-layer budget would match.
+recall reaches 98% (and 95%), and the ratio of their mean KV fractions; beside it two bounds: an
+oracle that knows the true mass and keeps per KV head the fewest blocks reaching the target, and a
+ranked oracle that takes blocks in PSA's own order and stops exactly at the target (the best any
+stopping rule on PSA's estimate can do). On the real case the comparison is repeated per captured
+layer and over the layers served sparsely (UCM keeps the first ``dense_layers`` dense): one top-k
+fraction for every layer lets PSA win by adapting across layers alone, which a per-layer budget
+would match.
 
     python benchmarks/sparse_eval.py --quick --json OUT.json
 """

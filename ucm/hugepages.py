@@ -30,6 +30,7 @@ HUGE_PAGE = 2 << 20
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+PR_GET_THP_DISABLE = 42
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -43,6 +44,17 @@ def thp_mode(path: Path = THP_ENABLED) -> str | None:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else None
+
+
+def thp_refused() -> str | None:
+    """Why asking for huge pages would change nothing in this process (None: the kernel may grant
+    them): the node's mode is "never", or the process has them disabled (``PR_SET_THP_DISABLE``,
+    which container runtimes and service managers can set and children inherit)."""
+    if thp_mode() == "never":
+        return "transparent_hugepage is 'never' on this node"
+    if _libc is not None and _libc.prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) == 1:
+        return "huge pages are disabled for this process (PR_SET_THP_DISABLE)"
+    return None
 
 
 def huge_range(t: torch.Tensor) -> tuple[int, int]:
@@ -74,7 +86,8 @@ def huge_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     allocator may hand out memory used before (4 KiB pages, present): it is given back first, and
     the zeroing faults in huge pages."""
     t = torch.empty(shape, dtype=dtype)
-    _reback(t)
+    if not thp_refused():
+        _reback(t)
     return t.zero_()
 
 
@@ -89,11 +102,12 @@ def reback_zeroed(tensors: Iterable[torch.Tensor]) -> int:
     Only private memory of this process qualifies: pinned tensors (a GPU copies through their
     pages) are left alone. The pages are faulted in again at once where the kernel can
     (``MADV_POPULATE_WRITE``), as ``torch.zeros`` had them: no first-touch faults while serving.
-    Nothing is done where the mode is "never" (the pages would come back 4 KiB).
+    Nothing is done where the kernel would not grant them (:func:`thp_refused`: the pages would
+    come back 4 KiB).
 
     For vLLM's KV cache at registration: allocated with ``torch.zeros`` and registered before any
     forward pass, so no request's KV is in it yet."""
-    if thp_mode() == "never":
+    if thp_refused():
         return 0
     moved, seen = 0, set()
     for t in tensors:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ucm import metrics
-from ucm.hugepages import reback_zeroed, thp_mode
+from ucm.hugepages import reback_zeroed, thp_mode, thp_refused
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.layout import KVLayout
 from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys
@@ -254,8 +254,11 @@ class WorkerSide:
         # First: nothing has written to the cache or kept its address yet. A CPU engine's only: a GPU
         # engine may register host tensors the device copies through (vLLM's HiSparse).
         if self._huge_pages and all(t.device.type == "cpu" for t in kv_caches.values()):
-            moved = reback_zeroed(kv_caches.values())
-            if moved:  # the node's mode decides: "never" keeps 4 KiB pages whatever is asked
+            refused = thp_refused()
+            if refused:
+                logger.info("UCM: the host KV cache stays on 4 KiB pages: %s", refused)
+            else:
+                moved = reback_zeroed(kv_caches.values())
                 logger.info(
                     "UCM: %d MiB of host KV cache asked onto 2 MiB pages (transparent_hugepage: %s)",
                     moved >> 20,
