@@ -158,7 +158,8 @@ class ConnectorSpec(Spec):
         True,
         description="CPU engines keep their KV cache on transparent 2 MiB pages, which a node's transparent_hugepage "
         "mode 'madvise' grants only when asked: fewer TLB misses where decode reads scattered blocks (sparse "
-        "attention). No effect on GPU engines or on nodes whose mode is 'never'",
+        "attention). No effect on GPU engines, on nodes whose mode is 'never', or in engine processes with huge pages "
+        "disabled (PR_SET_THP_DISABLE)",
     )
 
 

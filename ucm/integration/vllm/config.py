@@ -156,7 +156,8 @@ class ConnectorConfig(StrictModel):
         True,
         description="A host (CPU) KV cache and sparse off-load's arena go on transparent 2 MiB pages, which the "
         "node's transparent_hugepage mode 'madvise' gives only when asked: far fewer TLB misses where decode reads "
-        "blocks scattered over the cache (sparse attention). No effect on a GPU's cache or where the mode is 'never'",
+        "blocks scattered over the cache (sparse attention). No effect on a GPU's cache, where the mode is 'never', "
+        "or in a process with huge pages disabled (PR_SET_THP_DISABLE)",
     )
     sparse: SparseConfig | None = Field(None, description="Sparse attention for long decodes (ucm.sparse)")
     blend: BlendConfig | None = Field(

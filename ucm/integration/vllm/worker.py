@@ -259,11 +259,12 @@ class WorkerSide:
                 logger.info("UCM: the host KV cache stays on 4 KiB pages: %s", refused)
             else:
                 moved = reback_zeroed(kv_caches.values())
-                logger.info(
-                    "UCM: %d MiB of host KV cache asked onto 2 MiB pages (transparent_hugepage: %s)",
-                    moved >> 20,
-                    thp_mode(),
-                )
+                if moved:
+                    logger.info(
+                        "UCM: %d MiB of host KV cache asked onto 2 MiB pages (transparent_hugepage: %s)",
+                        moved >> 20,
+                        thp_mode(),
+                    )
         self.layout = KVLayout(kv_caches, num_blocks)
         self._kv_caches = kv_caches
         for runtime in offloading_runtimes():
