@@ -1,3 +1,4 @@
+import hashlib
 import json
 import logging
 import os
@@ -125,3 +126,53 @@ def test_a_configured_salt_and_a_request_salt_cannot_be_confused():
     joined = BlockHasher(replace(context, salt="acme-prod")).block_ids(tokens)
     assert set(split).isdisjoint(joined)
     assert BlockHasher(replace(context, request_salt="")).block_ids(tokens) == BlockHasher(context).block_ids(tokens)
+
+
+# Every field of the seed, with a value other than the base context's: each one names other KV.
+_OTHER_VALUE = {
+    "model": "other-model",
+    "dtype": "bfloat16",
+    "block_size": 2 * BS,
+    "tp_size": 2,
+    "salt": "tenant",
+    "request_salt": "request-tenant",
+    "algorithm": "blake3",
+    "weights": "other-weights",
+    "pp_size": 2,
+    "blend": "blend-settings",
+    "engine": "overrides",
+    "adapter": "adapter-fingerprint",
+}
+
+
+def test_the_property_list_covers_every_field_of_the_seed():
+    assert set(_OTHER_VALUE) == set(HashContext.__dataclass_fields__)
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=2 * BS, max_size=6 * BS),
+    st.sets(st.sampled_from(sorted(_OTHER_VALUE)), min_size=1),
+)
+def test_ids_differ_whenever_any_identity_field_differs(tokens, changed):
+    """Never the wrong KV: no block of one context is a block of another, whatever fields differ."""
+    other = replace(CTX, **{name: _OTHER_VALUE[name] for name in changed})
+    assert set(BlockHasher(CTX).block_ids(tokens)).isdisjoint(BlockHasher(other).block_ids(tokens))
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=BS, max_size=4 * BS))
+def test_ids_are_equal_when_only_the_request_is_other(tokens):
+    """The same context for requests of other ids, lengths or arrival: the same ids, so KV is shared
+    exactly when it is the same; an empty optional field is the context without it."""
+    assert BlockHasher(CTX).block_ids(tokens) == hasher().block_ids(tokens)
+    assert BlockHasher(CTX.for_request()).block_ids(tokens) == BlockHasher(CTX).block_ids(tokens)
+    longer = tokens + [7] * BS
+    assert BlockHasher(CTX).block_ids(longer)[: len(tokens) // BS] == BlockHasher(CTX).block_ids(tokens)
+
+
+def test_empty_optional_fields_leave_ids_as_they_were():
+    """ids stored before a field existed are still found by engines and requests that do not use it."""
+    seed = BlockHasher(CTX).seed
+    fields = {k: v for k, v in vars(CTX).items() if k not in ("request_salt", "blend", "engine", "adapter")}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    assert seed == hashlib.sha256(b"ucm-block-seed/v1\x00" + canonical.encode()).digest()

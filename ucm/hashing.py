@@ -1,9 +1,27 @@
 """Chained, content-addressed ids for full KV blocks.
 
 Block ``i``'s id is ``H(parent || tokens of block i)`` where ``parent`` is block ``i-1``'s id and,
-for block 0, a seed that binds everything that makes two caches incompatible: model identity,
-dtype, block size, tensor-parallel layout, and an optional tenant salt. So an id names the whole
-prefix that produced it, under one model layout, for one tenant.
+for block 0, a seed (:class:`HashContext`). The rule: **an id names everything that changes its
+block's KV bytes, given its tokens** — so two blocks share an id only when they hold the same
+bytes, and what cannot be named stays out of the store. An id names the whole prefix that produced
+it, under one model layout, for one tenant, one adapter.
+
+What goes into the seed (the connector reads each from vLLM's config and request in
+``ucm.integration.vllm.identity``; ``docs/concepts/hashing.md`` lists every input vLLM 0.32 lets an
+engine or a request change, with its decision):
+
+- per engine: the model's identity and a fingerprint of its weights (``model``, ``weights``); the KV
+  dtype, block size, tensor- and pipeline-parallel layout; every setting that changes activations
+  beyond the checkpoint (``engine``: ``--hf-overrides``, ``--quantization``, ``--hf-config-path``,
+  ``--disable-sliding-window``…); the deployment's salt;
+- per request: its ``cache_salt`` (``request_salt``), its LoRA adapter by content (``adapter``: a
+  fingerprint of the adapter's files and the engine's LoRA settings, never its name alone), and
+  Blend's settings for blended KV (``blend``). Requests whose KV their tokens do not name —
+  multimodal inputs, prompt embeddings, an adapter whose files cannot be fingerprinted — never
+  reach the store.
+
+Fields added after the first release are left out of the seed while empty, so the ids of engines
+and requests that do not use them are the ids they always were.
 
 Every process that must agree (scheduler, workers, prefill, decode, admin tools) calls
 :class:`BlockHasher`; nothing depends on Python's ``hash()`` or on process state.
@@ -28,6 +46,9 @@ HASH_ALGORITHMS: tuple[str, ...] = ("sha256", "blake3", "md5")
 # width makes the byte string unambiguous (no separators needed).
 _TOKEN_MAX = 2**32 - 1
 _LITTLE_ENDIAN = array("I", [1]).tobytes()[0] == 1
+# Seed fields left out while empty: added after ids were first stored, they must not change the ids
+# of engines and requests that do not use them.
+OPTIONAL_FIELDS = ("request_salt", "blend", "engine", "adapter")
 
 
 def _digest_fn(algorithm: str) -> Callable[[bytes], bytes]:
@@ -60,6 +81,10 @@ class HashContext:
     # KV not made by a plain prefill: Blend's settings (ucm.integration.vllm.blend). Its own field, so
     # that no salt a client picks can name blended blocks as exact ones.
     blend: str = ""
+    # What the engine changes beyond its checkpoint (identity.engine_identity): overrides, quantization.
+    engine: str = ""
+    # The request's LoRA adapter, by content (identity.Adapters): a name may mean other weights.
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -74,8 +99,9 @@ class HashContext:
             raise ValueError(f"pp_size: must be a positive integer, got {self.pp_size}")
         _digest_fn(self.algorithm)  # validates the name (and blake3's availability) early
 
-    def with_request_salt(self, request_salt: str, blend: str = "") -> HashContext:
-        return replace(self, request_salt=request_salt, blend=blend)
+    def for_request(self, request_salt: str = "", blend: str = "", adapter: str = "") -> HashContext:
+        """This engine's context for one request's own inputs."""
+        return replace(self, request_salt=request_salt, blend=blend, adapter=adapter)
 
 
 class BlockHasher:
@@ -95,7 +121,7 @@ class BlockHasher:
                 "tenant's blocks collide with another's. Use it only for trusted single-tenant setups."
             )
         fields = asdict(context)
-        for name in ("request_salt", "blend"):  # ids stay what they were before these fields, when unset
+        for name in OPTIONAL_FIELDS:  # ids stay what they were before these fields, when unset
             if not fields[name]:
                 del fields[name]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

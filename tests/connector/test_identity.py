@@ -5,6 +5,7 @@ bound into keys, or refused."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import types
 
@@ -13,9 +14,9 @@ from safetensors.numpy import load_file, save_file
 
 from ucm.config import ConfigError
 from ucm.hashing import BlockHasher, HashContext
-from ucm.integration.vllm.config import check_parallel_layout, shares_per_rank
+from ucm.integration.vllm.config import blend_overrides, check_parallel_layout, shares_per_rank
 from ucm.integration.vllm.health import IDENTITY_ENV, HealthMiddleware
-from ucm.integration.vllm.identity import pairing_identity, weights_fingerprint
+from ucm.integration.vllm.identity import Adapters, engine_identity, pairing_identity, weights_fingerprint
 from ucm.integration.vllm.metadata import rank_keys, store_keys
 
 TOKENS = list(range(64))
@@ -122,3 +123,95 @@ def test_health_carries_the_pairing_identity(monkeypatch):
 
     asyncio.run(HealthMiddleware(engine)({"type": "http", "path": "/health", "method": "GET"}, None, send))
     assert (b"x-ucm-kv-identity", b"abc123") in sent[0]["headers"]
+
+
+# -- what an engine changes beyond its checkpoint ------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_config(tiny_model):
+    """vLLM's own ModelConfig and CacheConfig of the demo model, built as the engine builds them
+    (with UCM's plugin loaded, as in every engine process: it registers Blend's model class)."""
+    from vllm.config import CacheConfig, ModelConfig
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+    def build(cache: dict | None = None, **fields):  # type: ignore[no-untyped-def]
+        return ModelConfig(model=str(tiny_model), **{"dtype": "float32", **fields}), CacheConfig(**(cache or {}))
+
+    return build
+
+
+def test_a_plain_engine_changes_nothing_its_ids_do_not_already_name(model_config):
+    assert engine_identity(*model_config()) == ""
+    # settings that leave the KV of given tokens as it is
+    assert engine_identity(*model_config(served_model_name="chat", max_model_len=1024, seed=7)) == ""
+    # UCM's Blend class computes what vLLM's Llama does: a blending prefill pairs with a plain decode
+    assert engine_identity(*model_config(hf_overrides=blend_overrides())) == ""
+
+
+def test_overrides_quantization_and_layers_name_other_kv(model_config, tiny_model, tmp_path):
+    plain = engine_identity(*model_config())
+    variants = [
+        engine_identity(*model_config(hf_overrides={"rms_norm_eps": 0.5})),
+        engine_identity(*model_config(hf_overrides={"rms_norm_eps": 0.25})),
+        engine_identity(*model_config(hf_overrides={"rope_theta": 20000.0})),
+        engine_identity(*model_config(dtype="bfloat16", quantization="fp8")),
+        engine_identity(*model_config(disable_sliding_window=True)),
+        engine_identity(*model_config(hf_config_path=str(tiny_model))),
+        engine_identity(*model_config(cache={"kv_cache_dtype_skip_layers": ["0"]})),
+    ]
+    assert len({plain, *variants}) == len(variants) + 1
+    # the same overrides written otherwise are the same setting
+    spaced = {"rope_theta": 20000.0, "rms_norm_eps": 0.5}
+    assert engine_identity(*model_config(hf_overrides=spaced)) == engine_identity(
+        *model_config(hf_overrides=dict(reversed(spaced.items())))
+    )
+
+
+def test_an_override_given_as_a_function_cannot_be_named():
+    model = types.SimpleNamespace(hf_overrides=lambda config: config)
+    with pytest.raises(ConfigError, match="hf_overrides: a function cannot be named in block ids"):
+        engine_identity(model, types.SimpleNamespace(kv_cache_dtype_skip_layers=[]))
+
+
+def test_an_adapter_is_named_by_its_files_and_the_engines_lora_settings(tmp_path):
+    from ucm.deploy.demo_model import TINY
+    from ucm_testing.adapters import ensure_adapter
+
+    a1, a2 = ensure_adapter(TINY, 1, tmp_path), ensure_adapter(TINY, 2, tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(a1, copy)
+
+    def identity(path, lora_config=None, name="ad"):  # type: ignore[no-untyped-def]
+        return Adapters(lora_config).identity(types.SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=str(path)))
+
+    assert identity(a1) == identity(copy, name="another-name")  # content, not name or path
+    assert identity(a1) != identity(a2)
+    settings = types.SimpleNamespace(lora_dtype="bfloat16", target_modules=None)
+    assert identity(a1, settings) != identity(a1)  # the adapter computed in another dtype
+    assert identity(tmp_path / "missing") is None
+    assert identity("org/adapter") is None  # a hub id: nothing here to fingerprint
+
+
+def test_engines_pair_only_when_they_change_kv_alike():
+    store = {"spec": "posix", "posix": {"roots": ["/kv"]}}
+    args = ["--model", "/models/llama", "--block-size", "32"]
+    plain = pairing_identity({"store": store}, args)
+    for extra in (
+        ["--hf-overrides", '{"rms_norm_eps": 0.5}'],
+        ["-q", "fp8"],
+        ["--quantization=fp8"],
+        ["--enable-lora", "--lora-modules", "ad=/adapters/ad"],
+        ["--disable-sliding-window"],
+        ["--lora-dtype", "bfloat16"],
+    ):
+        assert pairing_identity({"store": store}, [*args, *extra]) != plain, extra
+    served = ["--enable-lora", "--lora-modules", "ad=/adapters/ad"]
+    assert pairing_identity({"store": store}, [*args, *served]) != pairing_identity(
+        {"store": store}, [*args, *served, "bd=/adapters/bd"]
+    )  # a decode must serve every adapter its prefill does
+    overrides = pairing_identity({"store": store}, [*args, "--hf-overrides", '{"a": 1, "b": 2}'])
+    assert pairing_identity({"store": store}, [*args, '--hf_overrides={ "b":2,"a":1 }']) == overrides
+    # Blend's model class is no change of KV (a blending prefill pairs with its plain decode)
+    blend = json.dumps(blend_overrides())
+    assert pairing_identity({"store": store}, [*args, "--hf-overrides", blend]) == plain

@@ -72,7 +72,7 @@ def side(
 
 
 def put(store, tokens, n_blocks, salt=""):
-    ids = BlockHasher(CTX.with_request_salt(salt)).block_ids(tokens)[:n_blocks]
+    ids = BlockHasher(CTX.for_request(salt)).block_ids(tokens)[:n_blocks]
     store.wait(store.dump(ids, [b"x"] * len(ids)))
 
 
@@ -420,7 +420,7 @@ def test_blend_claims_up_to_the_last_stored_chunk_block(store):
     # blended KV is approximate: stored under the blend's ids, never as the prompt's exact blocks
     (save,) = meta.saves
     exact = BlockHasher(CTX).block_ids(prompt)
-    blended = BlockHasher(CTX.with_request_salt("", s._blend.fingerprint)).block_ids(prompt)
+    blended = BlockHasher(CTX.for_request("", s._blend.fingerprint)).block_ids(prompt)
     assert save.store_ids == blended[: len(save.store_ids)] and not set(save.store_ids) & set(exact)
     assert meta.loads == []
     assert s._stats.take().data["blend_chunks_missed"] == 2  # the system prompt and B
@@ -563,3 +563,106 @@ def test_a_malformed_chunk_list_is_refused_once_and_the_prompt_prefilled(store, 
     assert "kv_transfer_params.ucm_chunks" in caplog.text and says in caplog.text
     assert caplog.text.count("prefilled without Blend") == 1
     assert s._stats.take().data["blend_chunk_lists_refused"] == 1
+
+
+# -- LoRA adapters -----------------------------------------------------------------------------------
+def adapter_dir(tmp_path, name: str, weights: bytes) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def lora(name: str, adapter_id: int, path: str) -> SimpleNamespace:
+    return SimpleNamespace(lora_name=name, lora_int_id=adapter_id, lora_path=path)
+
+
+def adapter_req(req_id: str, request_lora: SimpleNamespace | None, **kw) -> Req:
+    req = Req(req_id, TOKENS, **kw)
+    req.lora_request = request_lora
+    return req
+
+
+def test_an_adapters_blocks_are_its_own(store, tmp_path):
+    """Base, adapter, and another adapter under the same name: three sets of ids, none loaded by another."""
+    a1 = adapter_dir(tmp_path, "a1", b"one")
+    a2 = adapter_dir(tmp_path, "a2", b"two")
+    producer = side(store)
+    req = adapter_req("r", lora("ad", 1, a1))
+    producer.num_new_matched_tokens(req, 0)
+    producer.after_alloc(req, [1, 2, 3, 4, 5], 0)
+    [save] = producer.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 0)], scheduled={"r": 18})).saves
+    assert set(save.store_ids).isdisjoint(BlockHasher(CTX).block_ids(TOKENS))
+    store.wait(store.dump(save.store_ids, [b"x"] * len(save.store_ids)))  # what the workers write
+    consumer = side(store)  # another engine on the same store
+    assert consumer.num_new_matched_tokens(adapter_req("base", None), 0) == (0, False)
+    assert consumer.num_new_matched_tokens(adapter_req("other", lora("ad", 1, a2)), 0) == (0, False)
+    # the same weights under another name, id and path: the same KV, loaded
+    copy = adapter_dir(tmp_path, "copy", b"one")
+    assert consumer.num_new_matched_tokens(adapter_req("same", lora("mine", 7, copy)), 0) == (4 * BS, False)
+
+
+def test_an_adapter_that_cannot_be_named_bypasses_the_store(store, tmp_path):
+    s = side(store)
+    hub = adapter_req("r", lora("ad", 1, "org/adapter-on-a-hub"))
+    assert s.num_new_matched_tokens(hub, 0) == (0, False)
+    s.after_alloc(hub, [1, 2, 3, 4, 5], 0)
+    assert s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 0)], scheduled={"r": 18})).saves == []
+    assert s._stats.take().data["bypassed_adapter_requests"] == 1
+
+
+def test_an_adapter_changed_under_the_engine_stays_out_of_the_store(store, tmp_path, caplog):
+    """The workers loaded the adapter once: files changed in place, or its id given another path,
+    leave nobody knowing which weights they hold."""
+    path = adapter_dir(tmp_path, "a1", b"one")
+    s = side(store)
+    s.num_new_matched_tokens(adapter_req("r1", lora("ad", 1, path)), 0)
+    (tmp_path / "a1" / "adapter_model.safetensors").write_bytes(b"other weights")
+    assert s.num_new_matched_tokens(adapter_req("r2", lora("ad", 1, path)), 0) == (0, False)
+    assert "changed since the engine first loaded it" in caplog.text
+    moved = adapter_dir(tmp_path, "a2", b"two")
+    s.num_new_matched_tokens(adapter_req("r3", lora("bd", 2, moved)), 0)
+    other = adapter_dir(tmp_path, "a3", b"three")
+    s.num_new_matched_tokens(adapter_req("r4", lora("bd", 2, other)), 0)
+    assert s._stats.take().data["bypassed_adapter_requests"] == 2
+
+
+def test_prompt_embeddings_bypass_the_store(store):
+    put(store, TOKENS, 4)
+    s = side(store)
+    req = Req("r", TOKENS)
+    req.prompt_embeds = object()  # vLLM's tensor of rows: numbers no token names
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    assert s._stats.take().data == {"bypassed_prompt_embeds_requests": 1}
+
+
+def test_an_adapter_requests_blocks_go_out_as_events_under_its_name(store, tmp_path):
+    """As vLLM announces them: the adapter's name among every block's extra keys, the salt on the first."""
+    from ucm.integration.vllm.events import StoreEvents
+
+    path = adapter_dir(tmp_path, "a1", b"one")
+    s = SchedulerSide(
+        CTX, store, can_load=True, can_save=True, pd_wait_timeout_s=5, stats=StatsRecorder(), events=StoreEvents(BS)
+    )
+    req = adapter_req("r", lora("ad", 1, path), cache_salt="t")
+    s.num_new_matched_tokens(req, 0)
+    s.after_alloc(req, [1, 2, 3, 4, 5], 0)
+    s.build_meta(step(new=[("r", [1, 2, 3, 4, 5], 0)], scheduled={"r": 18}))
+    [_, stored] = s.take_events()
+    assert stored.lora_name == "ad"
+    assert stored.extra_keys == [("ad", "t"), ("ad",), ("ad",), ("ad",)]
+
+
+def test_adapter_requests_are_not_blended(store, tmp_path):
+    """Blend computes with the model's own layers, without the request's adapter."""
+    s = blend_side(store)
+    path = adapter_dir(tmp_path, "a1", b"one")
+    chunk = list(range(200, 208))
+    prompt = [1, 2, *SEP, *chunk, *SEP, 9, 9, 9]
+    put(store, chunk, 2)
+    req = Req("r", prompt)
+    req.lora_request = lora("ad", 1, path)
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    base = Req("b", prompt)
+    assert s.num_new_matched_tokens(base, 0)[0] > 0  # the same prompt without an adapter blends

@@ -46,7 +46,7 @@ from ucm.integration.vllm.config import (
 )
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
-from ucm.integration.vllm.identity import weights_fingerprint
+from ucm.integration.vllm.identity import Adapters, engine_identity, weights_fingerprint
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.offload import OffloadPlanner
 from ucm.integration.vllm.scheduler import BlendSettings, SchedulerSide
@@ -107,6 +107,7 @@ class UCMConnector(KVConnectorBase_V1):
             algorithm=config.hash_algorithm,
             weights=weights_fingerprint(str(model.model), model.revision),
             pp_size=parallel.pipeline_parallel_size,
+            engine=engine_identity(model, cache),
         )
         self._stats = StatsRecorder()
         self._scheduler: SchedulerSide | None = None
@@ -131,6 +132,7 @@ class UCMConnector(KVConnectorBase_V1):
                 health=StoreHealth(config.store_unhealthy_after_s),
                 events=StoreEvents(cache.block_size) if _publishes_events(vllm_config) else None,
                 blend=None if config.blend is None else BlendSettings(config.blend, _separator(vllm_config, config)),
+                adapters=Adapters(vllm_config.lora_config),
             )
             if offload:
                 assert sparse is not None

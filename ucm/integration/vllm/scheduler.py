@@ -3,7 +3,9 @@
 It runs in vLLM's scheduler process and only decides; workers move the bytes. A request's prompt
 is hashed once (ids are kept for the request's lifetime), the store is asked for the longest
 stored prefix, blocks beyond vLLM's own prefix-cache hit are loaded, and every prompt block that
-becomes full and is not yet stored is saved.
+becomes full and is not yet stored is saved. Its ids name its own inputs beside its tokens (its
+``cache_salt``, its LoRA adapter by content); a request whose KV its tokens cannot name
+(multimodal inputs, prompt embeddings, an adapter that cannot be fingerprinted) bypasses the store.
 
 vLLM asks for every waiting request in one scheduler step, and the step waits for all answers: the
 lookups of one step share one deadline (``lookup_timeout_s`` from the step's first lookup). Once
@@ -25,6 +27,7 @@ from ucm.integration.vllm.chunks import explicit_chunks, split_chunks
 from ucm.integration.vllm.config import BlendConfig
 from ucm.integration.vllm.events import StoreEvents
 from ucm.integration.vllm.health import StoreHealth
+from ucm.integration.vllm.identity import Adapters
 from ucm.integration.vllm.metadata import BlendTransfer, BlockTransfer, UCMConnectorMetadata, rank_keys, store_keys
 from ucm.integration.vllm.stats import StatsRecorder
 from ucm.store import Store
@@ -54,11 +57,13 @@ class RequestLike(Protocol):
     num_tokens: int
     kv_transfer_params: dict[str, Any] | None
     cache_salt: str | None
+    # Also read when present, as vLLM's Request has them: lora_request, prompt_embeds, mm_features.
 
 
 @dataclass
 class _RequestState:
     request: RequestLike  # vLLM's live request: its tokens grow as it decodes
+    inputs: _Inputs  # what besides its tokens names its blocks
     hashes: list[bytes]  # block ids of its full blocks so far (prompt, then decoded)
     ids: list[bytes]  # the same as store keys (rank 0)
     num_prompt_tokens: int
@@ -73,6 +78,19 @@ class _RequestState:
     blend: _BlendPlan | None = None  # a region to blend once vLLM allocated its blocks
     blend_from: int | None = None  # first block of approximate KV (blended): named by the blend's ids
     chunks_refused: bool = False  # its ucm_chunks was malformed (refused once)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """A request's own inputs that its block ids name beside its tokens."""
+
+    salt: str = ""  # its cache_salt
+    adapter: str = ""  # its LoRA adapter's identity (identity.Adapters)
+    lora_name: str | None = None  # the adapter's name, as vLLM's KV events carry it
+
+    @property
+    def event_keys(self) -> tuple[str | None, str | None]:
+        return self.lora_name, self.salt or None
 
 
 @dataclass
@@ -112,9 +130,10 @@ class SchedulerSide:
         health: StoreHealth | None = None,
         events: StoreEvents | None = None,
         blend: BlendSettings | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self._context = context
-        self._hashers: dict[tuple[str, str], BlockHasher] = {}
+        self._hashers: dict[tuple[str, str, str], BlockHasher] = {}
         self._store = store
         self._can_load = can_load
         self._can_save = can_save
@@ -133,12 +152,15 @@ class SchedulerSide:
         self._saves_failing = False
         self._events = events  # None: vLLM publishes no KV events
         self._blend = blend
+        self._adapters = adapters or Adapters(None)
 
-    def _hasher(self, salt: str, blend: str = "") -> BlockHasher:
-        """One hasher per request salt (and blend), the most recently used ``HASHERS_KEPT`` kept:
-        clients choose salts, so the cache must not grow with them."""
-        key = (salt, blend)
-        hasher = self._hashers.pop(key, None) or BlockHasher(self._context.with_request_salt(salt, blend))
+    def _hasher(self, inputs: _Inputs, blend: str = "") -> BlockHasher:
+        """One hasher per request salt, adapter and blend, the most recently used ``HASHERS_KEPT``
+        kept: clients choose salts, so the cache must not grow with them."""
+        key = (inputs.salt, inputs.adapter, blend)
+        hasher = self._hashers.pop(key, None) or BlockHasher(
+            self._context.for_request(inputs.salt, blend, inputs.adapter)
+        )
         self._hashers[key] = hasher  # most recent last
         if len(self._hashers) > HASHERS_KEPT:
             del self._hashers[next(iter(self._hashers))]
@@ -148,17 +170,36 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = list(request.prompt_token_ids or [])
-            # Multimodal placeholders are the same tokens for different images: such a prompt's
-            # blocks are not named by its tokens, so it bypasses the store entirely.
-            multimodal = bool(getattr(request, "mm_features", None))
-            ids = [] if multimodal else self._hasher(request.cache_salt or "").block_ids(prompt)
+            inputs = self._inputs(request)
+            ids = [] if inputs is None else self._hasher(inputs).block_ids(prompt)
             blended = _blended_params(request)
             if blended is not None and ids:  # a PD consumer of a prompt its producer blended
+                assert inputs is not None
                 fingerprint, first = blended
-                ids = ids[:first] + self._hasher(request.cache_salt or "", fingerprint).block_ids(prompt)[first:]
-            state = _RequestState(request, ids, store_keys(ids, 0, self._tp_size), len(prompt))
+                ids = ids[:first] + self._hasher(inputs, fingerprint).block_ids(prompt)[first:]
+            keys = store_keys(ids, 0, self._tp_size)
+            state = _RequestState(request, inputs or _Inputs(), ids, keys, len(prompt))
             self._requests[request.request_id] = state
         return state
+
+    def _inputs(self, request: RequestLike) -> _Inputs | None:
+        """What names the request's blocks beside its tokens; None when its KV is not named by
+        them, and it bypasses the store entirely (counted by reason)."""
+        if getattr(request, "mm_features", None):  # placeholders: the same tokens for other images
+            self._stats.add("bypassed_multimodal_requests", 1)
+            return None
+        if getattr(request, "prompt_embeds", None) is not None:  # rows of numbers, not tokens
+            self._stats.add("bypassed_prompt_embeds_requests", 1)
+            return None
+        salt = request.cache_salt or ""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return _Inputs(salt)
+        adapter = self._adapters.identity(lora)
+        if adapter is None:
+            self._stats.add("bypassed_adapter_requests", 1)
+            return None
+        return _Inputs(salt, adapter, lora.lora_name)
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------------
     def num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -171,7 +212,7 @@ class SchedulerSide:
         state.next_save = state.stored
         if self._events is not None and not state.announced:
             state.announced = True
-            self._events.present(state.ids, request.all_token_ids, 0, state.stored, request.cache_salt)
+            self._events.present(state.ids, request.all_token_ids, 0, state.stored, *state.inputs.event_keys)
             if state.stored < len(state.ids):
                 self._events.missing(state.ids[state.stored])
         if not self._can_load:
@@ -198,7 +239,8 @@ class SchedulerSide:
             self._stats.observe("pd_wait_seconds", self._clock() - state.wait_started)
         state.wait_started = None
         local_blocks = num_computed_tokens // self.block_size
-        if self._blend is not None and not promised:
+        # Blend runs the model's layers itself, without a request's adapter: adapter requests go exact.
+        if self._blend is not None and not promised and not state.inputs.adapter:
             external = self._plan_blend(request, state, num_computed_tokens)
             if external:
                 return external, False
@@ -225,7 +267,7 @@ class SchedulerSide:
         if not chunks or len(chunks) > config.max_chunks:
             return 0
         exact = max(num_computed_tokens, min(state.stored * self.block_size, request.num_tokens - 1))
-        hasher = self._hasher(request.cache_salt or "")
+        hasher = self._hasher(state.inputs)
         found: list[tuple[int, list[bytes]]] = []
         end = 0
         for start, stop in chunks:
@@ -366,7 +408,7 @@ class SchedulerSide:
             meta.saves.append(BlockTransfer(req_id, state.ids[lo:full], state.blocks[lo:full], wait=pd))
             state.next_save = full
             if self._events is not None and state.blend_from is None:  # blended blocks match no prompt
-                self._events.present(state.ids, state.request.all_token_ids, lo, full, state.request.cache_salt)
+                self._events.present(state.ids, state.request.all_token_ids, lo, full, *state.inputs.event_keys)
 
     def _name_blended(self, state: _RequestState, first: int) -> None:
         """From block ``first`` on the request's KV is blended, not exact: its blocks (and the
@@ -375,7 +417,7 @@ class SchedulerSide:
         assert self._blend is not None
         prompt = list(state.request.prompt_token_ids or [])
         fingerprint = self._blend.fingerprint
-        blended = self._hasher(state.request.cache_salt or "", fingerprint).block_ids(prompt)
+        blended = self._hasher(state.inputs, fingerprint).block_ids(prompt)
         state.hashes = state.hashes[:first] + blended[first:]
         state.ids = state.ids[:first] + store_keys(blended[first:], 0, self._tp_size)
         state.blend_from = first
@@ -388,7 +430,7 @@ class SchedulerSide:
         full = min(computed_after, len(tokens)) // self.block_size
         full = min(full, prompt_blocks + self._decode_save_blocks)
         if full > len(state.hashes):
-            hasher = self._hasher(state.request.cache_salt or "")
+            hasher = self._hasher(state.inputs)
             known = len(state.hashes)
             state.hashes = hasher.extend(list(tokens[: full * self.block_size]), state.hashes)
             state.ids += store_keys(state.hashes[known:], 0, self._tp_size)

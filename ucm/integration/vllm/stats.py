@@ -44,6 +44,12 @@ COUNTERS: dict[str, str] = {
     "blend_chunks_missed": "Prompt chunks of a block or more that Blend did not find in the store",
     "blend_reused_tokens": "Tokens whose cached KV Blend kept past its check layer",
     "blend_recomputed_tokens": "Tokens Blend computed through every layer (selected, or without a cached KV)",
+    "bypassed_multimodal_requests": "Requests with multimodal inputs, kept out of the store: their placeholder "
+    "tokens do not name their KV",
+    "bypassed_prompt_embeds_requests": "Requests given as prompt embeddings, kept out of the store: no tokens name "
+    "their KV",
+    "bypassed_adapter_requests": "LoRA requests kept out of the store: their adapter could not be fingerprinted "
+    "(not a directory), or changed since the engine loaded it",
     "blend_chunk_lists_refused": "Requests whose kv_transfer_params.ucm_chunks was malformed or longer than "
     "blend.max_chunks: prefilled without Blend",
 }
