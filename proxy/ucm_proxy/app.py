@@ -54,6 +54,7 @@ from ucm_proxy.http1 import Client, TooLarge, UpstreamError
 from ucm_proxy.keys import ApiKeys, bearer
 from ucm_proxy.kvevents import Followers
 from ucm_proxy.kvroute import KVRouter
+from ucm_proxy.models import Card, Models, read_cards
 from ucm_proxy.pdpath import PARAM_BLOCKS, PathChecker, RecentPaths
 from ucm_proxy.relay import Stream, Upstream, relay_chunks
 from ucm_proxy.requests import (
@@ -85,7 +86,7 @@ class Proxy:
         self.keys = ApiKeys(config.api_keys, config.api_keys_file)
         # Not the clients' keys: a tenant's key must not read the counters of every tenant.
         self.scrape_tokens = ApiKeys([], config.metrics_token_file) if config.metrics_token_file else None
-        self.models: set[str] = set()
+        self.models = Models()
         self.recent = RecentPaths()
         split = config.disaggregation
         self.decider = Decider(
@@ -160,10 +161,10 @@ class Proxy:
         return [p for p in (self.prefill, self.decode) if p.backends]
 
     async def check_health(self) -> None:
-        """One round of active checks; also refreshes the served model names."""
+        """One round of active checks; also refreshes the served models (base models and adapters)."""
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
-        models: set[str] = set()
+        answers: list[dict[str, Card]] = []
 
         async def check(pool: Pool, backend: Backend) -> None:
             ok = False
@@ -177,14 +178,13 @@ class Proxy:
                 if ok:
                     async with self.session.get(backend.url + "/v1/models", timeout=timeout) as r:
                         if r.status == 200:
-                            models.update(m["id"] for m in (await r.json()).get("data", []) if "id" in m)
+                            answers.append(read_cards(await r.json()))
             except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError):
                 pass
             pool.record_check(backend, ok)
 
         await asyncio.gather(*(check(p, b) for p in self.pools for b in list(p.backends)))
-        if models:
-            self.models = models
+        self.models.update(answers)
 
     async def _health_loop(self) -> None:
         while True:
@@ -260,7 +260,8 @@ class Proxy:
             raise ProxyError(404, f"The model `{body['model']}` does not exist.", "model")
         # The client's Authorization is for the proxy: engines get the deployment's own key (or none).
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        hint = Hint(affinity_key(body, route, self.config.routing.prefix_chars), route, body)
+        affinity = affinity_key(body, route, self.config.routing.prefix_chars)
+        hint = Hint(affinity, route, body, self.models.adapter(body["model"]))
         return await exchange.unless_client_leaves(self._serve(route, raw, body, headers, hint, started, trace))
 
     async def _serve(
@@ -472,7 +473,7 @@ class Proxy:
         exclude: set[str] = set(avoid)
         hits = None
         if pool.policy == "kv_aware" and self.kv_router is not None:
-            hits = await self.kv_router.hits(pool, hint.route, hint.body)
+            hits = await self.kv_router.hits(pool, hint.route, hint.body, hint.adapter)
         for n in range(self.config.retries + 1):
             backend = pool.pick(hint.affinity, frozenset(exclude), hits)
             if backend is None and exclude == avoid and await pool.wait_available(queue_s):
@@ -505,11 +506,13 @@ class Proxy:
 @dataclass(frozen=True)
 class Hint:
     """What routing weighs for one request: the digest of its prompt's start (prefix_affinity), its
-    route and body (kv_aware tokenizes the prompt)."""
+    route and body (kv_aware tokenizes the prompt), and the LoRA adapter it runs, if any (kv_aware
+    matches only blocks the engines stored with it)."""
 
     affinity: bytes
     route: str
     body: dict[str, Any]
+    adapter: str | None
 
 
 class Pair:
@@ -653,8 +656,7 @@ def create_app(config: ProxyConfig) -> ProxyApp:
         except ProxyError as exc:
             return exc.response()
         # What the health checks last learned: a call never triggers a round of backend requests.
-        data = [{"id": m, "object": "model", "owned_by": "ucm"} for m in sorted(proxy.models)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": proxy.models.listing()})
 
     @api.get("/health")
     async def health() -> dict[str, str]:

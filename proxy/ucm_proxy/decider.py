@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_proxy.requests import salt_seed
+from ucm_proxy.requests import prompt_seed
 
 CHUNK_TOKENS = 64
 _SEP = "\x1e"  # between chat messages, so [a, bc] and [ab, c] are different prompts
@@ -90,10 +90,11 @@ class Decider:
         if self.min_prefill_tokens == 0:
             return Decision(True, "cold", 0, 0), []
         chunks, tokens = prompt_chunks(body, route, self.chars_per_token)
-        # The chain starts from the request's cache salt, as the engines' block hashes do: a tenant's
-        # prompt matches only what was served under its own salt, so decisions (and the counters
-        # that count them) reveal nothing of another tenant's prompts.
-        hashes, h = [], salt_seed(body)
+        # The chain starts from the request's model and cache salt, as the engines' block hashes start
+        # from its adapter and salt: a tenant's prompt matches only what was served under its own
+        # salt, so decisions (and the counters that count them) reveal nothing of another tenant's
+        # prompts; an adapter's prompt only what that adapter computed.
+        hashes, h = [], prompt_seed(body)
         for chunk in chunks:
             h = hashlib.blake2b(h + chunk, digest_size=12).digest()
             hashes.append(h)

@@ -1,12 +1,14 @@
 """Which engine holds which KV blocks, from the engines' own KV events (vLLM ``--kv-events-config``).
 
 vLLM announces every block its prefix cache gains (``BlockStored``: the block's hash, its parent's,
-its tokens and the extra keys its hash covered — LoRA, media, ``cache_salt``) and loses
-(``BlockRemoved``, ``AllBlocksCleared``). Its own hashes cannot be recomputed here: they start from
-a per-process random seed unless ``PYTHONHASHSEED`` is pinned. So this index keys blocks by a chain
-of its own over the same inputs — parent's key, extra keys, tokens — which a request's tokens and
-``cache_salt`` give too: a tenant's prompt matches only blocks stored under its own salt, as in the
-engine. Each engine's vLLM hashes map to these keys, so removals and parents resolve.
+its tokens, the LoRA adapter that computed it and the extra keys its hash covered — the adapter's
+name, media, ``cache_salt``) and loses (``BlockRemoved``, ``AllBlocksCleared``). Its own hashes
+cannot be recomputed here: they start from a per-process random seed unless ``PYTHONHASHSEED`` is
+pinned. So this index keys blocks by a chain of its own over the same inputs — parent's key,
+adapter, extra keys, tokens — which a request's tokens, adapter and ``cache_salt`` give too: a
+tenant's prompt matches only blocks stored under its own salt, an adapter's only blocks its adapter
+computed, a base model's prompt no adapter's blocks, as in the engine. Each engine's vLLM hashes map
+to these keys, so removals and parents resolve.
 
 An engine's entries are bounded (``max_blocks``, the oldest announced go first) and cleared whenever
 its stream cannot be trusted (a lost batch, a restart): the index may then miss blocks an engine
@@ -39,6 +41,7 @@ class BlockStored(msgspec.Struct, tag=True):
     medium: str | None = None
     extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
@@ -69,22 +72,28 @@ def decode_batch(payload: bytes) -> EventBatch:
     return _decode(payload)
 
 
-def block_key(parent: bytes, extra: Sequence[Any] | None, tokens: Sequence[int]) -> bytes:
-    """This index's key of a block: its parent's key, the extra keys its hash covers, its tokens."""
+def block_key(parent: bytes, lora_name: str | None, extra: Sequence[Any] | None, tokens: Sequence[int]) -> bytes:
+    """This index's key of a block: its parent's key, its adapter, the extra keys its hash covers,
+    its tokens. (The extra keys are untagged: the adapter apart keeps a base block salted with an
+    adapter's name from matching that adapter's first block.)"""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(json.dumps(list(extra), separators=(",", ":")).encode() if extra else b"-")
+    h.update(json.dumps([lora_name, list(extra) if extra else None], separators=(",", ":")).encode())
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
 
-def request_keys(tokens: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
-    """The keys of a prompt's full blocks, as an engine serving it with ``cache_salt`` would announce
-    them (vLLM adds the salt to the first block's extra keys only)."""
+def request_keys(
+    tokens: Sequence[int], block_size: int, cache_salt: str | None, lora_name: str | None = None
+) -> list[bytes]:
+    """The keys of a prompt's full blocks, as an engine serving it with ``cache_salt`` and the LoRA
+    adapter ``lora_name`` would announce them (vLLM puts the adapter's name first in every block's
+    extra keys, the salt after it in the first block's only)."""
     keys: list[bytes] = []
     parent = b""
+    adapter = [lora_name] if lora_name else []
     for i in range(len(tokens) // block_size):
-        extra = [cache_salt] if i == 0 and cache_salt else None
-        parent = block_key(parent, extra, tokens[i * block_size : (i + 1) * block_size])
+        extra = [*adapter, cache_salt] if i == 0 and cache_salt else adapter
+        parent = block_key(parent, lora_name or None, extra, tokens[i * block_size : (i + 1) * block_size])
         keys.append(parent)
     return keys
 
@@ -126,7 +135,8 @@ class Blocks:
             return
         self.block_size = size
         for i, vllm_hash in enumerate(event.block_hashes):
-            parent = block_key(parent, extras[i] if extras else None, event.token_ids[i * size : (i + 1) * size])
+            tokens = event.token_ids[i * size : (i + 1) * size]
+            parent = block_key(parent, event.lora_name or None, extras[i] if extras else None, tokens)
             self.forget(vllm_hash)
             self._by_vllm[vllm_hash] = parent
             self._held[parent] = vllm_hash
@@ -194,10 +204,12 @@ class BlockIndex:
         """Whether the store or an engine among ``urls`` has announced any block."""
         return bool(len(self.store)) or any(len(e) for u in urls if (e := self.engines.get(u)) is not None)
 
-    def cached(self, urls: Sequence[str], tokens: Sequence[int], cache_salt: str | None) -> dict[str, tuple[int, int]]:
-        """Per engine among ``urls``: the prompt's tokens its own cache holds as a prefix, and those
-        its cache and the store together hold (it loads the rest of that prefix). Empty when
-        nothing is known (``knows``)."""
+    def cached(
+        self, urls: Sequence[str], tokens: Sequence[int], cache_salt: str | None, lora_name: str | None = None
+    ) -> dict[str, tuple[int, int]]:
+        """Per engine among ``urls``: the prompt's tokens (run with the LoRA adapter ``lora_name``,
+        None: the base model) its own cache holds as a prefix, and those its cache and the store
+        together hold (it loads the rest of that prefix). Empty when nothing is known (``knows``)."""
         if not self.knows(urls):
             return {}
         keys: dict[int, list[bytes]] = {}
@@ -208,7 +220,7 @@ class BlockIndex:
             if size is None:
                 continue
             if size not in keys:
-                keys[size] = request_keys(tokens, size, cache_salt)
+                keys[size] = request_keys(tokens, size, cache_salt, lora_name)
             own = prefix_blocks(keys[size], engine) if engine is not None else 0
             out[url] = (own * size, prefix_blocks(keys[size], *(t for t in (engine, self.store) if t)) * size)
         return out

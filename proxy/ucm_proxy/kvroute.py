@@ -39,10 +39,13 @@ class KVRouter:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.store_weight = store_weight
 
-    async def hits(self, pool: Pool, route: str, body: dict[str, Any]) -> dict[str, float] | None:
+    async def hits(
+        self, pool: Pool, route: str, body: dict[str, Any], adapter: str | None = None
+    ) -> dict[str, float] | None:
         """Per available engine of ``pool``, the prompt tokens it would not compute: those its own
         cache holds, plus ``store_weight`` for each further one the store holds (a load, not free);
-        None when nothing is known."""
+        None when nothing is known. ``adapter``: the LoRA adapter the request runs (None: the base
+        model), whose blocks alone it can use."""
         index = self.followers.index
         available = pool.available()
         urls = [b.url for b in available]
@@ -56,7 +59,7 @@ class KVRouter:
             metrics.child(metrics.KV_ROUTING, "no_tokens").inc()
             return None
         salt = body.get("cache_salt")
-        cached = index.cached(urls, tokens, salt if isinstance(salt, str) else None)
+        cached = index.cached(urls, tokens, salt if isinstance(salt, str) else None, adapter)
         return {url: own + self.store_weight * (reach - own) for url, (own, reach) in cached.items()}
 
     async def tokens(self, url: str, route: str, body: dict[str, Any]) -> list[int] | None:

@@ -152,7 +152,7 @@ class PathChecker:
             return PathCheck(False, "NoDecode", "no decode backend is available", now, prefill.url)
         if not proxy.models:
             return PathCheck(False, "NoModel", "no backend has named its model yet", now, prefill.url, decode.url)
-        body: dict[str, Any] = {"model": min(proxy.models), "prompt": check_prompt(self.config.prompt_words)}
+        body: dict[str, Any] = {"model": proxy.models.base(), "prompt": check_prompt(self.config.prompt_words)}
         body.update(max_tokens=1, temperature=0, stream=False)
         sides = prefill.url, decode.url
 

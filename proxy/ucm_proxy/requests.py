@@ -183,25 +183,25 @@ def with_params(raw: bytes, body: dict[str, Any], params: Any) -> bytes:
     return stripped[:-1] + b',"kv_transfer_params":' + encoded + b"}"
 
 
-def salt_seed(body: dict[str, Any]) -> bytes:
-    """What every observable hash of a request's prompt starts from: its ``cache_salt`` (as the
-    proxy forwards it), or nothing."""
+def prompt_seed(body: dict[str, Any]) -> bytes:
+    """What every observable hash of a request's prompt starts from: its model (a LoRA adapter's
+    name computes other KV than its base model's) and its ``cache_salt`` (as the proxy forwards it)."""
     salt = body.get("cache_salt")
-    if not isinstance(salt, str) or not salt:
-        return b""
-    return hashlib.blake2b(b"ucm-salt\x00" + salt.encode(), digest_size=12).digest()
+    seed = [body.get("model"), salt if isinstance(salt, str) and salt else None]
+    return hashlib.blake2b(b"ucm-prompt\x00" + json.dumps(seed).encode(), digest_size=12).digest()
 
 
 def affinity_key(body: dict[str, Any], route: str, chars: int) -> bytes:
-    """A digest of the prompt's first ``chars`` characters under its cache salt: a routing hint (no
-    tokenizer here) that groups a tenant's prompts with its own only."""
+    """A digest of the prompt's first ``chars`` characters under its model and cache salt: a routing
+    hint (no tokenizer here) that groups a tenant's prompts with its own only, and an adapter's with
+    that adapter's only."""
     if route.endswith("/chat/completions"):
         text = json.dumps(body.get("messages"), separators=(",", ":"))[:chars]
     else:
         prompt = body.get("prompt")
         # A list is cut before it is encoded: a long token-id prompt is not copied for a hint.
         text = prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt[:chars])[:chars]
-    return hashlib.blake2b(salt_seed(body) + text.encode(), digest_size=16).digest()
+    return hashlib.blake2b(prompt_seed(body) + text.encode(), digest_size=16).digest()
 
 
 def with_cache_salt(

@@ -7,7 +7,11 @@ backend and promising ``ucm_blocks``, and a decode request's ``kv_transfer_param
 back, so tests can follow them; a decode given promised blocks reports them in
 ``kv_transfer_params.ucm_loaded_tokens`` (16 tokens a block), as UCM's connector does. A request
 vLLM's own validation would refuse in a way a proxy could cause (``min_tokens`` above the token
-limit, as in a one-token prefill copy) gets vLLM's 400.
+limit, as in a one-token prefill copy) gets vLLM's 400. LoRA adapters (``Behaviour.adapters``) are
+served under their own names and listed in ``/v1/models`` as vLLM lists them; a model it does not
+serve gets vLLM's 404; ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them, as
+vLLM's runtime adapter loading does (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), and are recorded as
+requests, so tests can tell whether anything reached them.
 
 Run standalone (benchmarks): ``python -m ucm_testing.fake_vllm --port P --name decode``.
 """
@@ -45,6 +49,7 @@ class Behaviour:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> path
 
 
 class FakeVLLM:
@@ -58,6 +63,8 @@ class FakeVLLM:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_adapter)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self.app = app
@@ -103,13 +110,36 @@ class FakeVLLM:
 
     async def _models(self, request: web.Request) -> web.Response:
         self.probes += 1
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        adapters = [
+            {"id": name, "object": "model", "root": path, "parent": MODEL}
+            for name, path in self.behaviour.adapters.items()
+        ]
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}, *adapters]})
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _record(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON body, after recording the request."""
         body = await request.json()
         # Header names as a client would look them up (HTTP names are case-insensitive).
         headers = {k.title(): v for k, v in request.headers.items()}
         self.requests.append({"path": request.path, "body": body, "headers": headers})
+        return body
+
+    async def _load_adapter(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        self.behaviour.adapters[body["lora_name"]] = body["lora_path"]
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def _unload_adapter(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        self.behaviour.adapters.pop(body["lora_name"], None)
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        model = body.get("model")
+        if model != MODEL and model not in self.behaviour.adapters:
+            error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model"}
+            return web.json_response({"error": {**error, "code": 404}}, status=404)
         refusal = _refusal(body)
         if refusal is not None:
             return web.json_response(
@@ -150,7 +180,7 @@ class FakeVLLM:
             loaded = 16 * promised if b.loads and isinstance(promised, int) else 0
             params_out = {**params_in, "ucm_loaded_tokens": loaded}
         if body.get("stream"):
-            return await self._stream(request, chat, n, params_out, failure == "mid_stream")
+            return await self._stream(request, chat, model, n, params_out, failure == "mid_stream")
         text = "".join(f" t{i}" for i in range(n))
         choice = {"index": 0, "finish_reason": "length"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -159,7 +189,7 @@ class FakeVLLM:
                 "id": f"cmpl-{self.name}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
-                "model": body.get("model", MODEL),
+                "model": model,
                 "choices": [choice],
                 "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
                 "kv_transfer_params": params_out,
@@ -180,7 +210,9 @@ class FakeVLLM:
         await resp.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
-    async def _stream(self, request: web.Request, chat: bool, n: int, params: Any, die: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, chat: bool, model: str, n: int, params: Any, die: bool
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
@@ -193,7 +225,7 @@ class FakeVLLM:
                 chunk = {
                     "id": f"cmpl-{self.name}",
                     "object": "chat.completion.chunk" if chat else "text_completion",
-                    "model": MODEL,
+                    "model": model,
                     "choices": [{"index": 0, **delta, "finish_reason": None}],
                     "served_by": self.name,
                 }

@@ -57,6 +57,22 @@ def test_a_prefix_stored_under_one_cache_salt_is_not_found_under_another():
     assert len(keys) == 3
 
 
+def test_a_prefix_stored_for_one_model_is_not_found_for_an_adapter_or_another():
+    """A LoRA adapter is served under its own model name and computes other KV than its base model:
+    what the base model stored neither saves an adapter's request a prefill nor draws its routing."""
+    decider = Decider(256, 4.0, 1000, 2.0)
+    prompt = WORDS[:4000]
+    _, chunks = decider.decide(completion(prompt), "/v1/completions")
+    decider.remember(chunks)
+    base, _ = decider.decide(completion(prompt + " more"), "/v1/completions")
+    assert (base.disaggregate, base.reason) == (False, "stored")
+    for adapter in ("ad", "bd"):
+        other, _ = decider.decide({**completion(prompt + " more"), "model": adapter}, "/v1/completions")
+        assert (other.reason, other.stored) == ("cold", 0)
+    keys = {affinity_key({**completion(prompt), "model": m}, "/v1/completions", 256) for m in (MODEL, "ad", "bd")}
+    assert len(keys) == 3
+
+
 def test_chat_messages_are_one_prompt_with_their_boundaries():
     decider = Decider(256, 4.0, 1000, 2.0)
     turn1 = [{"role": "system", "content": WORDS[:3000]}, {"role": "user", "content": "Summarize."}]

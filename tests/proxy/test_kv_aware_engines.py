@@ -1,9 +1,10 @@
 """kv_aware routing against real vLLM engines (CPU build) publishing their KV events.
 
-Two engines, A and B, listed in that order; B with the UCM connector on a store. Each test first
-warms a prompt on B directly (not through the proxy), so that only B's KV events can say where it
-is: any policy blind to them sends the next request to A (equal load: the first), where nothing is
-cached. The engines' own ``cached_tokens`` tell where a request ran.
+Two engines, A and B, listed in that order; B with the UCM connector on a store; both serve the
+LoRA adapter ``ad``. Each test first warms a prompt on B directly (not through the proxy), so that
+only B's KV events can say where it is: any policy blind to them sends the next request to A (equal
+load: the first), where nothing is cached. The engines' own ``cached_tokens`` tell where a request
+ran.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import urllib.request
 
 import pytest
 
+from ucm.deploy.demo_model import TINY
 from ucm.deploy.plan import kv_events_config
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.config import kv_transfer_config
+from ucm_testing.adapters import ensure_adapter
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
@@ -26,6 +29,8 @@ BS = 32
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
+    adapter = ensure_adapter(TINY, 1, tmp_path_factory.mktemp("adapters"))
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={adapter}"]
     servers = {}
     # B runs the UCM connector on a store: its connector announces the store's blocks too.
     store = {"spec": "posix", "posix": {"roots": [str(tmp_path_factory.mktemp("kv-store"))]}}
@@ -35,7 +40,7 @@ def engines(tiny_model, tmp_path_factory):
             tiny_model,
             logs / f"{name}.log",
             kv_transfer_config=kv,
-            extra_args=["--kv-events-config", kv_events_config(f"tcp://*:{port}", f"tcp://*:{replay}")],
+            extra_args=[*lora, "--kv-events-config", kv_events_config(f"tcp://*:{port}", f"tcp://*:{replay}")],
         )
         server.env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, to check that clears reach the index
         server.events = {"events": f"tcp://127.0.0.1:{port}", "replay": f"tcp://127.0.0.1:{replay}"}
@@ -155,3 +160,22 @@ def test_the_connector_announces_what_the_store_holds_for_any_engine(engines, kv
     b.complete(PROMPTS[7], max_tokens=1)  # B computes it and saves its full blocks to the store
     full = len(tokens) // BS * BS
     wait_for(lambda: index.cached([a.url], tokens, None).get(a.url) == (0, full))  # A could load them
+
+
+def test_an_adapters_prompt_goes_where_that_adapter_computed_it(engines, kv_proxy):
+    b = engines["B"]
+    proxy = kv_proxy()
+    index = proxy.proxy.followers.index
+    wait_for(lambda: proxy.proxy.models.adapter("ad") == "ad")  # its card, from the health checks
+    prompt = PROMPTS[8]
+    tokens = b.post("/tokenize", {"model": "ad", "prompt": prompt})["tokens"]
+    full = len(tokens) // BS * BS
+
+    def held(adapter: str | None) -> int:
+        return index.cached([b.url], tokens, None, adapter).get(b.url, (0, 0))[0]  # B's own cache
+
+    b.complete(prompt, max_tokens=1, model="ad")
+    wait_for(lambda: held("ad") == full)
+    assert held(None) == 0  # the base model's prompt: none of the adapter's blocks are its KV
+    r = through(proxy, {"model": "ad", "prompt": prompt + " and then", "max_tokens": 4, "temperature": 0})
+    assert cached_tokens(r) >= 3 * BS  # it ran on B, from the adapter's blocks

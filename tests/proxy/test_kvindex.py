@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from vllm import SamplingParams
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.lora.request import LoRARequest
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
 
 from ucm_proxy import metrics
 from ucm_proxy.backends import Pool
@@ -14,6 +22,7 @@ from ucm_proxy.kvindex import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    decode_batch,
     request_keys,
 )
 from ucm_proxy.kvroute import KVRouter
@@ -22,18 +31,20 @@ BS = 4
 PROMPT = list(range(100, 118))  # 4 full blocks and 2 tokens
 
 
-def stored(hashes, parent, tokens, salt=None) -> BlockStored:
-    extra = [[salt] if salt and parent is None and i == 0 else None for i in range(len(hashes))]
-    return BlockStored(hashes, parent, tokens, BS, "GPU", extra)
+def stored(hashes, parent, tokens, salt=None, lora=None) -> BlockStored:
+    """Blocks as vLLM announces them: the adapter's name first in every block's extra keys, the
+    salt after it in the first block's only."""
+    extra = [[k for k in (lora, salt if parent is None and i == 0 else None) if k] or None for i in range(len(hashes))]
+    return BlockStored(hashes, parent, tokens, BS, "GPU", extra, lora_name=lora)
 
 
 def batch(*events) -> EventBatch:
     return EventBatch(0.0, list(events))
 
 
-def hits(index: BlockIndex, url: str, tokens=PROMPT, salt=None) -> int:
+def hits(index: BlockIndex, url: str, tokens=PROMPT, salt=None, lora=None) -> int:
     """Prompt tokens the engine's own cache holds."""
-    return index.cached([url], tokens, salt).get(url, (0, 0))[0]
+    return index.cached([url], tokens, salt, lora).get(url, (0, 0))[0]
 
 
 def test_a_prompts_blocks_match_what_the_engine_announced():
@@ -54,6 +65,76 @@ def test_the_cache_salt_separates_tenants():
     assert hits(index, "http://a", salt="tenant-b") == 0
     assert hits(index, "http://a") == 0
     assert request_keys(PROMPT, BS, "tenant-a")[1:] != request_keys(PROMPT, BS, None)[1:]  # the chain differs on
+
+
+def test_adapters_and_the_base_model_never_match_each_others_blocks():
+    index = BlockIndex(1000)
+    index.apply("http://base", batch(stored([b"b1", b"b2"], None, PROMPT[:8])))
+    index.apply("http://ad", batch(stored([b"a1", b"a2"], None, PROMPT[:8], lora="ad")))
+    index.apply("http://other", batch(stored([b"o1", b"o2"], None, PROMPT[:8], lora="other")))
+    held = {
+        lora: {url: hits(index, url, lora=lora) for url in ("http://base", "http://ad", "http://other")}
+        for lora in (None, "ad", "other")
+    }
+    assert held == {
+        None: {"http://base": 8, "http://ad": 0, "http://other": 0},
+        "ad": {"http://base": 0, "http://ad": 8, "http://other": 0},
+        "other": {"http://base": 0, "http://ad": 0, "http://other": 8},
+    }
+
+
+def test_an_adapters_blocks_still_keep_tenants_apart():
+    index = BlockIndex(1000)
+    index.apply("http://a", batch(stored([b"s1", b"s2"], None, PROMPT[:8], salt="tenant-a", lora="ad")))
+    assert hits(index, "http://a", salt="tenant-a", lora="ad") == 8
+    assert hits(index, "http://a", salt="tenant-b", lora="ad") == 0
+    assert hits(index, "http://a", lora="ad") == 0
+    assert hits(index, "http://a", salt="tenant-a") == 0  # the tenant's own prompt on the base model
+
+
+def test_a_base_prompt_salted_with_an_adapters_name_is_not_that_adapters():
+    """vLLM's event extra keys are untagged: ["ad"] is adapter ad's first block, or a base block
+    under cache_salt "ad"."""
+    index = BlockIndex(1000)
+    index.apply("http://a", batch(stored([b"a1", b"a2"], None, PROMPT[:8], lora="ad")))
+    index.apply("http://b", batch(stored([b"b1", b"b2"], None, PROMPT[:8], salt="ad")))
+    assert hits(index, "http://a", salt="ad") == 0 and hits(index, "http://a", lora="ad") == 8
+    assert hits(index, "http://b", lora="ad") == 0 and hits(index, "http://b", salt="ad") == 8
+
+
+def test_request_keys_differ_per_adapter_and_salt_on_every_block():
+    variants = [(None, None), ("ad", None), ("other", None), (None, "s"), ("ad", "s"), ("ad", "t")]
+    keys = [request_keys(PROMPT, BS, salt, lora) for lora, salt in variants]
+    for block in range(len(PROMPT) // BS):
+        assert len({k[block] for k in keys}) == len(variants)
+
+
+def vllm_announced(tokens, lora: str | None, salt: str | None) -> EventBatch:
+    """What vLLM's own block pool announces when it caches a request's full blocks, off the wire."""
+    init_none_hash(sha256)
+    adapter = LoRARequest(lora, 1, f"/adapters/{lora}") if lora else None
+    request = Request(
+        "r",
+        list(tokens),
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=adapter,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+    n = len(tokens) // BS
+    pool = BlockPool(n + 1, True, BS, enable_kv_cache_events=True)
+    pool.cache_full_blocks(request, pool.get_new_blocks(n), 0, n, BS, 0)
+    return decode_batch(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=pool.take_events())))
+
+
+@pytest.mark.parametrize(("lora", "salt"), [("ad", None), ("ad", "tenant-a"), (None, "tenant-a"), (None, None)])
+def test_a_request_matches_what_vllm_announced_for_its_adapter_and_salt_only(lora, salt):
+    index = BlockIndex(1000)
+    index.apply("http://a", vllm_announced(PROMPT, lora, salt))
+    assert hits(index, "http://a", salt=salt, lora=lora) == 16
+    others = [(other_lora, other_salt) for other_lora in (None, "ad", "bd") for other_salt in (None, "tenant-a")]
+    assert [hits(index, "http://a", salt=s, lora=lo) for lo, s in others if (lo, s) != (lora, salt)] == [0] * 5
 
 
 def test_removals_and_clears_are_reflected():
@@ -184,6 +265,18 @@ async def test_kv_aware_scores_count_store_tokens_at_their_weight():
     scores = await router.hits(pool(), "/v1/completions", {"prompt": PROMPT})
     assert scores == {"http://a": 3.0, "http://b": 4 + 2.0, "http://c": 3.0}  # 12 tokens stored
     assert pool().pick(hits=scores).url == "http://b"
+
+
+@pytest.mark.asyncio
+async def test_kv_aware_scores_an_adapters_request_by_its_adapters_blocks():
+    followers = Followers(KVEventsConfig(port=5557))
+    followers.index.apply("http://a", batch(stored([b"h1", b"h2", b"h3"], None, PROMPT[:12])))
+    followers.index.apply("http://b", batch(stored([b"h1"], None, PROMPT[:4], lora="ad")))
+    router = KVRouter(followers, None, timeout_s=1, store_weight=0.5)
+    body = {"model": "ad", "prompt": PROMPT}
+    assert await router.hits(pool(), "/v1/completions", body, "ad") == {"http://a": 0, "http://b": 4}
+    base = {"model": "base", "prompt": PROMPT}
+    assert await router.hits(pool(), "/v1/completions", base, None) == {"http://a": 12, "http://b": 0}
 
 
 @pytest.mark.asyncio
