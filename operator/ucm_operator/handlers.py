@@ -106,7 +106,7 @@ def plan_of(owner: Mapping[str, Any], policy: Policy) -> tuple[UCMDeploymentSpec
     meta = owner["metadata"]
     try:
         spec = read_spec(dict(owner.get("spec") or {}))
-        policy.check(spec)
+        policy.check(spec, meta["namespace"], meta["name"])
         plan = build_plan(meta["name"], spec, Site("kubernetes", namespace=meta["namespace"]))
         # The proxy's own options are the proxy's to judge (the plan passes them through).
         parse_config(ProxyConfig, yaml.safe_load(plan.files[PROXY_CONFIG_FILE]), "spec.proxy.config")

@@ -139,7 +139,7 @@ _HANDLED = {
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "gt", "ge", "lt", "le", "multipleOf",
     "minLength", "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties",
     "maxProperties", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-validations", "examples",
+    "x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "examples",
 }  # fmt: skip
 
 
@@ -276,6 +276,8 @@ def _checks(node: Mapping[str, Any]) -> list[str]:
         out.append(f"at most {node['maxItems']} item{'s' * (node['maxItems'] != 1)}")
     if node.get("uniqueItems"):
         out.append("items unique")
+    if node.get("x-kubernetes-list-type") == "map":  # the API server keeps one item per key
+        out.append("items unique by " + ", ".join(code(k) for k in node.get("x-kubernetes-list-map-keys", ())))
     if "minProperties" in node:
         out.append(f"at least {node['minProperties']} keys")
     if "maxProperties" in node:

@@ -257,6 +257,19 @@ CEL_CASES = [
         | {"prefill": {"parallel": {"tensor": 2}, "resources": {"gpus": 2}}},
         SPLIT_RULE,
     ),
+    (
+        with_("lora", {"adapters": [{"name": "a", "source": {"hostPath": "/a", "hf": "org/a", "revision": "0" * 40}}]}),
+        "lora.adapters.source: exactly one of pvc, hostPath, hf must be set",
+    ),
+    (
+        with_("lora", {"adapters": [{"name": "a", "source": {"hf": "org/a"}}]}),
+        "lora.adapters.source.revision: required with hf (a commit hash: 40 hexadecimal digits)",
+    ),
+    (
+        with_("lora", {"adapters": [{"name": "a", "source": {"hostPath": "/a", "revision": "0" * 40}}]}),
+        "lora.adapters.source.revision: only with hf",
+    ),
+    (with_("lora", {"maxAdapters": 8, "maxCpuAdapters": 4}), "lora.maxCpuAdapters: must be at least maxAdapters"),
     *(
         (
             with_("sparse", {"algorithm": "psa" if name != "psa" else "esa", to_camel(name): {}}),

@@ -130,7 +130,7 @@ def test_every_spelling_of_a_refused_option_that_vllm_reads_is_refused(vllm_pars
         return  # vLLM refuses this spelling itself (an ambiguous abbreviation, a value its type refuses)
     spec = UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"extraArgs": args}})
     with pytest.raises(PlanError, match=rf"^decode\.extraArgs\[{len(before)}\]: --[a-z-]+ is not allowed: "):
-        Policy().check(spec)
+        Policy().check(spec, "default", "demo")
 
 
 # Keys of the JSON options the policy reads, refused (REFUSED_KEYS) and not, with JSON values vLLM takes.
@@ -167,9 +167,9 @@ def test_every_way_to_set_a_refused_key_that_vllm_reads_is_refused(vllm_parser, 
     spec = UCMDeploymentSpec.model_validate({**RESOURCE["spec"], "decode": {"extraArgs": args}})
     if key in REFUSED_KEYS[dest]:
         with pytest.raises(PlanError, match=rf"^decode\.extraArgs\[{len(before)}\]: .* the key {key} is not allowed: "):
-            Policy().check(spec)
+            Policy().check(spec, "default", "demo")
     else:
-        Policy().check(spec)
+        Policy().check(spec, "default", "demo")
 
 
 def test_a_file_of_options_is_one_more_way_to_pass_a_refused_one(vllm_parser):

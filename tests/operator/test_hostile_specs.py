@@ -95,6 +95,25 @@ HOSTILE = [
         {"store": {"type": "mooncake", "mooncake": {"master": {}}, "mac": True}},
         "spec.store: store.mac: only file stores (posix, nfs, ds3fs) sign blocks, not mooncake",
     ),
+    # LoRA adapters: only from where the policy sees, and only those the spec names.
+    (
+        {"lora": {"adapters": [{"name": "a", "source": {"hostPath": "/etc/kubernetes"}}]}},
+        "spec.lora.adapters[0].source.hostPath: /etc/kubernetes is not under an allowed host path (none",
+    ),
+    (
+        {"lora": {"adapters": [{"name": "a", "source": {"hf": "evil/adapter"}}]}},
+        "spec.lora.adapters.0.source: lora.adapters.source.revision: required with hf",
+    ),
+    (
+        {"decode.env": [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}]},
+        "spec.decode.env[0].name: VLLM_ALLOW_RUNTIME_LORA_UPDATING is not allowed: lets the engine load",
+    ),
+    (
+        {"prefill.envFrom": [{"secretRef": {"name": "s"}, "prefix": "VLLM_LORA_RESOLVER_"}]},
+        "spec.prefill.envFrom[0].prefix: 'VLLM_LORA_RESOLVER_' and a key of the Secret or ConfigMap could make",
+    ),
+    ({"model.extraArgs": ["--lora-modules", "a=/models/a"]}, "spec.model.extraArgs[0]: --lora-modules: set spec.lora"),
+    ({"decode.extraArgs": ["--enable-lora"]}, "spec.decode.extraArgs[0]: --enable-lora: set spec.lora"),
 ]
 
 

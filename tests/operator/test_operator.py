@@ -717,3 +717,73 @@ async def test_without_leader_worker_set_installed_the_resource_says_so_and_wait
             assert conditions(await cluster.ucmd(NS, "w"))["Degraded"]["status"] == "False"
 
         await eventually(groups)
+
+
+ADAPTER_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+LORA_SPEC: dict[str, Any] = {
+    **SPEC,
+    "lora": {
+        "adapters": [
+            {"name": "sql", "source": {"pvc": {"claimName": "adapters", "path": "/sql"}}},
+            {"name": "chat", "source": {"pvc": {"claimName": "adapters", "path": "/chat"}}},
+            {"name": "tone", "source": {"hostPath": "/data/adapters/tone"}},
+            {"name": "hub", "source": {"hf": "org/adapter", "revision": ADAPTER_COMMIT}},
+        ],
+        "maxAdapters": 2,
+        "maxRank": 32,
+    },
+}
+
+
+@pytest.mark.asyncio
+async def test_adapters_reach_every_engine_of_both_pools_and_runtime_loading_only_where_allowed(kmock, cluster):
+    runtime = {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}
+    with_runtime = {**LORA_SPEC, "decode": {**SPEC["decode"], "env": [runtime]}}
+    policy = Policy(host_path_prefixes=("/data/adapters",), runtime_lora=(f"{NS}/allowed",))
+    async with operator_running(cluster.url, policy):
+        await cluster.apply_ucmd(NS, "l", LORA_SPEC, uid="uid-l")
+        await cluster.apply_ucmd(NS, "allowed", with_runtime, uid="uid-allowed")
+        await cluster.apply_ucmd(NS, "other", with_runtime, uid="uid-other")
+
+        async def engine_pods(name: str) -> dict[str, dict[str, Any]]:
+            kids = await cluster.children(NS, name)
+            pools = ("prefill", "decode")
+            return {pool: kids[("Deployment", f"{name}-{pool}")]["spec"]["template"]["spec"] for pool in pools}
+
+        pods = await eventually(lambda: engine_pods("l"))
+        commands = {pool: pod["containers"][0]["command"] for pool, pod in pods.items()}
+        flags = {pool: c[c.index("--enable-lora") : c.index("--host")] for pool, c in commands.items()}
+        assert flags["prefill"] == flags["decode"]
+        modules = flags["decode"][flags["decode"].index("--lora-modules") + 1 :]
+        assert [json.loads(m) for m in modules] == [
+            {"name": "sql", "path": "/adapters/pvc/adapters/sql"},
+            {"name": "chat", "path": "/adapters/pvc/adapters/chat"},
+            {"name": "tone", "path": "/adapters/node/2"},
+            {"name": "hub", "path": f"/adapters/hub/org--adapter--{ADAPTER_COMMIT}"},
+        ]
+        assert flags["decode"][:5] == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32"]
+        for pod in pods.values():
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            assert volumes["lora-pvc-0"]["persistentVolumeClaim"] == {"claimName": "adapters"}
+            assert volumes["lora-node-2"]["hostPath"] == {"path": "/data/adapters/tone", "type": "Directory"}
+            mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+            assert mounts["lora-pvc-0"]["mountPath"] == "/adapters/pvc/adapters" and mounts["lora-pvc-0"]["readOnly"]
+            (init,) = pod["initContainers"]
+            assert init["command"] == [
+                "python3",
+                "-m",
+                "ucm.deploy.lora",
+                "org/adapter",
+                ADAPTER_COMMIT,
+                f"/adapters/hub/org--adapter--{ADAPTER_COMMIT}",
+            ]
+
+        # Runtime adapter loading: served where the policy names the deployment, refused elsewhere.
+        allowed = await eventually(lambda: engine_pods("allowed"))
+        assert runtime in allowed["decode"]["containers"][0]["env"]
+        cond = await degraded(cluster, "other", "InvalidSpec")
+        assert cond["message"].startswith("spec.decode.env[0].name: VLLM_ALLOW_RUNTIME_LORA_UPDATING is not allowed"), (
+            cond["message"]
+        )
+        assert f"--allow-runtime-lora {NS}/other" in cond["message"]
+        assert await cluster.children(NS, "other") == {}

@@ -20,7 +20,7 @@ from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
 from ucm.deploy.monitors import Monitors
 from ucm.deploy.monitors import from_args as monitors_from_args
 from ucm.deploy.plan import build_plan
-from ucm.deploy.policy import allowable_env_pattern
+from ucm.deploy.policy import DEPLOYMENT_PATTERN, allowable_env_pattern
 from ucm.deploy.policy import from_args as policy_from_args
 from ucm.deploy.roles import PlanError, Site
 from ucm.deploy.spec import UCMDeploymentSpec
@@ -71,6 +71,28 @@ VARIANTS = {
         "store": {"type": "nfs", "nfs": {"server": "10.0.0.2", "path": "/kv"}},
         "monitoring": {"scrapers": [{"namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"}}]},
         "proxy": {"metricsAuth": True},
+    },
+    "lora-every-source-multi-node": {
+        "model": {"source": {"pvc": {"claimName": "models", "path": "/llama"}}, "servedName": "llama"},
+        "prefill": {
+            "resources": {"gpus": 1, "requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}},
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+            "envFrom": [{"secretRef": {"name": "hf-all"}, "prefix": "HF_"}],
+        },
+        "decode": {"parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 1}},
+        "store": {"type": "posix", "pvc": {"claimName": "kv"}},
+        "lora": {
+            "adapters": [
+                {"name": "sql", "source": {"pvc": {"claimName": "adapters", "path": "/sql"}}},
+                {"name": "legal", "source": {"pvc": {"claimName": "models", "path": "/lora/legal"}}},
+                {"name": "tone", "source": {"hostPath": "/data/adapters/tone"}},
+                {
+                    "name": "org/hub",
+                    "source": {"hf": "org/adapter", "revision": "0123456789abcdef0123456789abcdef01234567"},
+                },
+            ],
+            "maxCpuAdapters": 8,
+        },
     },
 }
 
@@ -353,6 +375,8 @@ def test_chart_lints(tmp_path):
             "policy.allowedEnv={LD_PRELOAD}",
             "--set",
             "policy.allowedNfs={nfs.example.com:/exports/a}",
+            "--set",
+            "policy.allowedRuntimeLora={serving/chat}",
         ],
         [
             "--set",
@@ -387,6 +411,7 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     assert policy_from_args(parsed).allowed_env == (("LD_PRELOAD",) if "policy" in str(values) else ())
     nfs = (("nfs.example.com", "/exports/a"),) if "policy" in str(values) else ()
     assert policy_from_args(parsed).nfs_exports == nfs
+    assert policy_from_args(parsed).runtime_lora == (("serving/chat",) if "policy" in str(values) else ())
     monitored = "monitoring.prometheusOperator=true" in values
     assert monitors_from_args(parsed) == Monitors(monitored, (("release", "prom"),) if monitored else ())
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -395,6 +420,11 @@ def test_chart_renders_valid_manifests(values, tmp_path):
 def test_the_charts_allowed_env_names_are_the_operators():
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["policy"]["properties"]["allowedEnv"]["items"]["pattern"] == allowable_env_pattern()
+
+
+def test_the_charts_runtime_lora_deployments_are_what_the_operator_takes():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["policy"]["properties"]["allowedRuntimeLora"]["items"]["pattern"] == DEPLOYMENT_PATTERN
 
 
 @pytest.mark.parametrize(
@@ -413,6 +443,7 @@ def test_the_charts_allowed_env_names_are_the_operators():
         ("healthPort=9090", "healthPort and metrics.port are both 9090"),
         ("metrics.serviceMonitor.interval=90", "interval"),
         ("policy.allowedEnv={HF_TOKEN}", "allowedEnv"),  # not refused, so the operator would stop at it
+        ("policy.allowedRuntimeLora={chat}", "allowedRuntimeLora"),  # a deployment is NAMESPACE/NAME
     ],
 )
 def test_chart_values_are_validated(flag, complaint, tmp_path):

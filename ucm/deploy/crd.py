@@ -35,6 +35,8 @@ _KEEP = {
     "minItems",
     "maxItems",
     "x-kubernetes-validations",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
 }
 
 

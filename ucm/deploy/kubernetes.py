@@ -24,6 +24,7 @@ from ucm.deploy.roles import (
     Plan,
     Probe,
     Role,
+    Step,
     credentials_secret,
 )
 from ucm.deploy.spec import GROUP, KIND, PLURAL, VERSION, Scraper, UCMDeploymentSpec
@@ -257,11 +258,34 @@ def _template(
             pod["affinity"] = _with_group_affinity(pod.get("affinity") or {}, owner, role, role.group.topology_key)
         if role.pool.env_from:
             container["envFrom"] = [e.model_dump(by_alias=True, exclude_defaults=True) for e in role.pool.env_from]
+    if role.steps:
+        pod["initContainers"] = [_step_container(container, step) for step in role.steps]
     config_hash = digest({f: plan.files[f] for f in role.files})
     return {
         "metadata": {"labels": labels(owner.name, role.component), "annotations": {CONFIG_HASH: config_hash}},
         "spec": pod,
     }
+
+
+def _step_container(engine: dict[str, Any], step: Step) -> dict[str, Any]:
+    """An init container running ``step`` as ``engine``'s container runs (image, environment,
+    security), with the volumes the step writes mounted read-write, and without GPUs: a download
+    needs none, while a namespace's quota may need its requests and limits."""
+    mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    resources = {k: {r: q for r, q in v.items() if r != "nvidia.com/gpu"} for k, v in engine["resources"].items()}
+    out = {
+        "name": step.name,
+        "image": engine["image"],
+        "imagePullPolicy": engine["imagePullPolicy"],
+        "command": step.command,
+        "env": engine["env"],
+        "volumeMounts": [{k: v for k, v in mounts[name].items() if k != "readOnly"} for name in step.writes],
+        "resources": {k: v for k, v in resources.items() if v},
+        "securityContext": engine["securityContext"],
+    }
+    if "envFrom" in engine:
+        out["envFrom"] = engine["envFrom"]
+    return out
 
 
 def _without_gpus(spec: UCMDeploymentSpec, role: Role) -> bool:

@@ -276,9 +276,8 @@ class LocalStack:
             raise StackError(f"--port: {proxy_port} is in use; choose another (0 picks any free port)")
         self._ports: dict[str, int] = {"proxy": proxy_port} if proxy_port else {}
         self.plan: Plan = build_plan(name, spec, self.site())
-        source = spec.model.source
-        if source.host_path is not None and not Path(source.host_path).is_dir():
-            raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
+        _check_paths(spec)
+        self._prepared: set[tuple[str, ...]] = set()  # the steps run (downloads), each once per stack
         # Made once per run directory, like the operator's Secret per deployment (the MAC key must
         # outlive a restart, or the blocks already stored fail their check): files, and env for engines.
         self.credentials = {key: self._credential(key) for key in self.plan.credentials}
@@ -313,6 +312,7 @@ class LocalStack:
         and the next :meth:`roll` starts engines from it. Returns the pools whose engines change.
         What cannot change in a roll (the pools' sizes, the proxy) is refused: ``ucm down``/``up``."""
         plan = build_plan(self.name, spec, self.site())
+        _check_paths(spec)
         if [(r.name, r.component) for r in plan.roles] != [(r.name, r.component) for r in self.plan.roles]:
             raise StackError("a restart cannot change the number of engines; use ucm down, then ucm up")
         if plan.files[PROXY_CONFIG_FILE] != self.plan.files[PROXY_CONFIG_FILE]:
@@ -333,6 +333,7 @@ class LocalStack:
             "local",
             config_dir=str(self.run_dir),
             kv_dir=str(self.run_dir / "kv"),
+            adapters_dir=str(self.run_dir / "adapters"),
             ports=self._port,
             native_bfloat16=native_bfloat16(),
         )
@@ -422,6 +423,7 @@ class LocalStack:
         try:
             for roles in self.plan.start_groups():
                 group = [p for p in self.processes if p.role in roles]
+                self._prepare(group, progress)
                 for p in group:
                     p.start()
                     self.save_state()
@@ -438,6 +440,31 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+
+    def _prepare(self, processes: list[Process], progress: Callable[[str, list[Process]], None]) -> None:
+        """Run the steps of these roles (downloads) that have not run in this stack yet, each once:
+        the engines of both pools share what one wrote, where pods each have their own."""
+        for p in processes:
+            for step in p.role.steps:
+                if tuple(step.command) in self._prepared:
+                    continue
+                log = self.logs / f"{step.name}.log"
+                shown = " ".join(step.command)
+                progress(f"{p.role.name}: {step.name}: {shown} (log: {log})", [])
+                with open(log, "ab") as out:
+                    done = subprocess.run(
+                        [resolve(step.command[0]), *step.command[1:]],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=p.env,
+                        check=False,
+                    )
+                if done.returncode != 0:
+                    raise StackError(
+                        f"{p.role.name}: {step.name} ({shown}) exited with code {done.returncode}; "
+                        f"its log ({log}) ends:\n{_log_tail(log, 3000)}"
+                    )
+                self._prepared.add(tuple(step.command))
 
     def _write_scrape_targets(self) -> None:
         if self.monitor is not None:
@@ -507,6 +534,7 @@ class LocalStack:
             ]
             new = Process(on_port(role, port, self.plan.name), old.log, unpinned[0], worker_envs=unpinned[1:])
             progress(f"rolling {old.role.name}: a new one on port {port}", [])
+            self._prepare([new], progress)
             try:
                 new.start()
                 self._wait_ready([new], time.monotonic() + timeout, progress)
@@ -578,6 +606,20 @@ class LocalStack:
             max((p.stop_grace_s for p in self.processes if p.role in roles), default=0.0)
             for roles in self.plan.start_groups()
         )
+
+
+def _check_paths(spec: UCMDeploymentSpec) -> None:
+    """The node paths a spec names, on this machine: engines would fail on them after minutes."""
+    source = spec.model.source
+    if source.host_path is not None and not Path(source.host_path).is_dir():
+        raise StackError(f"model.source.hostPath: {source.host_path} is not a directory on this machine")
+    for i, adapter in enumerate(spec.lora.adapters if spec.lora is not None else ()):
+        path = adapter.source.host_path
+        if path is not None and not (Path(path) / "adapter_config.json").is_file():
+            raise StackError(
+                f"lora.adapters[{i}].source.hostPath: {path} is not a LoRA adapter's directory on this machine "
+                "(no adapter_config.json)"
+            )
 
 
 def on_port(role: Role, port: int, deployment: str) -> Role:

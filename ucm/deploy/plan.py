@@ -20,6 +20,8 @@ import yaml
 
 from ucm import __version__, engine_args
 from ucm.config import ConfigError
+from ucm.deploy.lora import Rendered, refuse_in_extra_args
+from ucm.deploy.lora import render as render_lora
 from ucm.deploy.pool import PoolSpec
 from ucm.deploy.roles import (
     BACKEND_KEY,
@@ -151,6 +153,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
     roles: list[Role] = list(kind.roles(opts, name, site))
     files: dict[str, str] = {}
     model_path, model_volumes = _model(spec, site)
+    lora = _lora(spec, site)
     store_volumes = kind.volumes(opts, name, site)
     stage = _file_options(spec, kind.connector(opts, name, site))
     credentials = [BACKEND_KEY, METRICS_TOKEN] if spec.proxy.metrics_auth else [BACKEND_KEY]
@@ -177,9 +180,20 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         )
         for role_name, replicas in instances:
             port = site.port(role_name, VLLM_PORT)
-            volumes = [*model_volumes, *store_volumes]
+            volumes = [*model_volumes, *(lora.volumes if lora else ()), *store_volumes]
             role = _engine(
-                name, role_name, component, replicas, port, pool, spec, site, model_path, volumes, kv_files[component]
+                name,
+                role_name,
+                component,
+                replicas,
+                port,
+                pool,
+                spec,
+                site,
+                model_path,
+                volumes,
+                kv_files[component],
+                lora,
             )
             roles.append(role)
             engines.setdefault(component, []).append(f"http://{site.host(name, role_name)}:{port}")
@@ -218,6 +232,23 @@ def _model(spec: UCMDeploymentSpec, site: Site) -> tuple[str, list[Volume]]:
     return path, [volume]
 
 
+def _lora(spec: UCMDeploymentSpec, site: Site) -> Rendered | None:
+    """``spec.lora`` as every engine of both pools gets it: the same flags and mounts in each, the
+    only place adapters come from (extra arguments may not add any)."""
+    for field, args in (
+        ("model.extraArgs", spec.model.extra_args),
+        ("prefill.extraArgs", spec.prefill.extra_args),
+        ("decode.extraArgs", spec.decode.extra_args),
+    ):
+        refuse_in_extra_args(field, args)
+    if spec.lora is None:
+        return None
+    source = spec.model.source
+    # An adapter on the model's claim is read where the model's volume has it.
+    mounted = {source.pvc.claim_name: MODEL_MOUNT} if source.pvc is not None else {}
+    return render_lora(spec.lora, site, mounted)
+
+
 def _json(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
@@ -246,7 +277,7 @@ def _kv_config(
             hash_algorithm=spec.store.hashing.algorithm,
             salt=spec.store.hashing.salt,
             # Same id on every pod, whatever path the model is mounted at: blocks are shared.
-            model_id=spec.model.served_name or _source_id(spec),
+            model_id=spec.model.served,
             **extra,
         )
     except ConfigError as exc:
@@ -270,16 +301,6 @@ def _file_options(spec: UCMDeploymentSpec, stage: dict[str, Any]) -> dict[str, A
     return {backend: {**stage[backend], **options}}
 
 
-def _source_id(spec: UCMDeploymentSpec) -> str:
-    s = spec.model.source
-    if s.hf is not None:
-        return s.hf
-    if s.host_path is not None:
-        return s.host_path
-    assert s.pvc is not None
-    return f"pvc:{s.pvc.claim_name}/{s.pvc.path.strip('/')}"
-
-
 def _engine(
     deployment: str,
     role_name: str,
@@ -292,9 +313,10 @@ def _engine(
     model_path: str,
     volumes: list[Volume],
     kv_file: str,
+    lora: Rendered | None,
 ) -> Role:
     m, parallel = spec.model, pool.parallel
-    vllm = ["--model", model_path, "--served-model-name", m.served_name or _source_id(spec)]
+    vllm = ["--model", model_path, "--served-model-name", m.served]
     vllm += [
         "--dtype",
         engine_dtype(spec, site),
@@ -307,6 +329,8 @@ def _engine(
         vllm += ["--pipeline-parallel-size", str(parallel.pipeline)]
     if m.max_model_len is not None:
         vllm += ["--max-model-len", str(m.max_model_len)]
+    if lora is not None:
+        vllm += lora.args
     vllm += ["--host", site.bind, "--port", str(port), "--enable-prompt-tokens-details"]
     # On SIGTERM vLLM finishes the requests it holds for up to this long (its default, 0, aborts them;
     # the HTTP requests of aborted ones were seen hanging until the process was killed).
@@ -359,6 +383,7 @@ def _engine(
         drain_delay_s=DRAIN_DELAY_S,
         drain_timeout_s=pool.drain_timeout_s,
         group=group,
+        steps=lora.steps if lora is not None else [],
     )
 
 

@@ -1,10 +1,11 @@
 """What a ``UCMDeployment`` may ask the operator for.
 
 The operator's service account creates whatever a resource renders into, so whoever may create a
-``UCMDeployment`` would otherwise choose any image, mount any node directory or NFS export and
-schedule onto any node. The platform team that installs the operator bounds that (chart values
-``policy.*``, the operator's ``--allow-*`` flags); a spec outside the bounds is
-``Degraded/InvalidSpec`` naming the field, and nothing is touched.
+``UCMDeployment`` would otherwise choose any image, mount any node directory or NFS export,
+schedule onto any node and let its engines load LoRA adapters from anywhere at runtime. The
+platform team that installs the operator bounds that (chart values ``policy.*``, the operator's
+``--allow-*`` flags); a spec outside the bounds is ``Degraded/InvalidSpec`` naming the field, and
+nothing is touched.
 """
 
 from __future__ import annotations
@@ -136,6 +137,18 @@ REFUSED_ENV = {
     "VLLM_RUST_FRONTEND_PATH": "vLLM runs this binary",
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Runtime adapter loading: with it an engine loads adapters it is asked for (/v1/load_lora_adapter,
+# vLLM's resolver plugins) from paths and hub ids that no spec shows and this policy never sees.
+# Refused unless the operator allows it for the deployment by name (--allow-runtime-lora).
+RUNTIME_LORA_ENV = {
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "lets the engine load and unload adapters at runtime, from paths and hub "
+    "ids the spec does not show",
+    "VLLM_LORA_RESOLVER_CACHE_DIR": "a directory the engine loads adapters from at runtime",
+    "VLLM_LORA_RESOLVER_HF_REPO_LIST": "hub repositories the engine downloads adapters from at runtime",
+}
+# What --allow-runtime-lora takes, in the dialect JSON Schema and Go share: the chart's values schema
+# carries it, so that `helm install` refuses what the operator would stop at.
+DEPLOYMENT_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$"
 
 CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 
@@ -144,7 +157,8 @@ CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kube
 class Policy:
     # Image name prefixes a spec may use ("ucm/" allows ucm/runtime and ucm/proxy, the defaults).
     image_prefixes: tuple[str, ...] = ("ucm/",)
-    # Node directories a spec may mount (model.source.hostPath, store.ds3fs.mountPath): none.
+    # Node directories a spec may mount (model.source.hostPath, lora.adapters[].source.hostPath,
+    # store.ds3fs.mountPath): none.
     host_path_prefixes: tuple[str, ...] = ()
     # Tolerations and node selection toward control-plane nodes, and match-everything tolerations.
     any_scheduling: bool = False
@@ -157,9 +171,12 @@ class Policy:
     # NFS exports a spec may mount inline (store.nfs), as (server, path prefix): none. Engine pods
     # mount it read-write, so naming another team's export would read its blocks and plant others.
     nfs_exports: tuple[tuple[str, str], ...] = ()
+    # Deployments (namespace/name) whose engines may load LoRA adapters at runtime (RUNTIME_LORA_ENV).
+    runtime_lora: tuple[str, ...] = ()
 
-    def check(self, spec: UCMDeploymentSpec) -> None:
-        """Raises :class:`PlanError` naming the first field outside the bounds."""
+    def check(self, spec: UCMDeploymentSpec, namespace: str, name: str) -> None:
+        """Raises :class:`PlanError` naming the first field outside the bounds; ``namespace`` and
+        ``name`` are the resource's, which bounds given per deployment are looked up by."""
         images = [("image.repository", spec.image.repository), ("proxy.image", spec.proxy.image)]
         if spec.store.type == "mooncake" and spec.store.mooncake.master is not None:  # type: ignore[attr-defined]
             images.append(("store.mooncake.master.image", spec.store.mooncake.master.image))  # type: ignore[attr-defined]
@@ -167,6 +184,8 @@ class Policy:
             if image is not None and not image.startswith(self.image_prefixes):
                 raise fail(field, f"{image} is not from an allowed repository ({', '.join(self.image_prefixes)})")
         paths = [("model.source.hostPath", spec.model.source.host_path)]
+        for i, adapter in enumerate(spec.lora.adapters if spec.lora is not None else ()):
+            paths.append((f"lora.adapters[{i}].source.hostPath", adapter.source.host_path))
         if spec.store.type == "ds3fs":
             paths.append(("store.ds3fs.mountPath", spec.store.ds3fs.mount_path))  # type: ignore[attr-defined]
         for field, path in paths:
@@ -175,11 +194,11 @@ class Policy:
         if spec.store.type == "nfs":
             self._nfs(spec.store.nfs.server, spec.store.nfs.path)  # type: ignore[attr-defined]
         _refused_args("model.extraArgs", spec.model.extra_args)
-        for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
-            _refused_args(f"{name}.extraArgs", pool.extra_args)
-            self._env(name, pool.env, pool.env_from)
+        for pool_name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
+            _refused_args(f"{pool_name}.extraArgs", pool.extra_args)
+            self._env(pool_name, pool.env, pool.env_from, f"{namespace}/{name}")
             if not self.any_scheduling:
-                _scheduling(name, pool)
+                _scheduling(pool_name, pool)
         self.autoscaler.check(spec)
 
     def _host_path(self, field: str, path: str) -> None:
@@ -199,7 +218,8 @@ class Policy:
             "see policy.allowedNfs, --allow-nfs)",
         )
 
-    def _env(self, pool_name: str, env: list[EnvVar], env_from: list[EnvFromSource]) -> None:
+    def _env(self, pool_name: str, env: list[EnvVar], env_from: list[EnvFromSource], deployment: str) -> None:
+        runtime_lora = deployment in self.runtime_lora
         for i, e in enumerate(env):
             why = _refused_env(e.name)
             if why is not None and e.name not in self.allowed_env:
@@ -207,8 +227,10 @@ class Policy:
                     f"{pool_name}.env[{i}].name",
                     f"{e.name} is not allowed: {why} (unless the operator's policy allows it by name)",
                 )
+            if e.name in RUNTIME_LORA_ENV and not runtime_lora:
+                raise fail(f"{pool_name}.env[{i}].name", _runtime_lora_refused(e.name, deployment))
         for i, source in enumerate(env_from):
-            reached = self._reachable(source.prefix)
+            reached = self._reachable(source.prefix, runtime_lora)
             if reached is not None:
                 name, why = reached
                 how = f"{source.prefix!r} and a key" if source.prefix else "without a prefix, a key"
@@ -218,7 +240,7 @@ class Policy:
                     "prefix no refused name starts with, or name each variable in env",
                 )
 
-    def _reachable(self, prefix: str) -> tuple[str, str] | None:
+    def _reachable(self, prefix: str, runtime_lora: bool) -> tuple[str, str] | None:
         """A refused name that ``prefix`` and some key make (envFrom), and why it is refused."""
         for start, why in REFUSED_ENV_PREFIXES.items():
             if start.startswith(prefix) or prefix.startswith(start):
@@ -226,7 +248,18 @@ class Policy:
         for name, why in REFUSED_ENV.items():
             if name.startswith(prefix) and name != prefix and name not in self.allowed_env:
                 return name, why
+        for name, why in RUNTIME_LORA_ENV.items():
+            if name.startswith(prefix) and name != prefix and not runtime_lora:
+                return name, f"{why} (unless the operator's policy allows runtime adapters for this deployment)"
         return None
+
+
+def _runtime_lora_refused(variable: str, deployment: str) -> str:
+    return (
+        f"{variable} is not allowed: {RUNTIME_LORA_ENV[variable]}; serve adapters from spec.lora, or have the "
+        f"operator allow runtime adapters for this deployment (--allow-runtime-lora {deployment}, the chart's "
+        "policy.allowedRuntimeLora)"
+    )
 
 
 def _under(path: str, prefixes: Iterable[str]) -> bool:
@@ -330,6 +363,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an NFS export specs may mount inline (store.nfs): the server exactly, the path at or under "
         "PREFIX (repeatable; none by default)",
     )
+    bounds.add_argument(
+        "--allow-runtime-lora",
+        action="append",
+        default=[],
+        metavar="NAMESPACE/NAME",
+        help="a UCMDeployment whose engines may load LoRA adapters at runtime (VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+        "and vLLM's resolver variables in its pools' env; repeatable; none by default)",
+    )
     autoscaling.add_arguments(p)
     monitors.add_arguments(p)
 
@@ -343,6 +384,7 @@ def from_args(args: argparse.Namespace) -> Policy:
         monitors=monitors.from_args(args),
         allowed_env=_allowed_env(args.allow_env),
         nfs_exports=tuple(_nfs_export(value) for value in args.allow_nfs),
+        runtime_lora=tuple(_deployment(value) for value in args.allow_runtime_lora),
     )
 
 
@@ -350,6 +392,8 @@ def _allowed_env(names: list[str]) -> tuple[str, ...]:
     for name in names:
         if not _ENV_NAME.fullmatch(name):
             raise SystemExit(f"--allow-env: {name!r} is not an environment variable name")
+        if name in RUNTIME_LORA_ENV:
+            raise SystemExit(f"--allow-env: {name} is allowed per deployment: --allow-runtime-lora NAMESPACE/NAME")
         if _refused_env(name) is None:
             raise SystemExit(f"--allow-env: {name} is not refused (specs may set it already)")
     return tuple(names)
@@ -361,3 +405,9 @@ def _nfs_export(value: str) -> tuple[str, str]:
     if not server or not sep or "/" in server:
         raise SystemExit(f"--allow-nfs: {value!r} is not SERVER:/PATH")
     return server, "/" + rest
+
+
+def _deployment(value: str) -> str:
+    if not re.match(DEPLOYMENT_PATTERN, value):
+        raise SystemExit(f"--allow-runtime-lora: {value!r} is not NAMESPACE/NAME (a UCMDeployment's)")
+    return value

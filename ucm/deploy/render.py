@@ -48,7 +48,7 @@ def objects(
     namespace = namespace or resource.namespace or "default"
     bounds = bounds or policy.Policy()
     try:
-        bounds.check(resource.spec)
+        bounds.check(resource.spec, namespace, name)
         plan = build_plan(name, resource.spec, Site("kubernetes", namespace=namespace))
     except PlanError as exc:
         raise ConfigError(f"spec.{exc}") from None

@@ -82,6 +82,17 @@ class SecretRef:
 
 
 @dataclass(frozen=True)
+class Step:
+    """A command that runs to its end before the role's own, on every start of it, with the role's
+    environment (a download). In Kubernetes an init container of each of the role's pods, with the
+    role's image and volumes; locally run once, before the first role that has it starts."""
+
+    name: str  # unique in the role
+    command: list[str]
+    writes: tuple[str, ...] = ()  # volumes (by name) it fills; the role itself mounts them read-only
+
+
+@dataclass(frozen=True)
 class Group:
     """An engine spread over ``size`` pods that start, restart and roll together (in Kubernetes a
     LeaderWorkerSet): the leader runs the role's command and serves; the others run
@@ -111,6 +122,7 @@ class Role:
     drain_delay_s: int = 0  # serving on after leaving the Service's endpoints (preStop)
     drain_timeout_s: int = 0  # then, after SIGTERM, finishing the requests it holds
     group: Group | None = None  # engines of more than one pod
+    steps: list[Step] = field(default_factory=list)  # run to their end before the command
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,7 @@ class Site:
     namespace: str = "default"
     config_dir: str = "/etc/ucm"
     kv_dir: str = "/var/lib/ucm/kv"  # where file stores keep blocks: a mount in pods, a directory locally
+    adapters_dir: str = "/adapters"  # LoRA adapters: mounts below it in pods; locally, hub downloads
     ports: Callable[[str], int] | None = None  # local: the port for a role (or "role/port-name")
     # local: whether this machine's CPU has bfloat16 arithmetic (ucm.cpu); without it a model's
     # dtype "auto" runs float32 (vLLM would pick bfloat16 and run ~100x slower)

@@ -5,7 +5,7 @@ and generate the CRD's ``openAPIV3Schema`` (:mod:`ucm.deploy.crd`). Field names 
 every Kubernetes API; Python code reads them snake_case. The engine pools' models come from
 :mod:`ucm.deploy.pool` (the plan's roles carry them, and the store kinds build roles); each store
 kind's options from its module in :mod:`ucm.deploy.stores`; the proxy's own options are the proxy's
-(``proxy.config``).
+(``proxy.config``); the LoRA adapters' from :mod:`ucm.deploy.lora`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pydantic import Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
 
 from ucm import __version__
+from ucm.deploy.lora import LoraSpec
 from ucm.deploy.pool import PoolSpec
 from ucm.deploy.schema import Arg, LabelValue, Quantity, Spec, camel, cel, deprecated_spellings, one_of
 from ucm.deploy.stores import KINDS, StoreKind
@@ -55,6 +56,16 @@ class ModelSource(Spec):
         one_of(self, ("pvc", "host_path", "hf"), "model.source")
         return self
 
+    @property
+    def id(self) -> str:
+        """The source as one string, the same on every pod whatever path it is mounted at."""
+        if self.hf is not None:
+            return self.hf
+        if self.host_path is not None:
+            return self.host_path
+        assert self.pvc is not None
+        return f"pvc:{self.pvc.claim_name}/{self.pvc.path.strip('/')}"
+
 
 class ModelSpec(Spec):
     source: ModelSource = Field(description="Where every engine loads the model from: exactly one of pvc, hostPath, hf")
@@ -75,6 +86,11 @@ class ModelSpec(Spec):
     extra_args: list[Arg] = Field(
         default_factory=list, description="More `vllm serve` arguments, for both pools' engines"
     )
+
+    @property
+    def served(self) -> str:
+        """The name clients use for the base model."""
+        return self.served_name or self.source.id
 
 
 class ImageSpec(Spec):
@@ -386,6 +402,17 @@ class UCMDeploymentSpec(Spec):
         None, description="Reuse retrieved chunks' KV wherever a prompt places them (prefill engines)"
     )
     monitoring: MonitoringSpec = MonitoringSpec()  # described by its docstring
+    lora: LoraSpec | None = None  # described by its docstring
+
+    @model_validator(mode="after")
+    def _adapters_named_apart(self) -> UCMDeploymentSpec:
+        for i, adapter in enumerate(self.lora.adapters if self.lora is not None else ()):
+            if adapter.name == self.model.served:
+                raise ValueError(
+                    f"lora.adapters[{i}].name: {adapter.name} is the base model's served name (model.servedName, "
+                    "or its source); a request naming it would never reach the adapter"
+                )
+        return self
 
     @model_validator(mode="after")
     def _blend_on_one_rank(self) -> UCMDeploymentSpec:

@@ -223,10 +223,13 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def _announce(stack: LocalStack, progress: Progress) -> None:
-    model = stack.spec.model.served_name or "model"
+    model = stack.spec.model.served
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     progress(f"ready in {time.monotonic() - progress.t0:.0f} s; logs in {stack.logs}", [])
     print(f"  try: curl -s {stack.base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    adapters = [a.name for a in stack.spec.lora.adapters] if stack.spec.lora is not None else []
+    if adapters:
+        print(f"  LoRA adapters (a request's model): {', '.join(adapters)}")
     print("  stop: Ctrl-C, or `ucm down`")
     if stack.monitor is not None:
         print(
