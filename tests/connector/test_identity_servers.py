@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import io
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -117,6 +118,21 @@ def test_the_same_adapter_under_another_name_and_path_loads_every_block(servers)
     text, cached, loaded = answer(Z, prompt, "same")
     assert text == answer(P, prompt, "ad")[0]
     assert cached == loaded == full_block_tokens(Z, prompt)
+
+
+def test_a_base_request_batched_with_adapter_requests_runs_no_adapter(servers):
+    """vLLM's CPU LoRA ops applied the last adapter slot to base-model tokens of a mixed batch
+    (``ucm.integration.vllm.lora_cpu``): wrong answers, and wrong KV stored under base ids."""
+    P, Z = servers["P"], servers["Z"]
+    for name in ("ad", "same"):  # both of Z's adapter slots hold an adapter
+        answer(Z, PROMPTS[8][:200], name)
+    prompt = PROMPTS[8]
+    with ThreadPoolExecutor(5) as pool:
+        adapted = [pool.submit(answer, Z, PROMPTS[i], ("ad", "same")[i % 2]) for i in range(4)]
+        base = pool.submit(answer, Z, prompt)
+        for request in adapted:
+            request.result()
+    assert base.result()[0] == answer(P, prompt)[0]
 
 
 def test_prompt_embeddings_stay_out_of_the_store(servers, tiny_model):

@@ -5,7 +5,9 @@ It registers UCMConnector under the names UCM's documentation uses (``UCMDirectC
 puts :class:`ucm.integration.vllm.attention.UCMAttentionBackend` in place of vLLM's CPU
 attention backend. Without a sparse configuration that class is the CPU backend unchanged, so
 engines that do not ask for sparse attention behave exactly as before. It also registers the model
-class Blend needs (:mod:`ucm.integration.vllm.blend_model`), used only by engines that name it.
+class Blend needs (:mod:`ucm.integration.vllm.blend_model`), used only by engines that name it, and
+mends vLLM's CPU LoRA ops so that base-model tokens batched with adapter requests run no adapter
+(:mod:`ucm.integration.vllm.lora_cpu`).
 ``VLLM_PLUGINS`` (a list of plugin names to load) turns the plugin off altogether.
 """
 
@@ -20,8 +22,11 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from ucm.integration.vllm import lora_cpu
     from ucm.integration.vllm.config import BLEND_ARCHITECTURE
     from ucm.ucm_style import CONNECTOR_NAMES
+
+    lora_cpu.install()
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     ModelRegistry.register_model(BLEND_ARCHITECTURE, BLEND_MODEL)
