@@ -33,17 +33,20 @@ from ucm.deploy.spec import GROUP, PLURAL, VERSION
 from ucm_testing.kmock_operator import WRITE_VERBS, Call, Driver, emulator
 
 NS = "bench"
+MODEL_DIR = "/models"
 SPEC = {
-    "model": {"source": {"hostPath": "/models/llama"}},
+    "model": {"source": {"hostPath": f"{MODEL_DIR}/llama"}},
     "store": {"type": "posix", "pvc": {"claimName": "kv"}},
 }
+SETTLE_S = 60  # plus a second per object: past this, the objects never settle
 CHILDREN_PER_OBJECT = 12  # ConfigMap, 3 Deployments, 3 Services, 2 PDBs, ServiceAccount, Role, RoleBinding
 
 
 def start_operator(url: str, log: Path) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).parent / "ucm-operator"
     return subprocess.Popen(
-        [str(exe), "--server", url, "--liveness", "", "--log-level", "warning"],
+        # The objects' model is a node path: the operator's policy refuses node paths unless allowed.
+        [str(exe), "--server", url, "--liveness", "", "--log-level", "warning", "--allow-host-path", MODEL_DIR],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
     )
@@ -98,7 +101,13 @@ async def run(n: int, log: Path) -> dict[str, Any]:
             mark = len(k.calls)
             t0 = time.perf_counter()
             await asyncio.gather(*(driver.apply_ucmd(NS, f"d{i:04d}", SPEC, uid=f"uid-{i}") for i in range(n)))
+            deadline = t0 + SETTLE_S + n
             while not await settled(driver, n):
+                if time.perf_counter() > deadline:  # a refused spec never settles: say so, don't wait forever
+                    tail = log.read_text(errors="replace").splitlines()[-5:]
+                    raise SystemExit(
+                        f"not settled after {time.perf_counter() - t0:.0f} s; operator log:\n" + "\n".join(tail)
+                    )
                 await asyncio.sleep(0.5)
             create_s = time.perf_counter() - t0
             await asyncio.sleep(2.0)  # late writes, if any, are counted

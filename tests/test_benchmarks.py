@@ -14,25 +14,43 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_benchmark(script: str, tmp_path: Path, *args: str, timeout: float = 900) -> dict:
+def run_script(
+    script: str, tmp_path: Path, *args: str, timeout: float = 900, run_dir: bool = False
+) -> tuple[dict, str]:
+    """The script's summary (``--json``) after it ran to the end, and what it printed; ``run_dir``:
+    it keeps its files under ``tmp_path`` (``--run-dir``). It runs in ``tmp_path``."""
     out = tmp_path / "summary.json"
     command = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)]
-    done = subprocess.run(
-        [*command, "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    if run_dir:
+        command += ["--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stdout + done.stderr
+
+
+def run_benchmark(script: str, tmp_path: Path, *args: str, timeout: float = 900, run_dir: bool = False) -> dict:
+    return run_script(script, tmp_path, *args, timeout=timeout, run_dir=run_dir)[0]
 
 
 def test_lora_serving_serves_every_adapter_through_pd_without_a_wrong_answer(tmp_path):
     """Four adapters and the base model through ``ucm up``'s PD stack (spec.lora, kv_aware routing),
     every answer against a fresh engine's."""
-    summary = run_benchmark("lora_serving.py", tmp_path, "--quick")
+    summary = run_benchmark("lora_serving.py", tmp_path, "--quick", run_dir=True)
     assert summary["lora_wrong_answers"] == 0
     assert summary["lora_tokens_checked"] > summary["lora_tokens_served"] // 2  # most steps have a clear winner
     assert summary["prefill_hit_tokens"]["adapters"] > 0  # adapters' prompts were reused, not only computed
     assert set(summary["ttft_by_arm"]) == {"tiny", "ad1", "ad2", "ad3", "ad4"}
     assert "lora_hit_tokens_vs_no_adapters" in summary
+
+
+def test_operator_scale_settles_every_object_and_restarts_without_writes(tmp_path):
+    """The real operator on kmock: 5 UCMDeployments (a node-path model, under the policy it is
+    started with) all get their 12 children and a computed status; a restarted operator writes
+    nothing to them."""
+    summary = run_benchmark("operator_scale.py", tmp_path, "--objects", "5", timeout=300)
+    assert summary["objects"] == 5
+    assert summary["operator_error_lines"] == 0
+    assert summary["noop_writes_per_object"] == 0
+    assert summary["writes_per_object_on_create"] >= 12  # every child created
+    assert summary["api_calls_per_object_on_restart"] > 0  # the second operator went through them
+    assert summary["operator_peak_rss_mib"] > 0
