@@ -20,6 +20,9 @@ the last came, and the proxy's peak RSS growth over idle next to its body budget
 (``max_in_flight_bytes``).
 
     python benchmarks/proxy_attack.py --json OUT.json
+
+``--quick`` (the smoke in ``make test``): 20 slow connections of each kind and shorter header and
+body deadlines, so every phase ends in seconds.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from ucm_testing.processes import spawn_pinned, stop_process
 
 BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
 SLOW = 200  # slow-header connections, and slow-body ones
+QUICK_SLOW = 20
+QUICK_TIMEOUTS = {"header_s": 2.0, "body_s": 3.0}
 Writer = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -123,42 +128,63 @@ async def phase(url: str, port: int, pid: int, attackers: list[Writer], minimum_
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle-s", type=float, default=10.0, help="how long the idle phase measures")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_SLOW} slow connections of each kind, a 2 s idle phase, the proxy's header and body "
+        f"deadlines {QUICK_TIMEOUTS['header_s']:g} and {QUICK_TIMEOUTS['body_s']:g} s (a smoke, not a measurement)",
+    )
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
+    slow = QUICK_SLOW if args.quick else SLOW
+    idle_s = 2.0 if args.quick else args.idle_s
     work = Path(tempfile.mkdtemp(prefix="ucm-proxy-attack-"))
     py = sys.executable
     backend_port, port = free_port(), free_port()
     backend = spawn_pinned([py, "-m", "ucm_testing.fake_vllm", "--port", str(backend_port)], "1", work / "backend.log")
-    proxy = spawn_pinned(
-        [py, "-m", "ucm_proxy", "--port", str(port), "--mode", "mixed", "--decode", f"http://127.0.0.1:{backend_port}"],
-        "0",
-        work / "proxy.log",
-    )
+    command = [
+        py,
+        "-m",
+        "ucm_proxy",
+        "--port",
+        str(port),
+        "--mode",
+        "mixed",
+        "--decode",
+        f"http://127.0.0.1:{backend_port}",
+    ]
+    if args.quick:
+        (work / "proxy.json").write_text(json.dumps({"timeouts": QUICK_TIMEOUTS}))  # YAML reads JSON
+        command += ["--config", str(work / "proxy.json")]
+    proxy = spawn_pinned(command, "0", work / "proxy.log")
     try:
         wait_for_port("127.0.0.1", backend_port, 30)
         wait_for_port("127.0.0.1", port, 30)
         os.sched_setaffinity(0, {1})  # with the backend: the proxy has core 0 to itself
         url = f"http://127.0.0.1:{port}"
-        headers: list[Writer] = [growing] * (SLOW // 2) + [silent] * (SLOW // 2)
+        headers: list[Writer] = [growing] * (slow // 2) + [silent] * (slow // 2)
         phases: dict[str, list[Writer]] = {
             "idle": [],
             "slow_headers": headers,
-            "slow_bodies": [idle_upload] * SLOW,
-            "both": headers + [idle_upload] * SLOW,
+            "slow_bodies": [idle_upload] * slow,
+            "both": headers + [idle_upload] * slow,
         }
         rows: dict[str, dict[str, Any]] = {}
         for name, attackers in phases.items():
-            rows[name] = asyncio.run(phase(url, port, proxy.pid, attackers, 0.0 if attackers else args.idle_s))
+            rows[name] = asyncio.run(phase(url, port, proxy.pid, attackers, 0.0 if attackers else idle_s))
             if name != "idle":
                 rows[name]["p99_vs_idle"] = round(rows[name]["p99_ms"] / rows["idle"]["p99_ms"], 2)
             print(f"{name:>13}: {rows[name]}", flush=True)
     finally:
         stop_process(proxy)
         stop_process(backend)
-    defaults = ProxyConfig(mode="mixed", decode=["http://127.0.0.1:1"])  # its defaults, as run above
+    # its settings, as run above: its defaults, but for --quick's deadlines
+    timeouts = QUICK_TIMEOUTS if args.quick else {}
+    defaults = ProxyConfig(mode="mixed", decode=["http://127.0.0.1:1"], timeouts=timeouts)
     report = {
+        "quick": args.quick,
         "phases": rows,
-        "slow_connections": {"headers": SLOW, "bodies": SLOW},
+        "slow_connections": {"headers": slow, "bodies": slow},
         "max_in_flight_bytes": defaults.max_in_flight_bytes,
         "header_timeout_s": defaults.timeouts.header_s,
         "body_timeout_s": defaults.timeouts.body_s,

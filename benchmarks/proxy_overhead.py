@@ -15,6 +15,8 @@ both proxies up, measured in alternating 2-second runs (4 rounds with ``--quick`
 because one run per target drifts by ±20% on a shared machine.
 
     python benchmarks/proxy_overhead.py --quick --json OUT.json
+
+``--smoke`` runs the same flow at its smallest (``make test``); its figures are not measurements.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ucm_testing.processes import stop_process
 HERE = Path(__file__).resolve().parent
 BODY = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 16}
 CONCURRENCY = (1, 16, 64)
+SMOKE_CONCURRENCY = (1, 64)  # the summary's two
 PAIRED = ("ucm", "vllm-router")  # CPU per request compared in alternating runs
 
 
@@ -80,7 +83,8 @@ class Target:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="ucm-proxy-bench-"))
-    duration = 3 if args.quick else 10
+    duration = 1 if args.smoke else 3 if args.quick else 10
+    concurrency = SMOKE_CONCURRENCY if args.smoke else CONCURRENCY
     lua = work / "post.lua"
     py = sys.executable
     fakes = {}
@@ -166,15 +170,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(1.0)  # let background health checks settle
             for stream in (True, False):
                 write_lua(lua, stream)
-                for conc in CONCURRENCY:
-                    rows.append(measure(target, fakes, lua, conc, stream, duration))
+                for conc in concurrency:
+                    rows.append(measure(target, fakes, lua, conc, stream, duration, warm_up=not args.smoke))
                     print(_row_text(rows[-1]), flush=True)
             if target.name not in PAIRED and target.proc is not None:
                 stop_process(target.proc, group=True)
         pair = [t for t in targets if t.name in PAIRED]
         if len(pair) == len(PAIRED):
             write_lua(lua, True)
-            paired = paired_cpu(pair, fakes, lua, rounds=4 if args.quick else 10)
+            rounds = 2 if args.smoke else 4 if args.quick else 10
+            paired = paired_cpu(pair, fakes, lua, rounds, seconds=1 if args.smoke else 2)
     finally:
         for target in targets:
             if target.proc is not None and target.proc.poll() is None:
@@ -307,6 +312,12 @@ def decider_cost(rounds: int = 2000) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 s per measurement")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the whole flow at its smallest (make test): 1 s per measurement, no warm-up, concurrency 1 and "
+        "64, two paired rounds of 1 s; its figures measure nothing",
+    )
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
     if shutil.which("wrk") is None or shutil.which("taskset") is None:

@@ -54,3 +54,37 @@ def test_operator_scale_settles_every_object_and_restarts_without_writes(tmp_pat
     assert summary["writes_per_object_on_create"] >= 12  # every child created
     assert summary["api_calls_per_object_on_restart"] > 0  # the second operator went through them
     assert summary["operator_peak_rss_mib"] > 0
+
+
+def test_proxy_attack_answers_every_slow_connection_and_keeps_serving(tmp_path):
+    """ucm-proxy before a fake vLLM: each phase's slow connections (growing and silent heads,
+    stalled uploads; --quick: 20 of each, short deadlines) are all answered 408 or 431 within the
+    deadlines, while the normal client is served and refused nothing."""
+    summary = run_benchmark("proxy_attack.py", tmp_path, "--quick", timeout=300)
+    slow = summary["slow_connections"]
+    expected = {"idle": 0, "slow_headers": slow["headers"], "slow_bodies": slow["bodies"]}
+    expected["both"] = slow["headers"] + slow["bodies"]
+    assert set(summary["phases"]) == set(expected)
+    for name, phase in summary["phases"].items():
+        assert phase["normal_requests"] > 0, name
+        assert sum(phase["slow_answers"].values()) == expected[name], (name, phase["slow_answers"])
+        assert set(phase["slow_answers"]) <= {"408", "431"}, (name, phase["slow_answers"])
+        assert phase["last_slow_answer_s"] <= summary["body_timeout_s"] + 5, name
+    assert summary["normal_refused_share"] == 0
+    assert summary["worst_p99_vs_idle"] > 0
+
+
+def test_proxy_overhead_runs_every_target_and_the_paired_phase(tmp_path):
+    """wrk through direct, ucm-proxy, vLLM's toy proxy and vllm-router (--smoke: 1 s per
+    measurement, concurrency 1 and 64), the paired CPU phase and the decider's cost: every row
+    served requests, ucm-proxy without an error, the summary's ratios computed."""
+    summary = run_benchmark("proxy_overhead.py", tmp_path, "--smoke", timeout=300)
+    rows = summary["results"]
+    assert {r["target"] for r in rows} == {"direct", "ucm", "toy", "vllm-router"}
+    assert len(rows) == 4 * 2 * 2  # targets x concurrency x (stream, json)
+    assert all(r["requests"] > 0 for r in rows)
+    assert all(r["errors"] == 0 for r in rows if r["target"] == "ucm")
+    for key in ("rps_vs_toy", "rps_vs_vllm_router", "us_per_req", "cpu_us_per_req_vs_vllm_router"):
+        assert summary[key] > 0, key
+    assert summary["paired_cpu"]["rounds"] == 2
+    assert set(summary["decide_us"]) == {"text_4k_tokens", "ids_4k_tokens", "chat_8_turns_4k_tokens"}
