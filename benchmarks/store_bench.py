@@ -125,8 +125,8 @@ def _all_ok(ok: list[bool]) -> None:
 def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ucm-store-bench-", dir=args.dir))
     block_sizes = [2 << 20, 256 << 10]
-    total = (128 << 20) if args.quick else (1 << 30)
-    trials = 5 if args.quick else 9
+    total = (8 << 20) if args.smoke else (128 << 20) if args.quick else (1 << 30)
+    trials = 1 if args.smoke else 5 if args.quick else 9
     rows = []
     master = MooncakeMaster().start() if not args.no_mooncake else None
     try:
@@ -261,6 +261,11 @@ def print_table(report: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="128 MiB per case, 5 trials (under a minute)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="8 MiB per case, 1 trial: the flow at its smallest (make test), no measurement",
+    )
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--threads", type=int, default=4, help="I/O threads for the store and the raw baseline")
     parser.add_argument("--dir", default=None, help="filesystem to measure (default: the temp dir)")

@@ -42,7 +42,10 @@ def median_time(fn: Any, trials: int) -> float:
     return statistics.median(timed(fn) for _ in range(trials))
 
 
-def kv_case(block_tokens: int, pool_blocks: int, request_blocks: int, threads: int, trials: int) -> dict[str, float]:
+def kv_case(
+    block_tokens: int, pool_blocks: int, request_blocks: int, threads: int, trials: int
+) -> tuple[dict[str, float], bool]:
+    """GB/s of each copy, and whether the native gather's bytes are the reference's."""
     layers = [(torch.randn(2, pool_blocks, block_tokens, HEADS, DIM, dtype=torch.bfloat16), 1) for _ in range(LAYERS)]
     g = torch.Generator().manual_seed(0)
     blocks = torch.randperm(pool_blocks, generator=g)[:request_blocks].tolist()
@@ -64,7 +67,10 @@ def kv_case(block_tokens: int, pool_blocks: int, request_blocks: int, threads: i
         torch.set_num_threads(saved)
     mc = median_time(lambda: native._native.memcpy(buf.data_ptr(), src.data_ptr(), total, threads), trials)
     out["memcpy"] = gb / mc
-    return {k: round(v, 3) for k, v in out.items()}
+    reference = torch.empty_like(buf)
+    native.torch_move(layers, blocks, reference, True)
+    native.gather(layers, blocks, buf, threads)
+    return {k: round(v, 3) for k, v in out.items()}, torch.equal(buf, reference)
 
 
 def files_case(root: Path, block_bytes: int, n: int, threads: int, trials: int) -> dict[str, float]:
@@ -98,24 +104,28 @@ def files_case(root: Path, block_bytes: int, n: int, threads: int, trials: int) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer blocks and trials")
+    p.add_argument("--smoke", action="store_true", help="4 blocks, 1 trial: the flow at its smallest (make test)")
     p.add_argument("--dir", help="where block files go (default: a temporary directory here, on disk)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if not native.available():
         print("transfer_bench: ucm_native is not installed (make dev builds runtime/native)", file=sys.stderr)
         return 2
-    trials = 3 if args.quick else 7
-    request = 16 if args.quick else 64
+    trials = 1 if args.smoke else 3 if args.quick else 7
+    request = 4 if args.smoke else 16 if args.quick else 64
     report: dict[str, Any] = {"layout": f"{LAYERS} layers x [2, blocks, tokens, {HEADS}, {DIM}] bf16", "kv": {}}
+    same = []
     for tokens in (32, 8):
         for threads in (1, 2):
-            case = kv_case(tokens, pool_blocks=4 * request, request_blocks=request, threads=threads, trials=trials)
+            case, equal = kv_case(tokens, 4 * request, request, threads, trials)
             report["kv"][f"block{tokens}_threads{threads}"] = case
+            same.append(equal)
             print(
                 f"block {tokens:>2} tokens, {threads} thread(s): " + ", ".join(f"{k} {v} GB/s" for k, v in case.items())
             )
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
-        report["files"] = files_case(Path(tmp).resolve(), 2 << 20, 32 if args.quick else 128, threads=2, trials=trials)
+        blocks = 4 if args.smoke else 32 if args.quick else 128
+        report["files"] = files_case(Path(tmp).resolve(), 2 << 20, blocks, threads=2, trials=trials)
     print("files, 2 MiB blocks, 2 threads: " + ", ".join(f"{k} {v} GB/s" for k, v in report["files"].items()))
 
     big, small = report["kv"]["block32_threads2"], report["kv"]["block8_threads1"]
@@ -123,9 +133,10 @@ def main() -> int:
     report["native_vs_torch"] = round(
         min(small["native_gather"] / small["torch_gather"], small["native_scatter"] / small["torch_scatter"]), 2
     )
+    report["native_gather_equals_torch"] = all(same)  # every case's bytes, not only its speed
     f = report["files"]
     report["posix_store_load_vs_raw"] = round(f["posix_load"] / f["raw_load"], 2)
-    for key in ("native_vs_memcpy", "native_vs_torch", "posix_store_load_vs_raw"):
+    for key in ("native_vs_memcpy", "native_vs_torch", "posix_store_load_vs_raw", "native_gather_equals_torch"):
         print(f"{key:28} {report[key]}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

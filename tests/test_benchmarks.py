@@ -88,3 +88,28 @@ def test_proxy_overhead_runs_every_target_and_the_paired_phase(tmp_path):
         assert summary[key] > 0, key
     assert summary["paired_cpu"]["rounds"] == 2
     assert set(summary["decide_us"]) == {"text_4k_tokens", "ids_4k_tokens", "chat_8_turns_4k_tokens"}
+
+
+def test_store_bench_round_trips_every_store(tmp_path):
+    """Every store and its baseline (posix three ways, nfs, the DRAM tier, Mooncake with its own
+    master) dumps and loads 8 MiB per block size (--smoke); the script itself fails on a loaded
+    byte that differs from the dumped one."""
+    summary = run_benchmark("store_bench.py", tmp_path, "--smoke", "--dir", str(tmp_path), timeout=300)
+    backends = {"posix", "posix-noverify", "posix-mac", "nfs", "cache", "mooncake"}
+    assert {(r["backend"], r["block_size"]) for r in summary["results"]} == {
+        (b, size) for b in backends for size in (2 << 20, 256 << 10)
+    }
+    assert all(r["dump_gbps"] > 0 and r["load_gbps"] > 0 for r in summary["results"])
+
+
+def test_transfer_bench_gathers_the_reference_bytes(tmp_path):
+    """The native gather/scatter, torch's and memcpy at both block sizes and thread counts, and the
+    block files raw and through the posix store (--smoke): the native gather's bytes equal torch's."""
+    summary = run_benchmark("transfer_bench.py", tmp_path, "--smoke", "--dir", str(tmp_path), timeout=300)
+    assert summary["native_gather_equals_torch"] is True
+    assert set(summary["kv"]) == {f"block{t}_threads{n}" for t in (32, 8) for n in (1, 2)}
+    assert all(v > 0 for case in summary["kv"].values() for v in case.values())
+    assert set(summary["files"]) == {
+        f"{name}_{op}" for name in ("raw", "posix", "posix_direct") for op in ("dump", "load")
+    }
+    assert summary["native_vs_memcpy"] > 0 and summary["posix_store_load_vs_raw"] > 0
