@@ -26,6 +26,7 @@ connector's ``huge_pages``; needs transparent_hugepage "madvise" or "always").
 
     python benchmarks/sparse_kernel.py --json OUT.json     # ~1 min on 2 cores, ~2 GB of memory
     python benchmarks/sparse_kernel.py --huge-pages        # ~2 min, ~4 GB
+    python benchmarks/sparse_kernel.py --rows 2 --context 512 --layers 2 --repeats 1 --huge-pages  # smoke
 """
 
 from __future__ import annotations
@@ -121,9 +122,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return (time.perf_counter() - started) / len(layers) * 1e3
 
     ms: dict[str, list[float]] = {name: [] for name in cases}
+    finite = True  # every case's attention output (random inputs: a wrong table reads garbage or faults)
     for _ in range(args.repeats):
         for name, (table, layers) in cases.items():
             ms[name].append(timed(table, layers))
+            finite = finite and bool(torch.isfinite(out).all())
     reference = statistics.median(ms["window, own documents"])
     results = []
     for name, (table, _) in cases.items():
@@ -146,6 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layers": args.layers,
         "threads": args.threads,
         "transparent_hugepage": thp_mode(),
+        "output_finite": finite,
         "cases": results,
     }
 

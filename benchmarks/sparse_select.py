@@ -125,33 +125,40 @@ def blocks_used(args: argparse.Namespace) -> int:
     return args.rows * n if args.distinct_documents else n + args.rows
 
 
+def settings(smoke: bool) -> list[tuple[str, str, str]]:
+    """(threads, neighbour, memory) of every case an algorithm runs: all of them, or with --smoke
+    the worker's threads and each neighbour and memory state once."""
+    if smoke:
+        return [("2 bound", "none", "warm"), ("2 bound", "spinning", "cold")]
+    return [(t, n, m) for t in THREADS for n in NEIGHBOURS for m in MEMORY]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cases = []
     print(HEADER)
     for algorithm in args.algorithms.split(","):
-        for threads, env in THREADS.items():
-            for neighbour in NEIGHBOURS:
-                for memory in MEMORY:
-                    spinner = None
-                    if neighbour == "spinning":
-                        spinner = subprocess.Popen([sys.executable, "-c", SPIN])
-                    try:
-                        child = subprocess.run(
-                            [sys.executable, __file__, *sys.argv[1:], "--case", f"{algorithm},{memory}"],
-                            env={**os.environ, **env},
-                            capture_output=True,
-                            text=True,
-                            check=True,
-                        )
-                    finally:
-                        if spinner is not None:
-                            spinner.kill()
-                            spinner.wait()
-                    result = json.loads(child.stdout.splitlines()[-1])
-                    cases.append(
-                        {"algorithm": algorithm, "threads": threads, "neighbour": neighbour, "memory": memory, **result}
-                    )
-                    print_row(cases[-1])
+        for threads, neighbour, memory in settings(args.smoke):
+            env = THREADS[threads]
+            spinner = None
+            if neighbour == "spinning":
+                spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+            try:
+                child = subprocess.run(
+                    [sys.executable, __file__, *sys.argv[1:], "--case", f"{algorithm},{memory}"],
+                    env={**os.environ, **env},
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+            result = json.loads(child.stdout.splitlines()[-1])
+            cases.append(
+                {"algorithm": algorithm, "threads": threads, "neighbour": neighbour, "memory": memory, **result}
+            )
+            print_row(cases[-1])
     return {
         "rows": args.rows,
         "context": args.context,
@@ -180,9 +187,17 @@ def main() -> int:
     parser.add_argument("--num-blocks", type=int, default=20000, help="physical blocks the summaries are sized for")
     parser.add_argument("--distinct-documents", action="store_true", help="each row its own blocks, shuffled")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the flow at its smallest (make test): 2 cases per algorithm (the worker's threads; each neighbour "
+        "and memory state once), 2 rows of 512 tokens, 2 layers, 5 calls",
+    )
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.context, args.layers, args.num_blocks, args.calls = 2, 512, 2, 256, 5
     unknown = sorted({parse_variant(name)[0] for name in args.algorithms.split(",")} - set(SCORED))
     if unknown:
         parser.error(f"--algorithms: {unknown[0]!r} is not one of {', '.join(SCORED)}")

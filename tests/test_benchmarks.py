@@ -113,3 +113,31 @@ def test_transfer_bench_gathers_the_reference_bytes(tmp_path):
         f"{name}_{op}" for name in ("raw", "posix", "posix_direct") for op in ("dump", "load")
     }
     assert summary["native_vs_memcpy"] > 0 and summary["posix_store_load_vs_raw"] > 0
+
+
+def test_sparse_select_times_every_algorithm_in_its_own_process(tmp_path):
+    """Each algorithm's selection in a child process of its own (--smoke: the worker's two bound
+    threads, then with a spinning neighbour on cold memory), its time and its floor."""
+    summary = run_benchmark("sparse_select.py", tmp_path, "--smoke", timeout=300)
+    cases = summary["cases"]
+    assert [(c["algorithm"], c["neighbour"], c["memory"]) for c in cases] == [
+        (a, n, m) for a in ("gsa", "esa", "psa") for n, m in (("none", "warm"), ("spinning", "cold"))
+    ]
+    assert all(c["select_mean_ms"] > 0 and c["floor_mean_ms"] > 0 for c in cases)
+    assert summary["layers"] == 2
+
+
+def test_sparse_kernel_attends_every_selection_pattern(tmp_path):
+    """vLLM's CPU attention kernel over each selection pattern (2 rows of 512 tokens, 2 layers, one
+    round, huge pages too): the output finite, the distinct blocks each pattern reads as built."""
+    args = ("--rows", "2", "--context", "512", "--layers", "2", "--repeats", "1", "--huge-pages")
+    summary = run_benchmark("sparse_kernel.py", tmp_path, *args, timeout=300)
+    assert summary["output_finite"] is True
+    cases = {c["case"]: c for c in summary["cases"]}
+    assert len(cases) == 11  # 5 patterns, the floor, the 5 on 2 MiB pages
+    assert all(c["ms_per_layer"] > 0 for c in cases.values())
+    kept = summary["kept_per_row_and_head"]
+    distinct = {name: c["distinct_blocks_per_layer"] for name, c in cases.items()}
+    assert distinct["window, own documents"] == 2 * kept  # each row its own document
+    assert distinct["window, one document"] < distinct["window, own documents"]
+    assert distinct["floor (hot)"] == distinct["window, one document"]
