@@ -141,3 +141,23 @@ def test_sparse_kernel_attends_every_selection_pattern(tmp_path):
     assert distinct["window, own documents"] == 2 * kept  # each row its own document
     assert distinct["window, one document"] < distinct["window, own documents"]
     assert distinct["floor (hot)"] == distinct["window, one document"]
+
+
+def test_gpu_paths_runs_the_decode_step_where_it_can(tmp_path):
+    """Without a GPU (as in make test) the decode step runs on the CPU under Triton's interpreter
+    (128 tokens, 2 requests): the paged kernel over every block equals dense attention, the selection
+    keeps its budget; the report and the output name what needed the GPU (transfer, CUDA graphs).
+    On a GPU the same checks hold and everything runs."""
+    summary, output = run_script("gpu_paths.py", tmp_path, "--tokens", "128", "--requests", "2", timeout=300)
+    steps = summary["decode_step"]
+    assert set(steps) == {f"{s}/{shape}/128" for s in ("both", "int8") for shape in ("smollm2-135m", "llama3-8b")}
+    for name, step in steps.items():
+        assert step["paged_dense_max_abs_err"] < 0.05, name
+        assert step["kept_as_budgeted"] is True, name
+        assert step["select_ms"] > 0 and step["sparse_attention_ms"] > 0, name
+    if summary["device"].startswith("cpu"):
+        assert {"transfer", "select_graph_ms, step_graph_ms"} <= set(summary["not_run"])
+        assert "NOT RUN without a GPU: transfer" in output
+        assert "transfer" not in summary
+    else:
+        assert summary["not_run"] == {} and set(summary["transfer"]) == {"16", "256"}
