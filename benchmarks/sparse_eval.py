@@ -34,6 +34,7 @@ comparison is repeated per captured layer and over the layers served sparsely (U
 alone, which a per-layer budget would match.
 
     python benchmarks/sparse_eval.py --quick --json OUT.json
+    python benchmarks/sparse_eval.py --quick --tiny-model --json OUT.json   # the smoke: no bench-deps
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from real_model import add_tiny_flag, model_and_text, model_label  # benchmarks/ is on sys.path when run as a script
 
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.options import (
@@ -254,18 +256,21 @@ def kv_at_recall(rows: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
-def captured(tokens: int, layers: int, queries: int) -> list[Case]:
+def captured(tokens: int, layers: int, queries: int, tiny: bool = False) -> list[Case]:
     """Decode queries and the keys/values before them, captured from SmolLM2-135M-Instruct reading
     Paul Graham's essays (benchmarks/real_model.py): for ``layers`` layers spread over the model,
-    the last ``queries`` positions of a ``tokens``-token window, each attending to what precedes it."""
-    from real_model import essays, smollm2  # benchmarks/ is on sys.path when run as a script
+    the last ``queries`` positions of a ``tokens``-token window, each attending to what precedes it.
+    ``tiny``: the demo model reading its corpus instead (real_model.model_and_text): the same flow,
+    figures that mean nothing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    path = smollm2()
+    path, text = model_and_text(tiny)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = tok(essays(), add_special_tokens=False, return_tensors="pt").input_ids[:, :tokens]
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[:, :tokens]
+    if ids.shape[1] < tokens:
+        raise SystemExit(f"sparse_eval: the text is {ids.shape[1]} tokens, fewer than {tokens}")
     n_layers = model.config.num_hidden_layers
     chosen = sorted({round(i * (n_layers - 1) / max(1, layers - 1)) for i in range(layers)})
     grabbed: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -395,8 +400,9 @@ def layer_figures(cases: list[Case]) -> dict[str, Any]:
         return {k: v for k, v in psa_vs_topk(subset).items() if not k.endswith("_sweep")} | {"cases": len(subset)}
 
     layers = sorted({c.layer for c in cases})
-    return {
-        "sparse_layers": {"layers": sorted({c.layer for c in served})} | figures_of(served),
+    return {  # no layer served sparsely: a model of dense_layers layers or fewer (the tiny one)
+        "sparse_layers": {"layers": sorted({c.layer for c in served})}
+        | (figures_of(served) if served else {"cases": 0}),
         "by_layer": {str(layer): figures_of([c for c in cases if c.layer == layer]) for layer in layers},
     }
 
@@ -431,13 +437,15 @@ def show_layers(figures: dict[str, Any]) -> None:
     print(f"\nPSA vs top-k at >= 98% recall, per layer (the layers served sparsely: {served['layers']})")
     for layer, per_layer in figures["by_layer"].items():
         print(f"layer {layer:>3} ({per_layer['cases']} queries): " + psa_line(per_layer, "98"))
-    print(f"sparse layers ({served['cases']} queries): " + psa_line(served, "98"))
+    if served["cases"]:
+        print(f"sparse layers ({served['cases']} queries): " + psa_line(served, "98"))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-real", action="store_true", help="skip the real model (it needs `make bench-deps`)")
+    add_tiny_flag(parser)  # the real case on the demo model: 1,024 tokens, its 2 layers, 3 queries each
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # latency comparisons on one core
@@ -460,13 +468,16 @@ def main() -> int:
     report |= evaluation(cases)
     show("synthetic", report)
     if not args.no_real:
-        real_tokens, real_layers, real_queries = (4096, 4, 3) if args.quick else (7168, 8, 6)
+        real_tokens, real_layers, real_queries = (
+            (1024, 2, 3) if args.tiny_model else (4096, 4, 3) if args.quick else (7168, 8, 6)
+        )
         torch.set_num_threads(2)  # the capture is a forward pass; timings below are again on one core
-        real = captured(real_tokens, real_layers, real_queries)
+        real = captured(real_tokens, real_layers, real_queries, tiny=args.tiny_model)
         torch.set_num_threads(1)
-        report["real"] = {"model": "SmolLM2-135M-Instruct", "text": "Paul Graham essays", "tokens": real_tokens}
+        model, text = model_label(args.tiny_model), "the demo corpus" if args.tiny_model else "Paul Graham essays"
+        report["real"] = {"model": model, "text": text, "tokens": real_tokens}
         report["real"] |= evaluation(real) | layer_figures(real)
-        show(f"SmolLM2-135M on essays, {real_tokens} tokens", report["real"])
+        show(f"{model} on {text}, {real_tokens} tokens", report["real"])
         show_layers(report["real"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -161,3 +161,33 @@ def test_gpu_paths_runs_the_decode_step_where_it_can(tmp_path):
         assert "transfer" not in summary
     else:
         assert summary["not_run"] == {} and set(summary["transfer"]) == {"16", "256"}
+
+
+def test_real_model_builds_the_demo_stand_in(tmp_path):
+    """The model and text the real-model benchmarks read, on the demo model (--tiny-model: SmolLM2's
+    GGUF and the essays need `make bench-deps` and PyPI, which make test has not): loaded with the
+    benchmarks' loaders, chat template and all."""
+    summary = run_benchmark("real_model.py", tmp_path, "--tiny-model", timeout=300)
+    assert summary["model"].startswith("tiny-llama")
+    assert summary["layers"] == 2 and summary["kv_heads"] == 2 and summary["head_dim"] == 64
+    assert summary["chat_template"] is True
+    assert summary["text_tokens"] > 50_000  # enough for the longest window a smoke reads
+    assert summary["serving_dtype"] in ("bfloat16", "float32")
+
+
+def test_sparse_eval_evaluates_every_algorithm_on_both_cases(tmp_path):
+    """The synthetic case (--quick) and the real case's flow on the demo model (--tiny-model: its
+    queries, keys and values captured by the same hooks): every algorithm and both sweeps
+    evaluated, fractions and recalls within bounds. The demo model's figures mean nothing."""
+    summary = run_benchmark("sparse_eval.py", tmp_path, "--quick", "--tiny-model", timeout=300)
+    assert abs(sum(summary["blocks_for_95_mass"].values()) - 1) < 1e-9
+    for case in (summary, summary["real"]):
+        names = [r["algorithm"] for r in case["algorithms"]]
+        assert len(names) == 9 and "psa(eps=0.95)" in names and "static(0.3)" in names
+        for r in case["algorithms"] + case["topk_sweep"] + case["psa_sweep"]:
+            assert 0 < r["kv_fraction"] <= 1 and 0 <= r["recall"] <= 1 + 1e-6, r
+        assert case["topk_sweep"][-1]["recall"] > case["topk_sweep"][0]["recall"]  # more blocks, more mass
+    assert summary["psa_vs_topk_kv_ratio_98"] is not None
+    real = summary["real"]
+    assert real["model"].startswith("tiny-llama") and real["cases"] == 2 * 3
+    assert set(real["by_layer"]) == {"0", "1"}
