@@ -30,6 +30,9 @@ ttft_speedup_bound_vs_recompute, paired_trials, accuracy_diff_lower_95, token_ag
 
     make bench-deps
     python benchmarks/blend_serving.py --quick --json OUT.json
+
+make test's smoke: ``--tiny-model`` (real_model.py), 2 questions of 2 passages, a sweep of one
+ratio: the flow, not the figures.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any, get_args
 
 import aiohttp
 from e2e_serving import percentile  # benchmarks/ is on sys.path when run as a script
-from real_model import essays, serving_dtype, smollm2
+from real_model import add_tiny_flag, max_positions, model_and_text, model_label, serving_dtype
 from sparse_serving import agreement
 
 from ucm.integration.vllm.config import BlendConfig, Selection, blend_overrides, kv_transfer_config
@@ -122,7 +125,7 @@ def questions(corpus: Corpus, n: int, k: int, seed: int) -> list[Question]:
 
 
 def engine(model: Path, name: str, store: Path, logs: Path, blend: dict[str, Any] | None) -> VLLMServer:
-    args = ["--dtype", serving_dtype(), "--max-model-len", "8192", "--max-num-seqs", "4"]
+    args = ["--dtype", serving_dtype(), "--max-model-len", str(max_positions(model)), "--max-num-seqs", "4"]
     kv = None
     if name == "recompute":
         args.append("--no-enable-prefix-caching")
@@ -244,14 +247,15 @@ def main() -> int:
     ap.add_argument("--sweep", default="0,0.05,0.3,1.0", help="Other ratios, for the curve ('' for none)")
     ap.add_argument("--sweep-trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    add_tiny_flag(ap)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.quick:
         args.trials, args.sweep_trials = 100, 20
     from transformers import AutoTokenizer
 
-    model = smollm2()
-    corpus = Corpus(AutoTokenizer.from_pretrained(str(model)), essays(), args.pool, args.seed)
+    model, text = model_and_text(args.tiny_model)
+    corpus = Corpus(AutoTokenizer.from_pretrained(str(model)), text, args.pool, args.seed)
     qs = questions(corpus, args.trials, args.passages, args.seed)
     chunks = [corpus.head, *corpus.pool, *(q.passages[i] for q in qs for i in range(len(q.passages)))]
     chunks = list({tuple(c): c for c in chunks}.values())
@@ -267,7 +271,7 @@ def main() -> int:
         "blend": engine(model, "blend", store, logs, blend),
     }
     report: dict[str, Any] = {
-        "model": f"SmolLM2-135M-Instruct ({serving_dtype()})",
+        "model": f"{model_label(args.tiny_model)} ({serving_dtype()})",
         "passages": args.passages,
         "ratio": args.ratio,
         "selection": args.selection,

@@ -28,6 +28,9 @@ blocks in nearly LRU order, so a policy can land a little above it), and the sam
 both engines' size (``pooled``: about what no split between engines can beat).
 
     python benchmarks/routing.py --quick --json OUT.json
+
+make test's smoke: ``--tiny-model`` (real_model.py), 3 tenants, 2 conversations of 2 turns per
+phase, ``--store``: the flow, not the figures.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from real_model import essays, serving_dtype, smollm2  # benchmarks/ is on sys.path when run as a script
+from real_model import add_tiny_flag, model_and_text, model_label, serving_dtype  # benchmarks/ is on sys.path
 
 from ucm.deploy.ports import free_port
 from ucm.integration.vllm.config import kv_transfer_config
@@ -296,12 +299,13 @@ def main() -> int:
     ap.add_argument(
         "--store", action="store_true", help="both engines with the UCM connector on one POSIX store (a load tier)"
     )
+    add_tiny_flag(ap)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.conversations = args.conversations or (20 if args.quick else 40)
     policies = [p for p in args.policies.split(",") if p]
-    model = smollm2()
-    system, trace = build_trace(args, essays())
+    model, text = model_and_text(args.tiny_model)
+    system, trace = build_trace(args, text)
     work = Path(tempfile.mkdtemp(prefix="ucm-routing-"))
     print(f"logs under {work}", flush=True)
     engines, events = [], {}
@@ -398,7 +402,7 @@ def main() -> int:
         shutil.rmtree(store, ignore_errors=True)  # the logs stay
     report = summarize(rows, oracle, pooled)
     report["setup"] = {
-        "model": f"SmolLM2-135M-Instruct ({serving_dtype()}), 2 engines, one core each",
+        "model": f"{model_label(args.tiny_model)} ({serving_dtype()}), 2 engines, one core each",
         "cache_blocks_per_engine": args.cache_blocks,
         "block_size": BLOCK,
         "tenants": args.tenants,

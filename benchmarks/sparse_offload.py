@@ -33,6 +33,9 @@ own), holding the KV its burst computed.
 
     make bench-deps
     python benchmarks/sparse_offload.py --json OUT.json   # ~25 min on 2 cores
+
+make test's smoke: ``--tiny-model`` (real_model.py; ``--dense-layers 0``: it has 2 layers), 2
+requests of 1,100 tokens, one speed round, one identity prompt: the flow, not the figures.
 """
 
 from __future__ import annotations
@@ -48,7 +51,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from real_model import essays, serving_dtype, smollm2  # benchmarks/ is on sys.path when run as a script
+from real_model import (  # benchmarks/ is on sys.path when run as a script
+    add_tiny_flag,
+    max_positions,
+    model_and_text,
+    model_label,
+    serving_dtype,
+)
 from sparse_serving import measure_speed, paired_ratio
 
 from ucm.integration.vllm.config import kv_transfer_config
@@ -59,12 +68,18 @@ BLOCK = 32
 # engines share two cores, so each burst waits for the others to go quiet.
 SETTLE_S = 2.0
 ARMS = ("dense", "sparse", "offload")
+MIN_TOKENS = 1024  # the sparse arms select from this length
 
 
 def sparse_config(arm: str, ratio: float, dense_layers: int, offload_blocks: int) -> dict[str, Any] | None:
     if arm == "dense":
         return None
-    config = {"algorithm": "esa", "min_tokens": 1024, "dense_layers": dense_layers, "esa": {"sparse_ratio": ratio}}
+    config = {
+        "algorithm": "esa",
+        "min_tokens": MIN_TOKENS,
+        "dense_layers": dense_layers,
+        "esa": {"sparse_ratio": ratio},
+    }
     if arm == "offload":
         config["offload_blocks"] = offload_blocks
     return config
@@ -164,15 +179,18 @@ def main() -> int:
     p.add_argument("--speed-rows", type=int, default=4, help="requests decoding together in the speed runs")
     p.add_argument("--repeats", type=int, default=3, help="speed rounds (the median is reported)")
     p.add_argument("--identity-prompts", type=int, default=3)
+    add_tiny_flag(p)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    if args.context + args.decode_tokens + BLOCK > 8192:
-        raise SystemExit("--context + --decode-tokens: at most ~8,100 (SmolLM2's trained positions)")
+    model, text = model_and_text(args.tiny_model)
+    if args.context + args.decode_tokens + BLOCK > max_positions(model):
+        raise SystemExit(f"--context + --decode-tokens: at most {max_positions(model) - BLOCK} (the model's positions)")
+    if args.context <= MIN_TOKENS:
+        raise SystemExit(f"--context: more than {MIN_TOKENS} tokens, where the sparse arms start selecting")
     args.blocks = args.blocks or 4 * math.ceil((args.context + args.decode_tokens) / BLOCK)
     from transformers import AutoTokenizer
 
-    model = smollm2()
-    ids = AutoTokenizer.from_pretrained(model)(essays(), add_special_tokens=False)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False)["input_ids"]
     windows = args.requests + args.speed_rows + args.identity_prompts
     prompts = [ids[i * 7919 % (len(ids) - args.context) :][: args.context] for i in range(1, windows + 1)]
     speed_prompts = prompts[args.requests : args.requests + args.speed_rows]
@@ -199,7 +217,7 @@ def main() -> int:
         ]
     dense = rows["dense"]["held_most"]
     report = {
-        "model": "SmolLM2-135M-Instruct",
+        "model": model_label(args.tiny_model),
         "dtype": serving_dtype(),
         "context": args.context,
         "decode_tokens": args.decode_tokens,

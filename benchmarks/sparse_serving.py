@@ -44,6 +44,9 @@ needle context), token_agreement_vs_dense (longest native context).
 
     make bench-deps
     python benchmarks/sparse_serving.py --quick --json OUT.json   # ~25 min on 2 cores
+
+make test's smoke: ``--tiny-model`` (real_model.py) with ``--dense-layers 0``, 1,024-token speed and
+needle contexts, 2 rows, 2 needles: the flow, not the figures.
 """
 
 from __future__ import annotations
@@ -64,7 +67,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from real_model import essays, serving_dtype, smollm2  # benchmarks/ is on sys.path when run as a script
+from real_model import (  # benchmarks/ is on sys.path when run as a script
+    add_tiny_flag,
+    max_positions,
+    model_and_text,
+    model_label,
+    serving_dtype,
+)
 from variants import parse_variant
 
 from ucm.integration.vllm.config import kv_transfer_config
@@ -81,7 +90,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "psa": {"eps": 0.95},
     "static": {"sparse_ratio": RATIO},
 }
-NATIVE = 8192  # SmolLM2's trained positions
+NATIVE = 8192  # SmolLM2's trained positions (main sets it from the model's config: the demo model's 4,096)
 QUESTION = "\n\nWhat is the special magic number mentioned in the text above?"
 ANSWER_START = "The special magic number is"
 AGREEMENT_TOKENS = 32
@@ -413,6 +422,7 @@ def main() -> int:
     p.add_argument(
         "--kv-cache-gib", type=int, help="each engine's KV cache (default: what the longest row set needs, +25%%)"
     )
+    add_tiny_flag(p)  # the demo model has 2 layers: --dense-layers 0 makes them sparse
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     speeds = args.contexts if args.contexts is not None else "2000,7000,16000,32000"
@@ -429,8 +439,10 @@ def main() -> int:
     depths = args.depths or (20 if args.quick else 25)
     from transformers import AutoTokenizer
 
-    model = smollm2()
-    text = Text(AutoTokenizer.from_pretrained(model), essays())
+    global NATIVE
+    model, essays = model_and_text(args.tiny_model)
+    NATIVE = max_positions(model)
+    text = Text(AutoTokenizer.from_pretrained(model), essays)
     knobs = {
         "min_tokens": args.min_tokens,
         "sparse_ratio": args.sparse_ratio,
@@ -492,7 +504,7 @@ def main() -> int:
             shutil.rmtree(store)
     report = summarize(speed_rows, accuracy_rows, algorithms, contexts, needle_contexts)
     report["setup"] = {
-        "model": f"SmolLM2-135M-Instruct ({serving_dtype()})",
+        "model": f"{model_label(args.tiny_model)} ({serving_dtype()})",
         "rows": args.rows,
         "decode_tokens": args.decode_tokens,
         "rounds": args.repeats,  # each times every arm once; ratios are medians of per-round ratios

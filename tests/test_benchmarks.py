@@ -191,3 +191,80 @@ def test_sparse_eval_evaluates_every_algorithm_on_both_cases(tmp_path):
     real = summary["real"]
     assert real["model"].startswith("tiny-llama") and real["cases"] == 2 * 3
     assert set(real["by_layer"]) == {"0", "1"}
+
+
+def test_routing_replays_one_trace_under_every_policy(tmp_path):
+    """Two engines (the demo model, --tiny-model) behind ucm-proxy with their KV events and one
+    store: the same trace (3 tenants, 2 conversations of 2 turns per phase) under every policy from
+    cold caches, then the oracle's replay. The flow, not the figures."""
+    args = ("--tiny-model", "--tenants", "3", "--conversations", "2", "--turns", "2", "--clients", "2")
+    args += ("--system-chars", "600", "--user-chars", "80", "--cache-blocks", "24", "--store")
+    summary = run_benchmark("routing.py", tmp_path, *args, timeout=600)
+    rows = {r["policy"]: r for r in summary["policies"]}
+    assert set(rows) == {"round_robin", "least_outstanding", "prefix_affinity", "kv_aware"}
+    assert {r["requests"] for r in rows.values()} == {2 * 2 * 2}  # phases x conversations x turns
+    assert len({r["prompt_tokens"] for r in rows.values()}) == 1  # the same trace for every policy
+    for r in rows.values():
+        assert 0 < r["hit_tokens"] + r["store_loaded_tokens"] < r["prompt_tokens"], r
+        assert r["recomputed_tokens"] > 0 and r["hot_prompt_tokens"] > 0, r
+    assert sum(r["store_loaded_tokens"] for r in rows.values()) > 0  # the store served what an engine had not
+    assert summary["summary"]["oracle_hit_tokens"] > 0
+    assert "kv_aware_hit_tokens_vs_oracle" in summary["summary"]
+
+
+def test_sparse_offload_moves_blocks_to_the_arena_and_keeps_the_tokens(tmp_path):
+    """Dense, sparse (ESA) and off-loading engines on the demo model (--tiny-model, every layer
+    sparse): a burst of 2 requests of 1,100 tokens in each, one speed round, then one prompt alone on
+    sparse and offload. Only the offload engine moves blocks to its arena, and its tokens are
+    sparse's. The flow, not the figures."""
+    args = ("--tiny-model", "--context", "1100", "--decode-tokens", "16", "--requests", "2", "--speed-rows", "2")
+    args += ("--repeats", "1", "--identity-prompts", "1", "--dense-layers", "0")
+    summary = run_benchmark("sparse_offload.py", tmp_path, *args, timeout=900)
+    rows = {r["arm"]: r for r in summary["rows"]}
+    assert set(rows) == {"dense", "sparse", "offload"}
+    assert rows["offload"]["offloaded_blocks"] > 0 and rows["offload"]["offload_blocks_saved"] > 0
+    assert rows["dense"]["offloaded_blocks"] == rows["sparse"]["offloaded_blocks"] == 0
+    assert all(1 <= r["held_most"] <= r["held_bound"] for r in rows.values())
+    assert summary["offload_token_agreement_vs_sparse"] == [1.0]
+    speed = summary["speed"]
+    assert all(v > 0 for v in speed["decode_tokens_per_s"].values())
+    assert speed["offload_vs_sparse"] > 0
+
+
+def test_sparse_serving_selects_blocks_in_served_engines(tmp_path):
+    """Dense, GSA and the static bound as vLLM engines on one store (the demo model, --tiny-model,
+    every layer sparse from 256 tokens): a speed run of 2 rows at 1,024 tokens and 2 needle prompts,
+    paired with dense. The sparse arms read a fraction of the blocks and GSA's selection is counted.
+    The flow, not the figures."""
+    args = ("--tiny-model", "--quick", "--dense-layers", "0", "--min-tokens", "256", "--contexts", "1024")
+    args += ("--needle-contexts", "1024", "--rows", "2", "--decode-tokens", "8", "--haystacks", "1", "--depths", "2")
+    summary = run_benchmark("sparse_serving.py", tmp_path, *args, timeout=900)
+    speed = {r["algorithm"]: r for r in summary["speed"]}
+    assert set(speed) == {"dense", "gsa", "static"}
+    assert speed["dense"]["kv_fraction_attended"] == 1.0
+    assert 0 < speed["gsa"]["kv_fraction_attended"] < 1 and 0 < speed["static"]["kv_fraction_attended"] < 1
+    assert speed["gsa"]["selection_share_of_step"] > 0
+    assert all(r["decode_tokens_per_s"] > 0 for r in speed.values())
+    assert {r["algorithm"] for r in summary["accuracy"]} == {"dense", "gsa"}
+    assert summary["needle_paired_trials"] == 2
+    for key in ("decode_speedup_vs_dense_long", "speedup_vs_bound", "token_agreement_vs_dense"):
+        assert summary[key] is not None, key
+
+
+def test_blend_serving_reuses_chunks_cached_alone(tmp_path):
+    """Recompute, prefix caching and Blend engines on one store (the demo model, --tiny-model):
+    each chunk of 2 questions of 2 passages cached alone, then every question through every arm,
+    then a sweep engine at one ratio. Blend finds every chunk and reuses its tokens. The flow, not
+    the figures."""
+    args = ("--tiny-model", "--trials", "2", "--passages", "2", "--pool", "3", "--sweep", "0.3", "--sweep-trials", "1")
+    summary = run_benchmark("blend_serving.py", tmp_path, *args, timeout=900)
+    counters = summary["blend_counters"]
+    assert counters["ucm_connector_blend_chunks_hit_total"] >= 2 * 2  # every passage of every question
+    assert counters["ucm_connector_blend_chunks_missed_total"] == 0
+    assert counters["ucm_connector_blend_chunk_lists_refused_total"] == 0
+    assert counters["ucm_connector_blend_reused_tokens_total"] > 0
+    assert [r["arm"] for r in summary["arms"]] == ["recompute", "prefix", "bound", "blend"]
+    assert all(r["trials"] == 2 for r in summary["arms"])
+    assert [(r["ratio"], r["trials"]) for r in summary["sweep"]] == [(0.3, 1)]
+    assert summary["summary"]["paired_trials"] == 2
+    assert summary["summary"]["ttft_speedup_vs_recompute"] > 0
