@@ -17,6 +17,7 @@ machine's own reclaim does to files left alone (this VM's drops page cache idle 
 neither depends on how long a run happened to leave the files alone.
 
     python benchmarks/connector_ttft.py --json OUT.json
+    python benchmarks/connector_ttft.py --smoke --json OUT.json   # make test's: the flow, not the figures
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ucm.deploy.demo_model import BENCH, ensure_model
+from ucm.deploy.demo_model import BENCH, TINY, ensure_model
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.vllm_server import VLLMServer
 
@@ -64,7 +65,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.work = Path(tempfile.mkdtemp(prefix="ucm-ttft-", dir=args.dir))
-        self.model = ensure_model(BENCH)
+        self.spec = TINY if args.smoke else BENCH
+        self.model = ensure_model(self.spec)
         self.logs = self.work / "logs"
         self.logs.mkdir()
         self.rng = random.Random(7)
@@ -189,7 +191,7 @@ class Bench:
         rec = med["recompute"]
         storage = self.extra["storage"]
         return {
-            "model": BENCH.name,
+            "model": self.spec.name,
             "prompt_tokens": self.args.prompt_tokens,
             "trials": self.args.trials,
             "ttft_s": {
@@ -259,7 +261,15 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where stores live (default: the temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep stores and logs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every case at its smallest (make test): the tiny demo model, 1 trial of 256-token prompts; "
+        "the flow, not the figures",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.trials, args.prompt_tokens = 1, 256
     bench = Bench(args)
     try:
         report = bench.run()

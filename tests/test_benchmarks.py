@@ -268,3 +268,36 @@ def test_blend_serving_reuses_chunks_cached_alone(tmp_path):
     assert [(r["ratio"], r["trials"]) for r in summary["sweep"]] == [(0.3, 1)]
     assert summary["summary"]["paired_trials"] == 2
     assert summary["summary"]["ttft_speedup_vs_recompute"] > 0
+
+
+def test_connector_ttft_times_every_case_and_loads_from_the_store(tmp_path):
+    """Every case's engine in turn (plain, ExampleConnector and UCMConnector writers and fresh
+    readers, the cache|posix tier cold and warm; --smoke: the tiny demo model, one trial of
+    256-token prompts): each new reader loaded its prompts from the store, and UCM stored the shared
+    prefix once where ExampleConnector stored every prompt whole. The flow, not the figures."""
+    summary = run_benchmark("connector_ttft.py", tmp_path, "--smoke", "--dir", str(tmp_path), timeout=1200)
+    assert summary["model"] == "tiny-llama" and summary["trials"] == 1
+    assert set(summary["ttft_s"]) == {
+        "recompute",
+        "prefix_cache_warm",
+        "example_cold",
+        "ucm_posix_cold",
+        "example_warm",
+        "example_warm_from_disk",
+        "ucm_posix_warm",
+        "ucm_partial_prefix",
+        "ucm_posix_warm_from_disk",
+        "ucm_cache_posix_cold",
+        "ucm_cache_posix_warm",
+    }
+    assert set(summary["ucm_effective_load_gbps"]) == {
+        "ucm_posix_warm",
+        "ucm_partial_prefix",
+        "ucm_posix_warm_from_disk",
+    }
+    assert all(v > 0 for v in summary["ucm_effective_load_gbps"].values())  # the readers loaded bytes
+    storage = summary["storage"]
+    assert storage["ucm_bytes"] > 0 and storage["example_bytes"] > 0
+    assert summary["store_bytes_vs_example"] < 0.5  # 8 prompts sharing 1,500 tokens: the prefix stored once
+    for key in ("cold_overhead", "warm_vs_example", "warm_vs_prefix_cache", "partial_prefix_speedup"):
+        assert summary[key] > 0, key
