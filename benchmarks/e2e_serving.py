@@ -32,6 +32,7 @@ its own prefix cache (as when the next turn lands on another replica), once with
 decoding saved too); ``hit_rate``: prompt tokens of turns 2.. loaded from the store.
 
     python benchmarks/e2e_serving.py --quick --json OUT.json
+    python benchmarks/e2e_serving.py --smoke --cases pd --json OUT.json   # make test's: the flow only
 """
 
 from __future__ import annotations
@@ -296,11 +297,29 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"the stack's cases beside plain, of {', '.join(CASES)} (each starts a stack of its own)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the flow at its smallest (make test): 4 documents, 2 conversations x 2 turns, 2 cold prompts, "
+        "8 output tokens, one decode_save_blocks chat; the figures mean nothing",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    n = 32 if args.quick else args.requests
+    cases_run = [c for c in args.cases.split(",") if c]
+    if unknown := set(cases_run) - set(CASES):
+        p.error(f"--cases: {', '.join(sorted(unknown))} unknown; choose from {', '.join(CASES)}")
+    if "pd" not in cases_run:
+        p.error("--cases: pd is the summary's case; it must be among them")
+    n = 4 if args.smoke else 32 if args.quick else args.requests
+    if args.smoke:
+        args.output_tokens, args.concurrency = 8, 2
     model = ensure_model(TINY)
-    conversations, turns = (4, 4) if args.quick else (8, 6)
+    conversations, turns = (2, 2) if args.smoke else (4, 4) if args.quick else (8, 6)
     workloads = {
         "shared_document": (
             "trace",
@@ -317,7 +336,10 @@ def main() -> int:
         "cold_one_at_a_time": (
             "trace",
             # A leading tag no other workload's prompt has: no cache holds any of its blocks.
-            [f"Note {k}. {chat[0]}" for k, chat in enumerate(chat_texts(model, 12, 1, context=600, user=48))],
+            [
+                f"Note {k}. {chat[0]}"
+                for k, chat in enumerate(chat_texts(model, 2 if args.smoke else 12, 1, context=600, user=48))
+            ],
             8,
             1,
         ),
@@ -331,7 +353,8 @@ def main() -> int:
         finally:
             plain.stop()
 
-        for case, min_tokens in CASES.items():
+        for case in cases_run:
+            min_tokens = CASES[case]
             spec = default_spec(model)
             split = {} if min_tokens is None else {"min_prefill_tokens": min_tokens}
             spec["proxy"]["config"]["disaggregation"] = split
@@ -343,7 +366,7 @@ def main() -> int:
             finally:
                 stack.stop()
 
-        chats = chat_turns(model, conversations=2 if args.quick else 4, turns=6, user_tokens=96)
+        chats = chat_turns(model, conversations=1 if args.smoke else 2 if args.quick else 4, turns=6, user_tokens=96)
         default = ConnectorConfig.model_validate({"store": {"spec": "empty"}}).decode_save_blocks
         saved = {
             "before": multi_turn(model, Path(tmp) / "mt-before", 0, chats, answer=64),
@@ -360,15 +383,15 @@ def main() -> int:
     results["decode_save_blocks"] = saved
     for w in results["workloads"]:
         print(f"\n{w['name']}")
-        print(f"{'':22}{'plain':>10}" + "".join(f"{c:>14}" for c in CASES) + "".join(f"{c:>14}" for c in CASES))
-        print(f"{'':22}{'':>10}{'':>{14 * len(CASES)}}" + "".join(f"{'/ plain':>14}" for _ in CASES))
+        print(f"{'':22}{'plain':>10}" + "".join(f"{c:>14}" for c in cases_run) * 2)
+        print(f"{'':22}{'':>10}{'':>{14 * len(cases_run)}}" + "".join(f"{'/ plain':>14}" for _ in cases_run))
         for k, base in w["plain"].items():
             if not isinstance(base, (int, float)):
                 continue
-            values = [w[c][k] for c in CASES]
+            values = [w[c][k] for c in cases_run]
             ratios = [f"{x / base:.2f}" if base else "-" for x in values]
             print(f"{k:22}{base:>10}" + "".join(f"{x:>14}" for x in values) + "".join(f"{r:>14}" for r in ratios))
-        for case in CASES:
+        for case in cases_run:
             print(f"{case}: paths {w[case]['paths']}, mismatched outputs {w[case]['mismatched_outputs']}")
     print(
         f"\nmulti_turn pd/plain: TTFT p50 {results['pd_vs_plain_ttft_p50']}, p99 {results['pd_vs_plain_ttft_p99']}, "

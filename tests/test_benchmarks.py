@@ -301,3 +301,21 @@ def test_connector_ttft_times_every_case_and_loads_from_the_store(tmp_path):
     assert summary["store_bytes_vs_example"] < 0.5  # 8 prompts sharing 1,500 tokens: the prefix stored once
     for key in ("cold_overhead", "warm_vs_example", "warm_vs_prefix_cache", "partial_prefix_speedup"):
         assert summary[key] > 0, key
+
+
+def test_e2e_serving_answers_through_pd_as_plain_vllm_does(tmp_path):
+    """A plain vLLM, then ``ucm up``'s PD stack with selective disaggregation (--cases pd; the other
+    cases are the same stack with another proxy threshold), on the same prompts (--smoke: 4
+    documents, 2 conversations of 2 turns, 2 cold prompts): every PD answer is plain's, requests
+    went both ways, decode loaded from the store; then decode_save_blocks raises multi-turn hits."""
+    summary = run_benchmark("e2e_serving.py", tmp_path, "--smoke", "--cases", "pd", timeout=1200)
+    workloads = {w["name"]: w for w in summary["workloads"]}
+    assert set(workloads) == {"shared_document", "multi_turn", "cold_one_at_a_time"}
+    for name, w in workloads.items():
+        assert w["pd"]["mismatched_outputs"] == 0, name
+        assert w["pd"]["requests"] == w["plain"]["requests"] > 0, name
+        assert w["pd"]["paths"].get("pd", 0) > 0, name  # long prompts not yet stored go through prefill
+    assert workloads["multi_turn"]["pd"]["hit_rate"] > 0  # decode loaded what prefill stored
+    saved = summary["decode_save_blocks"]
+    assert saved["after"]["hit_rate"] > saved["before"]["hit_rate"]
+    assert summary["pd_vs_plain_ttft_p50"] > 0
