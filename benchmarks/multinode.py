@@ -19,6 +19,7 @@ ratio (tp1 time / tp2x2 time, tp2x2 rate / tp1 rate) says how close the split co
 beside tp1s2 is tp1 too (the same bytes in one file per block).
 
     python benchmarks/multinode.py --json OUT.json      # ~5 min on 2 cores
+    python benchmarks/multinode.py --smoke --json OUT.json   # make test's: the flow, not the figures
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ucm.deploy.demo_model import BENCH, ensure_model
+from ucm.deploy.demo_model import BENCH, TINY, ensure_model
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.engine_group import EngineGroup
 from ucm_testing.vllm_server import VLLMServer, cached_tokens
@@ -155,9 +156,18 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--dir", help="work directory's parent (default: the system's temporary directory)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every arm at its smallest (make test): the tiny demo model (2 KV heads: TP=2 splits them), "
+        "1 trial of 256 tokens, 1 row of 4 decode tokens; the flow, not the figures",
+    )
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
-    model = ensure_model(BENCH)
+    if args.smoke:
+        args.prompt_tokens, args.trials, args.rows, args.decode_tokens, args.kv_cache_gib = 256, 1, 1, 4, 1
+    spec = TINY if args.smoke else BENCH
+    model = ensure_model(spec)
     work = Path(tempfile.mkdtemp(prefix="ucm-multinode-", dir=args.dir))
     try:
         arms = {name: run_arm(name, arm, model, work, args) for name, arm in ARMS.items()}
@@ -165,6 +175,7 @@ def main() -> int:
         for arm in ARMS:  # the stores (the logs stay)
             shutil.rmtree(work / arm / "kv", ignore_errors=True)
     result = report(arms)
+    result["model"] = spec.name
     print_report(result)
     print(f"logs under {work}")
     if args.json:

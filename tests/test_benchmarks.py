@@ -319,3 +319,21 @@ def test_e2e_serving_answers_through_pd_as_plain_vllm_does(tmp_path):
     saved = summary["decode_save_blocks"]
     assert saved["after"]["hit_rate"] > saved["before"]["hit_rate"]
     assert summary["pd_vs_plain_ttft_p50"] > 0
+
+
+def test_multinode_splits_blocks_into_shares_every_arm_can_load(tmp_path):
+    """TP=1, TP=2 over two processes (the operator's leader and worker commands) and TP=1 keeping
+    TP=2's shares, each a writer engine then a fresh reader (--smoke: the tiny demo model, one
+    256-token prompt, one row): every reader loads the prompt from the store, each TP=2 rank writes
+    half a block, and TP=1 with store_tp 2 writes the same shares."""
+    summary = run_benchmark("multinode.py", tmp_path, "--smoke", "--dir", str(tmp_path), timeout=1200)
+    arms = summary["arms"]
+    assert set(arms) == {"tp1", "tp2x2", "tp1s2"}
+    for name, arm in arms.items():
+        assert arm["warm_hit_tokens"] >= 256 - 32, name  # the fresh engine loaded the prompt
+        assert arm["decode_tokens_per_s"] > 0, name
+    assert set(arms["tp1"]["bytes_per_share"]) == {"block"}
+    assert arms["tp2x2"]["bytes_per_share"] == arms["tp1s2"]["bytes_per_share"]  # the same shares
+    assert set(arms["tp2x2"]["bytes_per_share"]) == {"rank0", "rank1"}
+    for rank, share in summary["summary"]["share_of_block_per_rank"].items():
+        assert 0.45 < share < 0.55, rank
