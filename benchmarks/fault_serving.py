@@ -30,9 +30,14 @@ the deadline that bounds it: the load deadline for a stalled store, the PD wait 
 never land, the measured outage for a restart. ``none``: requests no fault touched.
 
     python benchmarks/fault_serving.py --quick --json OUT.json
+    python benchmarks/fault_serving.py --smoke --only prefill_killed_mid_dump --skip-mooncake --json OUT.json
+
+The second is make test's smoke: its environment has no FUSE client library (``make bench-deps``), so
+only faults that need no stall mount are asked for (the posix stack's store is then a plain directory).
 
 Needs root (or /dev/fuse access) and libfuse 3 with mfusepy (``make bench-deps``) for the store
-mount; the Mooncake fault runs on the non-CUDA Mooncake client that ``make dev`` installs.
+mount (the store's faults and the write-back one); the Mooncake fault runs on the non-CUDA Mooncake
+client that ``make dev`` installs.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from ucm_testing.vllm_server import VLLMServer
 MODEL = "tiny"
 OUT_TOKENS = 12
 MARGIN = 0.1
+SMOKE_CANDIDATES = 200  # prompts tried on the plain engine; about a third have clear greedy answers
 RETRY_FOR_S = 180.0
 RETRYABLE = {429, 502, 503, 504}
 PACE_S = 1.0  # each client sends at most one request a second
@@ -253,6 +259,9 @@ POSIX_FAULTS = [
 MOONCAKE_FAULTS = ["mooncake_master_stopped"]
 WRITE_BACK_FAULTS = ["cache_write_back_hang"]
 ALL_FAULTS = POSIX_FAULTS + MOONCAKE_FAULTS + WRITE_BACK_FAULTS
+# Those that need the stall mount (FUSE: mfusepy and libfuse 3, `make bench-deps`); the others run
+# on a plain store directory.
+MOUNT_FAULTS = {"store_stalled", "store_full", "store_write_hang", "store_read_hang", "cache_write_back_hang"}
 
 
 def stores_ok(stack: LocalStack) -> Callable[[], bool]:
@@ -274,7 +283,7 @@ def stores_ok(stack: LocalStack) -> Callable[[], bool]:
 
 def posix_faults(
     stack: LocalStack,
-    mount: StallMount,
+    mount: StallMount | None,
     load_s: float,
     pd_wait_s: float,
     save_wait_s: float,
@@ -301,20 +310,26 @@ def posix_faults(
         return inject
 
     def hang(name: str, only: str, deadline_s: float) -> Fault:
+        assert mount is not None
         stall = functools.partial(mount.stall, only)
         return Fault(name, stall, mount.resume, hold_s=hang_s, deadline_s=deadline_s, store_ok=stores_ok(stack))
 
     def prefill_back() -> None:
         back_after(stack, "prefill", killed["prefill"])  # bounded by the PD wait, not by the outage
 
+    store: list[Fault] = []
+    if mount is not None:  # the store's faults need the stall mount under it
+        store = [
+            Fault("store_stalled", mount.stall, mount.resume, hold_s=load_s + 4, deadline_s=load_s),
+            Fault("store_full", mount.fill, mount.make_room, hold_s=12, deadline_s=pd_wait_s),
+            # A prefill waits up to the save wait for its blocks to land, then answers; its decode's
+            # lookup of them (a stat in a directory where a create hangs) waits up to the lookup
+            # deadline. Then the breaker skips the store and, once /health says so, decode serves alone.
+            hang("store_write_hang", "writes", save_wait_s + lookup_s),
+            hang("store_read_hang", "reads", load_s),
+        ]
     return [
-        Fault("store_stalled", mount.stall, mount.resume, hold_s=load_s + 4, deadline_s=load_s),
-        Fault("store_full", mount.fill, mount.make_room, hold_s=12, deadline_s=pd_wait_s),
-        # A prefill waits up to the save wait for its blocks to land, then answers; its decode's
-        # lookup of them (a stat in a directory where a create hangs) waits up to the lookup
-        # deadline. Then the breaker skips the store and, once /health says so, decode serves alone.
-        hang("store_write_hang", "writes", save_wait_s + lookup_s),
-        hang("store_read_hang", "reads", load_s),
+        *store,
         Fault("prefill_killed_mid_dump", kill("prefill", signal.SIGKILL), prefill_back, hold_s=0, deadline_s=pd_wait_s),
         Fault(
             "decode_restarted",
@@ -508,14 +523,21 @@ def main() -> int:
     p.add_argument("--hang-s", type=float, default=75.0, help="how long the store hangs stay")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--run-dir", help="keep the stacks' logs here (default: a temporary directory)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the flow at its smallest (make test): 1 request at a time, 2 s of steady traffic between faults, "
+        f"{SMOKE_CANDIDATES} candidate prompts; with --only, the faults make test can run",
+    )
     args = p.parse_args()
-    concurrency, gap_s = (2, 4.0) if args.quick else (args.concurrency, args.gap_s)
+    concurrency, gap_s = (1, 2.0) if args.smoke else (2, 4.0) if args.quick else (args.concurrency, args.gap_s)
     only = set(args.only.split(",")) if args.only else set(ALL_FAULTS)
     if unknown := only - set(ALL_FAULTS):
         p.error(f"--only: unknown faults {sorted(unknown)}")
-    why = available()
+    mounted = bool(only & MOUNT_FAULTS)
+    why = available() if mounted else None
     if why is not None:
-        print(f"fault_serving: {why}", file=sys.stderr)
+        print(f"fault_serving: {why} (the store's faults need it: --only others runs without)", file=sys.stderr)
         return 2
     model = ensure_model(TINY)
     load_s, pd_wait_s = float(DEFAULTS.load_timeout_s or 0), DEFAULTS.pd_wait_timeout_s
@@ -527,13 +549,17 @@ def main() -> int:
         plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
         try:
             plain.wait_ready()
-            refs = asyncio.run(references(plain.url, candidates(1500 if args.quick else 3000)))
+            refs = asyncio.run(
+                references(plain.url, candidates(SMOKE_CANDIDATES if args.smoke else 1500 if args.quick else 3000))
+            )
         finally:
             plain.stop()
         prompts = list(refs)
         print(f"  {len(prompts)} prompts with clear greedy answers", file=sys.stderr)
 
-        mount = StallMount(run / "backing", run / "posix" / "kv", run / "flags", run / "stallfs.log")
+        mount = (
+            StallMount(run / "backing", run / "posix" / "kv", run / "flags", run / "stallfs.log") if mounted else None
+        )
         faults, baseline = run_stack(
             default_spec(model),
             run / "posix",
