@@ -18,6 +18,7 @@ over the 32 steps where the demo prompts' every token has a clear winner: ``ucm_
 sent to a decode that cannot use it). Targets: failed = 0 and truncated_streams = 0.
 
     python benchmarks/rollout_serving.py --quick --json OUT.json
+    python benchmarks/rollout_serving.py --quick --phases decode --json OUT.json   # make test's smoke
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ucm_testing.prompts import PROMPTS
 MODEL = "tiny"
 SHORT, LONG = 16, 160
 CHECKED = 32  # steps whose greedy token has a top-2 margin >= 0.1 for every demo prompt
+PHASES = ("decode", "prefill", "both_changed")
 
 
 @dataclass
@@ -177,7 +179,16 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--run-dir", type=Path, help="keep the stack's files and logs here")
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"which rollouts, in this order, of {', '.join(PHASES)} (make test's smoke: decode; "
+        "e2e/test_day_two.py rolls both pools under load)",
+    )
     args = parser.parse_args()
+    chosen = [p for p in args.phases.split(",") if p]
+    if unknown := set(chosen) - set(PHASES):
+        parser.error(f"--phases: {', '.join(sorted(unknown))} unknown; choose from {', '.join(PHASES)}")
     concurrency = args.concurrency or (2 if args.quick else 4)
     prompts = list(PROMPTS[: 6 if args.quick else 9])
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="ucm-rollout-"))
@@ -189,14 +200,12 @@ def main() -> int:
             print(f"  {message}", file=sys.stderr, flush=True)
 
     changed = {**spec, "store": {**spec["store"], "hashing": {"salt": "rollout-2"}}}
-    phases: list[tuple[str, Callable[[], None]]] = [
-        ("decode", lambda: stack.roll(["decode"], progress)),
-        ("prefill", lambda: stack.roll(["prefill"], progress)),
-        (
-            "both_changed",
-            lambda: stack.roll(stack.reconfigure(UCMDeploymentSpec.model_validate(changed)), progress),
-        ),
-    ]
+    rolls: dict[str, Callable[[], None]] = {
+        "decode": lambda: stack.roll(["decode"], progress),
+        "prefill": lambda: stack.roll(["prefill"], progress),
+        "both_changed": lambda: stack.roll(stack.reconfigure(UCMDeploymentSpec.model_validate(changed)), progress),
+    }
+    phases = [(name, rolls[name]) for name in chosen]
     results = []
     try:
         stack.start(progress)

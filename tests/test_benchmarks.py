@@ -353,3 +353,19 @@ def test_fault_serving_survives_a_killed_prefill_without_a_wrong_token(tmp_path)
     assert summary["wrong_tokens"] == 0 and summary["baseline"]["wrong_tokens"] == 0
     assert summary["completed_fraction"] == 1.0
     assert summary["max_p99_over_deadline_s"] <= 0  # within the PD wait
+
+
+def test_rollout_serving_rolls_the_decode_pool_under_load(tmp_path):
+    """``ucm up``'s stack under steady load (2 clients, streamed and whole answers) while
+    ``ucm restart``'s path rolls the decode pool (--phases decode: one new engine, 3 at the peak;
+    the other phases are the same roll of more pools, and e2e/test_day_two.py rolls both under
+    load): no request failed or was cut, every answer is the one from before the roll, and no
+    prefill's KV reached a decode of another configuration."""
+    args = ("--quick", "--phases", "decode")
+    summary = run_benchmark("rollout_serving.py", tmp_path, *args, timeout=1500, run_dir=True)
+    [phase] = summary["phases"]
+    assert phase["name"] == "decode" and phase["requests"] > 0 and phase["streams"] > 0
+    assert summary["failed"] == 0, phase["errors"]
+    assert summary["truncated_streams"] == 0
+    assert summary["wrong"] == 0
+    assert summary["mismatched_pairs"] == 0
