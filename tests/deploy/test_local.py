@@ -90,7 +90,8 @@ out = pathlib.Path(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]])  # stays in our group
 while not (out / "child-ready").exists():
     time.sleep(0.01)
-(out / "child-pid").write_text(str(child.pid))
+(out / "child-pid.tmp").write_text(str(child.pid))
+(out / "child-pid.tmp").rename(out / "child-pid")  # whole, never read half-written
 
 def drain(*_):  # as vLLM drains: in-flight work needs its workers until it is done
     time.sleep(0.3)
@@ -202,13 +203,20 @@ def test_a_process_that_ended_is_not_the_same_process_even_unreaped():
 
 
 def test_engines_get_their_own_cores_when_there_are_enough(tmp_path, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     stack = LocalStack(spec(tmp_path, prefill={"replicas": 2}, decode={"replicas": 2}), tmp_path / "run")
     binds = [p.env.get("VLLM_CPU_OMP_THREADS_BIND") for p in stack.processes]
     assert binds == ["0-1", "2-3", "4-5", "6-7", None]  # the proxy is not bound
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     stack = LocalStack(spec(tmp_path), tmp_path / "run")
     assert [p.env.get("VLLM_CPU_OMP_THREADS_BIND") for p in stack.processes] == ["0-0", "0-0", None]
+
+
+def test_engines_keep_to_the_cores_the_stack_may_use(tmp_path, monkeypatch):
+    """Under taskset or a cpuset (or one core of a parallel test run), engines are bound within it."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1, 3, 5, 6})
+    stack = LocalStack(spec(tmp_path), tmp_path / "run")
+    assert [p.env.get("VLLM_CPU_OMP_THREADS_BIND") for p in stack.processes] == ["1,3", "5-6", None]
 
 
 # A process named as vLLM names its workers (prctl PR_SET_NAME), with a second thread, until killed.
@@ -413,3 +421,4 @@ def test_each_rank_of_an_engine_process_gets_its_share_of_the_cores():
     assert threads_bind(range(2, 4), 1) == "2-3"
     assert threads_bind(range(1, 2), 2) == "1-1|1-1"  # fewer cores than ranks: they share
     assert cpu_share(range(0, 4), 1, 2) == range(2, 4)
+    assert threads_bind([0, 2, 4, 5], 2) == "0,2|4-5"

@@ -554,7 +554,7 @@ class LocalStack:
             assert new.popen is not None
             for session, cpus in zip([new.popen.pid, *(w.pid for w in new.workers)], cores, strict=True):
                 if not _pin_workers(session, set(cpus)):
-                    progress(f"{role.name}: no vLLM worker process found to pin to cores {cpus[0]}-{cpus[-1]}", [])
+                    progress(f"{role.name}: no vLLM worker process found to pin to cores {cpu_list(cpus)}", [])
             new.env, new.worker_envs = pinned[0], pinned[1:]  # were it to die, it restarts pinned, as at `ucm up`
 
     def _serve_from(self, engines: list[Process]) -> None:
@@ -675,15 +675,21 @@ def same_process(pid: int, start: int | None) -> bool:
 _PR_SET_PDEATHSIG = 1
 
 
-def engine_cpus(name: str, engines: list[str]) -> range:
+def usable_cpus() -> list[int]:
+    """The cores this process may run on: its affinity (``taskset``, a container's cpuset, a test
+    worker's share of the machine), which can be fewer than the machine has."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def engine_cpus(name: str, engines: list[str]) -> Sequence[int]:
     """The cores an engine's OpenMP threads are bound to. vLLM's CPU backend binds them; explicit
     binding avoids its default holding a core back. Engines get disjoint cores when there are
     enough: an idle vLLM worker busy-polls for a second after each request, which would steal a
     shared core from the engine that has work (measured: benchmarks/e2e_serving.py)."""
-    cores = os.cpu_count() or 1
-    per = max(1, cores // len(engines))
-    first = (engines.index(name) * per) % cores
-    return range(first, first + per)
+    cores = usable_cpus()
+    per = max(1, len(cores) // len(engines))
+    first = (engines.index(name) * per) % len(cores)
+    return cores[first : first + per]
 
 
 def _log_tail(path: Path, chars: int) -> str:
@@ -700,13 +706,13 @@ def _kill_group(popen: subprocess.Popen[bytes]) -> None:
     popen.wait()
 
 
-def cpu_share(cpus: range, index: int, count: int) -> range:
+def cpu_share(cpus: Sequence[int], index: int, count: int) -> Sequence[int]:
     """Share ``index`` of ``count`` of these cores (a group's pods, a pod's ranks each have their
     own), or all of them when there are fewer cores than shares."""
     if len(cpus) < count:
         return cpus
     per = len(cpus) // count
-    return range(cpus.start + index * per, cpus.start + (index + 1) * per)
+    return cpus[index * per : (index + 1) * per]
 
 
 def group_size(role: Role) -> int:
@@ -719,10 +725,17 @@ def local_ranks(role: Role) -> int:
     return 1 if role.pool is None else role.pool.parallel.ranks_per_node
 
 
-def threads_bind(cpus: range, ranks: int) -> str:
+def threads_bind(cpus: Sequence[int], ranks: int) -> str:
     """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for a process running ``ranks`` ranks on these cores:
     one core list per rank, ``|`` between them."""
-    return "|".join(f"{share[0]}-{share[-1]}" for share in (cpu_share(cpus, r, ranks) for r in range(ranks)))
+    return "|".join(cpu_list(cpu_share(cpus, r, ranks)) for r in range(ranks))
+
+
+def cpu_list(cpus: Sequence[int]) -> str:
+    """Cores as Linux and vLLM write them: ``2-3`` for a run, ``0,2`` otherwise."""
+    if list(cpus) == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
 
 
 def vllm_workers(session: int) -> list[int]:
