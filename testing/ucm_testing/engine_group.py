@@ -63,7 +63,7 @@ class EngineGroup:
         tensor: int = 1,
         nodes: int = 1,
         cores: list[str],
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 0.25,
     ) -> None:
         if len(cores) != nodes:
             raise ValueError(f"cores: one binding per node ({nodes}), got {cores}")

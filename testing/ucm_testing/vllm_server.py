@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ucm.deploy.local import cpu_list, usable_cpus
 from ucm.deploy.ports import free_port
 from ucm_testing.processes import stop_process
 
@@ -30,7 +31,7 @@ class VLLMServer:
         *,
         kv_transfer_config: dict[str, Any] | None = None,
         extra_args: Sequence[str] = (),
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 0.25,
         threads_bind: str = "0-1",
         port: int | None = None,
     ) -> None:
@@ -61,11 +62,14 @@ class VLLMServer:
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.args = [*args, *extra_args]
+        # The tiny model's KV is 2 KiB a token: 256 MiB hold 128k tokens, twice what 16 sequences of
+        # 4,096 can ask for. VLLM_CPU_KVCACHE_SPACE counts whole GiB (it would win over the flag):
+        # 0.75 GiB more in every engine, which the suite's memory budget cannot spare.
+        self.kv_cache_bytes = int(kv_cache_gib * 2**30)
         self.env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
             # Explicit binding: with the default (auto) vLLM may hold a core back and run 2x slower.
-            "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+            "VLLM_CPU_OMP_THREADS_BIND": on_usable_cores(threads_bind),
             "GLOG_minloglevel": "2",
         }
         self._proc: subprocess.Popen[bytes] | None = None
@@ -77,8 +81,9 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        args = [*self.args, "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         self._proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
         return self
 
@@ -132,6 +137,23 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         return metric_totals(self.url)
+
+
+def on_usable_cores(binding: str) -> str:
+    """A binding written for cores 0, 1, … (``0-1``, ``0|1``) on the cores this process may use:
+    core i is the i-th of them, wrapping. In a parallel ``make test`` each worker has a core of its
+    own (``ucm_testing.schedule``), so its engines keep off the other's: two OpenMP teams on
+    one core spin against each other."""
+    cores = usable_cpus()
+
+    def rank(part: str) -> str:
+        wanted: set[int] = set()
+        for item in part.split(","):
+            first, _, last = item.partition("-")
+            wanted.update(cores[i % len(cores)] for i in range(int(first), int(last or first) + 1))
+        return cpu_list(sorted(wanted))
+
+    return "|".join(rank(part) for part in binding.split("|"))
 
 
 @contextmanager
