@@ -193,16 +193,17 @@ def held_tokens(args: argparse.Namespace, contexts: list[int], needles: list[int
     return max(speed, max(needles, default=0), NATIVE * factor)
 
 
-def kv_cache_gib(model: Path, tokens: int) -> int:
-    """Whole GiB (VLLM_CPU_KVCACHE_SPACE's unit) that hold ``tokens`` of the model's KV, +25%."""
+def kv_cache_gib(model: Path, tokens: int) -> float:
+    """GiB, in quarters, that hold ``tokens`` of the model's KV, +25% (at least a quarter: the
+    demo model's smoke fits beside another test's engines)."""
     c = json.loads((model / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     size = 2 if serving_dtype() == "bfloat16" else 4
     per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * size  # K and V
-    return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
+    return max(0.25, math.ceil(4 * 1.25 * tokens * per_token / 2**30) / 4)
 
 
-def check_memory(engines: int, kv_gib: int) -> None:
+def check_memory(engines: int, kv_gib: float) -> None:
     """Every arm's engine runs at once: refuse a plan this machine's memory cannot hold (~2.5 GiB per
     engine besides its KV cache, as measured with three 32k engines; that run, with ~1 GiB left free,
     had one engine stall past vLLM's 300 s step limit)."""
@@ -216,7 +217,7 @@ def check_memory(engines: int, kv_gib: int) -> None:
         )
 
 
-def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: int, knobs: dict[str, Any]):
+def engine(model: Path, arm: Arm, store: Path, logs: Path, rows: int, kv_gib: float, knobs: dict[str, Any]):
     length = NATIVE * arm.factor
     args = ["--dtype", serving_dtype(), "--max-model-len", str(length), "--max-num-seqs", str(max(16, rows))]
     if knobs.get("block_size") is not None:
@@ -420,7 +421,7 @@ def main() -> int:
         help="the top-k algorithms' observation_window: last prompt tokens whose attention is kept as a prior",
     )
     p.add_argument(
-        "--kv-cache-gib", type=int, help="each engine's KV cache (default: what the longest row set needs, +25%%)"
+        "--kv-cache-gib", type=float, help="each engine's KV cache (default: what the longest row set needs, +25%%)"
     )
     add_tiny_flag(p)  # the demo model has 2 layers: --dense-layers 0 makes them sparse
     p.add_argument("--json", help="write the results here")

@@ -105,7 +105,7 @@ def running(stack: Stack) -> Iterator[Stack]:
         print(stack.output())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # e2e/test_stack.py's: its engines gone when it is done
 def stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
     spec = default_spec(tiny)

@@ -17,7 +17,8 @@ import pytest
 from ucm.integration.vllm.health import MIDDLEWARE
 from ucm_testing.vllm_server import VLLMServer
 
-pytestmark = pytest.mark.slow
+# serial: a drain's deadline is wall time; a busy neighbour made it miss (make test runs it alone).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def post(url: str, body: dict) -> tuple[int, dict, dict[str, str]]:
