@@ -696,7 +696,9 @@ ENV_MEANINGS = {
     "KUBERNETES_SERVICE_HOST": "The in-cluster API server the proxy's discovery watches (set in every pod; "
     "`discovery.api_server` overrides it)",
     "KUBERNETES_SERVICE_PORT": "Its port",
-    "POD_NAME": "The proxy names itself with it in `status.pdPath.reporter`",
+    "POD_NAME": "The proxy names itself with it in `status.pdPath.reporter`; an operator replica, in the "
+    "Lease it elects its leader with (`--identity`)",
+    "POD_NAMESPACE": "The operator's leader election Lease's namespace (`--lease-namespace`)",
 }
 # Reads whose variable name is computed: (file, function) -> the constant that lists the names, and
 # what such a variable is for.

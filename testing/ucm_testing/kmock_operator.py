@@ -42,6 +42,13 @@ class Call(NamedTuple):
     data: Any
 
 
+@attrs.frozen
+class Conflict(kmock.KubernetesError):
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = "the object has been modified; apply your changes to the latest version and try again"
+
+
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """kmock plus what a real API server does on create (assign uid, resourceVersion, generation:
@@ -54,8 +61,30 @@ class Emulator(kmock.KubernetesEmulator):
 
     history_limit: int | None = None
     calls: list[Call] = attrs.field(factory=list, init=False)
+    _lease_writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.resource.plural == "leases" and request.method.value == "PATCH":
+            async with self._lease_writes:  # the check and the write as one step
+                self._precondition(request)
+                return await self._handle_write(request)
+        return await self._handle_write(request)
+
+    def _precondition(self, request: kmock.Request) -> None:
+        """A patch carrying the resourceVersion it read fails with 409 when the object changed
+        since, and bumps it otherwise: the optimistic concurrency leader election relies on
+        (kmock keeps no resourceVersion; only Leases get it here, as nothing else needs it)."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted or not isinstance(request.data, dict):
+            return
+        current = self._objects[key]
+        seen = current.get("metadata", {}).get("resourceVersion", "1")
+        meta = request.data.setdefault("metadata", {})
+        if meta.get("resourceVersion", seen) != seen:
+            raise Conflict()
+        meta["resourceVersion"] = str(int(seen) + 1)
+
+    async def _handle_write(self, request: kmock.Request) -> Any:
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             meta.setdefault("uid", str(uuid.uuid4()))
@@ -90,6 +119,7 @@ def declare(k: kmock.KubernetesEmulator) -> None:
     for kind, (group, version, plural) in {**KINDS, **UNWATCHED}.items():
         key = f"{group}/{version}/{plural}" if group else f"{version}/{plural}"
         k.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, subresources={"status"}, verbs=ALL_VERBS)
+    k.resources["coordination.k8s.io/v1/leases"] = kmock.ResourceInfo(kind="Lease", namespaced=True, verbs=ALL_VERBS)
     k.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=ALL_VERBS)
     k.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=ALL_VERBS)
     k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(

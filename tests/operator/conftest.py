@@ -32,9 +32,11 @@ def helm(*args: str, tmp: Path) -> str:
 
 @pytest.fixture(scope="session")
 def cluster_role_rules(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    docs = yaml.safe_load_all(helm("template", "r", str(CHART), tmp=tmp_path_factory.mktemp("helm")))
+    docs = list(yaml.safe_load_all(helm("template", "r", str(CHART), tmp=tmp_path_factory.mktemp("helm"))))
     role = next(d for d in docs if d and d["kind"] == "ClusterRole")
-    return role["rules"]
+    # And the Role for the leader election's Lease (in the release's namespace only).
+    lease = next(d for d in docs if d and d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election"))
+    return [*role["rules"], *lease["rules"]]
 
 
 @pytest_asyncio.fixture

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.operator.conftest import CHART, ROOT, helm
+from tests.operator.conftest import CHART, ROOT, helm, run_helm
 from ucm import __version__
 from ucm.deploy.autoscaling import Autoscaler, pods_of
 from ucm.deploy.kubernetes import DESIRED_HASH, Owner, render
@@ -417,6 +417,44 @@ def test_chart_renders_valid_manifests(values, tmp_path):
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+def test_the_chart_runs_two_replicas_that_elect_a_leader(tmp_path):
+    """Two replicas, one leading through a Lease in the release's namespace (a Role there, no
+    cluster-wide right to Leases), a PodDisruptionBudget keeping one; without leader election,
+    one replica replaced by Recreate."""
+
+    def render(*values: str) -> dict[tuple[str, str], dict]:
+        out = helm("template", "u", str(CHART), "--namespace", "ucm-system", *values, tmp=tmp_path)
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+
+    docs = render()
+    deploy = docs["Deployment", "u-ucm-operator"]
+    assert deploy["spec"]["replicas"] == 2 and "strategy" not in deploy["spec"]  # RollingUpdate
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(container["args"])
+    assert parsed.leader_election and parsed.lease_name == "u-ucm-operator"
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    role = docs["Role", "u-ucm-operator-leader-election"]
+    assert role["metadata"]["namespace"] == "ucm-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}
+    ]
+    binding = docs["RoleBinding", "u-ucm-operator-leader-election"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == deploy["spec"]["template"]["spec"]["serviceAccountName"]
+    assert not any("leases" in r["resources"] for r in docs["ClusterRole", "u-ucm-operator"]["rules"])
+    pdb = docs["PodDisruptionBudget", "u-ucm-operator"]
+    assert pdb["spec"] == {"minAvailable": 1, "selector": deploy["spec"]["selector"]}
+
+    single = render("--set", "leaderElection.enabled=false")
+    deploy = single["Deployment", "u-ucm-operator"]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-election" not in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not {k for k in single if k[0] in ("Role", "PodDisruptionBudget")}
+    refused = run_helm("template", "u", str(CHART), "--set", "replicas=0", tmp=tmp_path)
+    assert refused.returncode != 0 and "'/replicas': minimum: got 0, want 1" in refused.stderr, refused.stderr
+
+
 def test_the_charts_allowed_env_names_are_the_operators():
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["policy"]["properties"]["allowedEnv"]["items"]["pattern"] == allowable_env_pattern()
@@ -514,7 +552,8 @@ def test_with_watch_namespaces_the_operator_holds_rights_in_those_namespaces_onl
     scoped = rbac("--set", "watchNamespaces={serving,batch}")
     roles = {d["metadata"]["name"]: d for d in scoped if d["kind"] == "ClusterRole"}
     assert [r["resources"] for r in roles["u-ucm-operator"]["rules"]] == [["customresourcedefinitions"]]
-    bindings = [d for d in scoped if d["kind"] == "RoleBinding"]
+    # (the leader election's RoleBinding, to its Lease Role in the release's namespace, aside)
+    bindings = [d for d in scoped if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["batch", "serving"]
     assert all(
         b["roleRef"] == {**b["roleRef"], "kind": "ClusterRole", "name": "u-ucm-operator-namespaced"} for b in bindings
