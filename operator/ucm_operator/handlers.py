@@ -3,7 +3,8 @@
 One handler per concern. ``reconcile`` (create/update/resume) turns the spec into a plan, the plan
 into objects, and writes only the objects whose desired hash differs from what the watch last saw.
 ``child_changed`` recomputes the owner's status whenever a Deployment, LeaderWorkerSet or claim reports
-progress.
+progress. ``keep_child`` puts a child that was edited or deleted by hand back as the last reconcile
+rendered it (``ucm_operator.drift``).
 ``remove`` takes the children down in the reverse of the plan's start order (proxy first, so
 clients stop being routed before engines go). What the operator knows of its children comes from
 Kopf indexes fed by its watches: a reconcile of an unchanged object reads nothing and writes nothing.
@@ -42,6 +43,7 @@ from ucm.deploy.policy import Policy
 from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
 from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec, deprecated_fields, read_spec
 from ucm_operator.api import INSTALLED_WITH, KINDS, Api, ApiError, MissingKind, NameConflict, controlled_by
+from ucm_operator.drift import NOT_REVERTED, Reverts, drifted
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
 from ucm_operator.status import WORKLOADS, Child, child_from, computed_status, invalid_status
 from ucm_proxy.config import ProxyConfig
@@ -68,9 +70,15 @@ class State:
     failures: dict[tuple[str, str], ApiError] = field(default_factory=dict)
     pd_paths: dict[tuple[str, str], Any] = field(default_factory=dict)  # the proxy's status.pdPath, as reflected
     warned: dict[tuple[str, str], Any] = field(default_factory=dict)  # the generation whose old spellings were told
+    # What the last reconcile rendered, per deployment: (kind, name) -> object; drift is measured against it.
+    desired: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = field(default_factory=dict)
+    applying: set[tuple[str, str]] = field(default_factory=set)  # deployments whose reconcile is writing
+    reverts: dict[tuple[str, str, str], Reverts] = field(default_factory=dict)  # (kind, namespace, name)
+    backing_off: set[tuple[str, str, str]] = field(default_factory=set)  # children with a later look scheduled
+    looks: set[asyncio.Task[None]] = field(default_factory=set)  # those later looks
 
     def forget(self, key: tuple[str, str]) -> None:
-        for memo in (self.written, self.failures, self.locks, self.pd_paths, self.warned):
+        for memo in (self.written, self.failures, self.locks, self.pd_paths, self.warned, self.desired):
             memo.pop(key, None)
 
 
@@ -247,12 +255,16 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
         for message in ignored_replicas(spec, kwargs.get("diff") or ()):
             kopf.warn(owner, reason="ReplicasIgnored", message=message)
     desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler, state.policy.monitors)
+    state.desired[(namespace, name)] = {(o["kind"], o["metadata"]["name"]): o for o in desired if o["kind"] in KINDS}
     failure: ApiError | None = None
+    state.applying.add((namespace, name))
     with RECONCILE_SECONDS.time():
         try:
             await apply(state.api, desired, children(kwargs, namespace, name))
         except ApiError as exc:
             failure = exc
+        finally:
+            state.applying.discard((namespace, name))
     RECONCILES.labels("failed" if failure else "ok").inc()
     if failure is None:
         state.failures.pop((namespace, name), None)
@@ -293,12 +305,114 @@ for _kind in (*WORKLOADS, "PersistentVolumeClaim"):  # the children whose status
     )(child_changed)
 
 
+def _keeps(kind: str) -> Any:
+    """The handler that keeps children of ``kind`` as rendered: each event of one is checked."""
+
+    async def keep_child(
+        type: str | None,
+        body: kopf.Body,
+        name: str,
+        namespace: str,
+        labels: kopf.Labels,
+        memo: kopf.Memo,
+        **kwargs: Any,
+    ) -> None:
+        state: State = memo.ucm
+        key = (namespace, labels.get(LABEL_INSTANCE, ""))
+        want = state.desired.get(key, {}).get((kind, name))
+        if want is None or key in state.applying:
+            return  # not (or no longer) wanted, or its reconcile is writing it now
+        if type == "DELETED" or drifted(want, dict(body)):
+            await keep(state, kwargs, key, want)
+
+    return keep_child
+
+
+async def keep(
+    state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], waited: bool = False
+) -> None:
+    """Put a child back as rendered (recreate it if deleted), unless the fresh object already is;
+    a child put back again and again is looked at less and less often (``Reverts``), with a
+    Warning, rather than fought in a hot loop."""
+    kind, namespace, name = want["kind"], key[0], want["metadata"]["name"]
+    child = (kind, namespace, name)
+    if child in state.backing_off:
+        return  # a later look is scheduled
+    try:
+        live: dict[str, Any] | None = await state.api.get(kind, namespace, name)
+    except ApiError as exc:
+        if exc.status != 404:
+            logger.warning("%s %s/%s: not checked for drift: %s", kind, namespace, name, exc)
+            return
+        live = None
+    if live is not None and (
+        kind in NOT_REVERTED or not controlled_by(live, want["metadata"]["ownerReferences"][0]["uid"])
+    ):
+        return  # a claim (resizable, else immutable), or an object that is not ours
+    paths = ["deleted"] if live is None else drifted(want, live)
+    if not paths or key not in state.desired or key in state.applying:
+        return
+    found = list(indexes["owners"].get(key, []))
+    owner = found[0] if found else None
+    reverts = state.reverts.setdefault(child, Reverts())
+    delay = 0.0 if waited else reverts.delay()
+    what = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    if delay:
+        state.backing_off.add(child)
+        if owner is not None:
+            kopf.warn(
+                dict(owner),
+                reason="DriftFight",
+                message=f"{kind} {name} keeps being changed outside the UCMDeployment ({what}); put back again "
+                f"in {delay:.0f} s. Change the UCMDeployment instead, or stop what changes the {kind}",
+            )
+        later = asyncio.create_task(_look_again(state, indexes, key, want, delay))
+        state.looks.add(later)  # held until done (the loop keeps weak references only)
+        later.add_done_callback(state.looks.discard)
+        return
+    if live is None:
+        try:
+            await state.api.create(want)
+        except ApiError as exc:
+            if exc.status != 409:  # 409: recreated meanwhile (or still terminating: its next event)
+                raise
+        WRITES.labels(kind, "create").inc()
+    else:
+        await state.api.patch(want)
+        WRITES.labels(kind, "patch").inc()
+    reverts.record()
+    if owner is not None:
+        reason, message = (
+            ("ChildRecreated", f"{kind} {name} was deleted; recreated")
+            if live is None
+            else ("DriftReverted", f"{kind} {name}: {what} changed outside the UCMDeployment; put back")
+        )
+        kopf.info(dict(owner), reason=reason, message=message)
+
+
+async def _look_again(
+    state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], delay: float
+) -> None:
+    await asyncio.sleep(delay)
+    state.backing_off.discard((want["kind"], key[0], want["metadata"]["name"]))
+    current = state.desired.get(key, {}).get((want["kind"], want["metadata"]["name"]))
+    if current is not None:
+        await keep(state, indexes, key, current, waited=True)
+
+
+for _kind, (_group, _version, _plural) in KINDS.items():
+    kopf.on.event(*_resource(_group, _version, _plural), id=f"keep_{_plural}", labels=MANAGED, registry=registry)(
+        _keeps(_kind)
+    )
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
 async def remove(name: str, namespace: str, memo: kopf.Memo, **kwargs: Any) -> None:
     """Children go group by group in the reverse of the start order — each group gone (as the
     watches report) before the next is deleted, so clients stop being routed before engines go —
     then the rest (config, claim)."""
     state: State = memo.ucm
+    state.desired.pop((namespace, name), None)  # what goes now is not drift to put back
     kids = children(kwargs, namespace, name)
     for group in reversed(START_ORDER):
         stage = [c for c in kids if c.component in group]

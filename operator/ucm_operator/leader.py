@@ -37,9 +37,9 @@ class LeadershipLost(RuntimeError):
 class Timing:
     """Takeover after a leader's death takes at most ``lease_s + retry_s`` (then Kopf's start)."""
 
-    lease_s: float = 10.0  # a holder not heard from for this long is presumed gone
-    renew_s: float = 7.0  # a leader that could not renew for this long stops (< lease_s: the fence)
-    retry_s: float = 2.0  # how often the leader renews and a standby looks
+    lease_s: float = 8.0  # a holder not heard from for this long is presumed gone
+    renew_s: float = 6.0  # a leader that could not renew for this long stops (< lease_s: the fence)
+    retry_s: float = 1.0  # how often the leader renews and a standby looks
 
     def __post_init__(self) -> None:
         if not 0 < self.retry_s < self.renew_s < self.lease_s:

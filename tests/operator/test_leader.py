@@ -174,4 +174,4 @@ def test_timings_that_would_let_two_lead_are_refused():
     r = subprocess.run(
         [str(Path(sys.executable).parent / "ucm-operator"), "--renew-deadline", "20"], capture_output=True, text=True
     )
-    assert r.returncode == 2 and "renew deadline (20.0) < lease duration (10.0)" in r.stderr, r.stderr
+    assert r.returncode == 2 and "renew deadline (20.0) < lease duration (8.0)" in r.stderr, r.stderr
