@@ -10,9 +10,10 @@
   first unit (longest first) whose peak fits beside the peaks of the units the other workers hold
   in the machine's memory less a reserve. A unit's peak is measured as above: the proportional set
   size its process tree grew by. While a large unit runs on one core, the other core works through
-  the small ones; when nothing fits, the worker waits until a test ends elsewhere. (A gate in each
-  worker, waiting for room before a unit's first test, was tried: a worker that waited held its
-  core idle while the other ran its unit on one core, slower than no parallelism at all.)
+  the small ones. Where nothing fits (only large units left), the worker gets the smallest, and a
+  gate in the worker (``MemoryGate``) holds that unit's first test until the ledger of running
+  units' peaks has room. (The gate alone, without the scheduler choosing, left a waiting worker's
+  core idle while the other ran its unit on one core: on CI, slower than no parallelism at all.)
 - Each worker runs on a core of its own (its affinity, which the engines it starts keep to), so
   two workers' engines never spin their OpenMP threads on one core: measured, sharing both cores
   made the suite no faster than one process, and tensor-parallel ranks waited for a peer the other
@@ -30,8 +31,13 @@ imports the tests.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,14 +87,17 @@ class UnitScheduling(LoadScopeScheduling):
         return unit_of(nodeid)
 
     def _held_elsewhere(self, node: object) -> float:
-        """The measured peaks of the units the other workers hold, running or queued: a queued
-        unit starts as soon as its worker is given any next test, so it counts already."""
+        """What the other workers hold: each the largest peak among its unfinished units. A worker
+        runs its units one after the other, and xdist queues the next before the current one's
+        last test runs (a worker runs a test only once it has the next), so the running unit and
+        the queued one never hold memory together; the larger of them is what to leave room for."""
         return sum(
-            cost(scope, "peak_gib", self.measured)
+            max(
+                (cost(scope, "peak_gib", self.measured) for scope, done in work.items() if not all(done.values())),
+                default=0.0,
+            )
             for other, work in self.assigned_work.items()
             if other is not node
-            for scope, done in work.items()
-            if not all(done.values())
         )
 
     def _assign_work_unit(self, node: object) -> None:
@@ -96,11 +105,11 @@ class UnitScheduling(LoadScopeScheduling):
         peak = {scope: cost(scope, "peak_gib", self.measured) for scope in self.workqueue}
         unit = next((scope for scope in self.workqueue if held + peak[scope] <= self.budget_gib), None)
         if unit is None:
-            if any(self._pending_of(work) > 1 for other, work in self.assigned_work.items() if other is not node):
-                return  # another worker is running tests: asked again when it finishes one
-            # Every other worker waits for work too (an xdist worker runs a test only once it has
-            # the next, or is told to stop): the smallest unit lets a held-back test run and its
-            # unit's memory go.
+            if self._pending_of(self.assigned_work.get(node, {})) > 1:
+                return  # it has tests to run meanwhile; it asks again after each
+            # Its last test waits for a next one (an xdist worker runs a test only once it has the
+            # next), holding its unit's engines: the smallest unit lets that test run and them go.
+            # Where even that does not fit, the worker's MemoryGate holds it until there is room.
             unit = min(peak, key=peak.__getitem__)
         self.workqueue.move_to_end(unit, last=False)
         super()._assign_work_unit(node)
@@ -156,11 +165,83 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = sorted(items, key=lambda item: (-weight[unit_of(item.nodeid)], first[unit_of(item.nodeid)]))
 
 
+class MemoryBudget:
+    """The workers' ledger of the peaks their running units may reach: one JSON file under a lock,
+    named for the run. First come, first served: a worker waiting for room is not overtaken by
+    one that just finished a unit and starts the next."""
+
+    def __init__(self, run: str, worker: str) -> None:
+        self.path = Path(tempfile.gettempdir()) / f"ucm-test-memory-{run}.json"
+        self.worker = worker
+        self.budget_gib = memory_budget_gib()
+
+    @contextmanager
+    def _ledger(self) -> Iterator[dict[str, dict[str, float]]]:
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            ledger = json.loads(self.path.read_text()) if self.path.exists() else {}
+            ledger.setdefault("held", {})
+            ledger.setdefault("waiting", {})  # worker: since when
+            yield ledger
+            self.path.write_text(json.dumps(ledger))
+
+    def acquire(self, gib: float) -> None:
+        while True:
+            with self._ledger() as ledger:
+                held, waiting = ledger["held"], ledger["waiting"]
+                waiting.setdefault(self.worker, time.time())
+                others = sum(v for k, v in held.items() if k != self.worker)
+                first = min(waiting, key=waiting.__getitem__)
+                if first == self.worker and (not others or others + gib <= self.budget_gib):
+                    del waiting[self.worker]
+                    held[self.worker] = gib
+                    return
+            time.sleep(0.5)
+
+    def release(self) -> None:
+        with self._ledger() as ledger:
+            ledger["held"].pop(self.worker, None)
+
+    def remove(self) -> None:
+        for path in (self.path, self.path.with_suffix(".lock")):
+            path.unlink(missing_ok=True)
+
+
+class MemoryGate:
+    """Holds a unit's measured peak in the ledger from its first test to its last: the scheduler
+    hands out units that fit, and where it cannot (only large units left, a worker's last test
+    waiting for a next), the unit waits here for room instead of overcommitting."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
+        self.measured = costs()
+        self.unit: str | None = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        unit = unit_of(item.nodeid)
+        if unit != self.unit:
+            self.budget.acquire(cost(unit, "peak_gib", self.measured))
+            self.unit = unit
+        try:
+            return (yield)
+        finally:
+            if nextitem is None or unit_of(nextitem.nodeid) != unit:
+                self.budget.release()
+                self.unit = None
+
+    def pytest_sessionfinish(self) -> None:
+        self.budget.release()
+        if self.budget.worker == "gw0":
+            self.budget.remove()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     given = worker_input(session.config)
     if given is None:
         return
     worker = given["workerid"]
+    session.config.pluginmanager.register(MemoryGate(MemoryBudget(given["testrunuid"], worker)), "ucm-memory-gate")
     workers = int(given["workercount"])
     cores = sorted(os.sched_getaffinity(0))
     if workers > 1:
