@@ -1,7 +1,7 @@
 """The table of where ``make test``'s time goes (docs/development.md), from the timing files a run
 left (``ucm_testing.timing``: one per pytest process, in ``build/test-timing``).
 
-    .venv/bin/python scripts/test_timing.py [--dir build/test-timing] [--doc docs/development.md]
+    .venv/bin/python scripts/test_timing.py [--dir build/test-timing] [--doc docs/development.md] [--costs FILE]
 
 Rewrites the text between the table's markers in the page and the units' seconds and memory the
 test schedule orders and budgets by (``testing/ucm_testing/unit_costs.json``); prints the table.
@@ -84,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=ROOT / "build" / "test-timing")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "development.md")
+    parser.add_argument("--costs", type=Path, default=COSTS)
     args = parser.parse_args()
     page = args.doc.read_text()
     if BEGIN not in page or END not in page:
@@ -96,7 +97,7 @@ def main() -> None:
         name: {"seconds": round(u["wall_s"], 1), "peak_gib": round(u["peak_gib"], 2)}
         for name, u in sorted(units.items())
     }
-    COSTS.write_text(json.dumps(costs, indent=1) + "\n")
+    args.costs.write_text(json.dumps(costs, indent=1) + "\n")
     head, rest = page.split(BEGIN, 1)
     args.doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
 

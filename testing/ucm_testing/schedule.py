@@ -87,30 +87,15 @@ class UnitScheduling(LoadScopeScheduling):
         return unit_of(nodeid)
 
     def _held_elsewhere(self, node: object) -> float:
-        """What the other workers hold: each the largest peak among its unfinished units. A worker
-        runs its units one after the other, and xdist queues the next before the current one's
-        last test runs (a worker runs a test only once it has the next), so the running unit and
-        the queued one never hold memory together; the larger of them is what to leave room for."""
         return sum(
-            max(
-                (cost(scope, "peak_gib", self.measured) for scope, done in work.items() if not all(done.values())),
-                default=0.0,
-            )
-            for other, work in self.assigned_work.items()
-            if other is not node
+            largest_unfinished(work, self.measured) for other, work in self.assigned_work.items() if other is not node
         )
 
     def _assign_work_unit(self, node: object) -> None:
-        held = self._held_elsewhere(node)
-        peak = {scope: cost(scope, "peak_gib", self.measured) for scope in self.workqueue}
-        unit = next((scope for scope in self.workqueue if held + peak[scope] <= self.budget_gib), None)
+        busy = self._pending_of(self.assigned_work.get(node, {})) > 1
+        unit = pick_unit(list(self.workqueue), self.measured, self._held_elsewhere(node), self.budget_gib, busy)
         if unit is None:
-            if self._pending_of(self.assigned_work.get(node, {})) > 1:
-                return  # it has tests to run meanwhile; it asks again after each
-            # Its last test waits for a next one (an xdist worker runs a test only once it has the
-            # next), holding its unit's engines: the smallest unit lets that test run and them go.
-            # Where even that does not fit, the worker's MemoryGate holds it until there is room.
-            unit = min(peak, key=peak.__getitem__)
+            return  # it has tests to run meanwhile; it asks again after each
         self.workqueue.move_to_end(unit, last=False)
         super()._assign_work_unit(node)
 
@@ -146,6 +131,28 @@ UNSEEN_GIB = {"tests/images/test_runtime_image.py": 4.0}  # two engines, ~2 GiB 
 def cost(unit: str, field: str, measured: dict[str, dict[str, float]]) -> float:
     value = measured.get(unit, UNMEASURED)[field]
     return value + UNSEEN_GIB.get(unit, 0.0) if field == "peak_gib" else value
+
+
+def largest_unfinished(work: dict[str, dict[str, bool]], measured: dict[str, dict[str, float]]) -> float:
+    """What a worker holds, from its assigned units (unit -> {test: done}): the largest peak among
+    those not finished. A worker runs its units one after the other, and xdist queues the next
+    before the current one's last test runs (a worker runs a test only once it has the next), so
+    the running unit and the queued one never hold memory together."""
+    return max((cost(unit, "peak_gib", measured) for unit, done in work.items() if not all(done.values())), default=0.0)
+
+
+def pick_unit(
+    queue: list[str], measured: dict[str, dict[str, float]], held: float, budget: float, busy: bool
+) -> str | None:
+    """The unit to hand a worker asking for work: the first (longest) of ``queue`` whose peak fits
+    beside what the other workers ``held``. Where none fits: None while the worker is ``busy`` (it
+    has tests to run, and asks again after each); otherwise the smallest, since its last test waits
+    for a next one holding its unit's engines, and the worker's MemoryGate holds the unit's start
+    until there is room."""
+    fits = next((unit for unit in queue if held + cost(unit, "peak_gib", measured) <= budget), None)
+    if fits is not None or busy:
+        return fits
+    return min(queue, key=lambda unit: cost(unit, "peak_gib", measured))
 
 
 def worker_input(config: pytest.Config) -> dict | None:
