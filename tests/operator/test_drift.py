@@ -67,9 +67,13 @@ async def test_hand_edits_of_each_owned_field_are_put_back(kmock, cluster):
             assert (await get(cluster, "ConfigMap", "a-config"))["data"] == config["data"]
 
         await eventually(config_back)
-        reverted = [e["message"] for e in events(kmock, "DriftReverted")]
-        assert any("spec.template.spec.containers[" in m and "].image" in m for m in reverted), reverted
-        assert any("spec.replicas" in m for m in reverted) and any("ConfigMap a-config" in m for m in reverted)
+
+        async def told() -> None:  # Kopf posts events from a queue of its own: a moment later
+            reverted = [e["message"] for e in events(kmock, "DriftReverted")]
+            assert any("spec.template.spec.containers[" in m and "].image" in m for m in reverted), reverted
+            assert any("spec.replicas" in m for m in reverted) and any("ConfigMap a-config" in m for m in reverted)
+
+        await eventually(told)
 
 
 @pytest.mark.asyncio
@@ -85,11 +89,13 @@ async def test_deleted_children_are_recreated(kmock, cluster):
                 assert now["spec"] == before["spec"] and now["metadata"]["uid"] != before["metadata"]["uid"]
 
             await eventually(back)
-        recreated = {e["message"] for e in events(kmock, "ChildRecreated")}
-        assert {
-            "NetworkPolicy a-engines was deleted; recreated",
-            "Deployment a-prefill was deleted; recreated",
-        } <= recreated
+
+        async def told() -> None:  # Kopf posts events from a queue of its own: a moment later
+            recreated = {e["message"] for e in events(kmock, "ChildRecreated")}
+            assert "NetworkPolicy a-engines was deleted; recreated" in recreated
+            assert "Deployment a-prefill was deleted; recreated" in recreated
+
+        await eventually(told)
 
 
 @pytest.mark.asyncio
