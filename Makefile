@@ -31,17 +31,11 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q --no-build-isolation ./runtime/native
 	@touch $(NATIVE_STAMP)
 
-# Two pytest runs: the suite spread over the cores (testing/ucm_testing/schedule.py), then the
-# timing-sensitive tests (marked serial) alone. The second runs even when the first fails, so one
-# run reports every failure. scripts/test_timing.py tables where the time went.
-TEST_WORKERS ?= 2
+# One pytest run; ucm_testing.timing records where its time goes (scripts/test_timing.py tables it).
 test: dev images-offline
 	$(BIN)/ruff check .
 	rm -rf build/test-timing
-	status=0; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial" || status=$$?; \
-	$(BIN)/python -m pytest -q -m serial || status=$$?; \
-	exit $$status
+	$(BIN)/python -m pytest -q
 
 # The whole stack on this machine: tiny model, POSIX store, prefill + decode vLLM (CPU), proxy on :8000.
 up: dev

@@ -20,8 +20,7 @@ from e2e.conftest import UCM, Stack, alive, running
 from ucm.deploy.local import default_spec, engine_cpus, vllm_workers
 from ucm_testing.prompts import PROMPTS
 
-# serial: rolls under load with deadlines of wall time, as test_drain.py (make test runs it alone).
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,7 @@ from e2e.test_stack import metric, post
 from tests.connector.test_multinode import BS, same_greedy_answer
 from ucm.deploy.local import cpu_share, default_spec, engine_cpus, vllm_workers
 
-# serial: tensor-parallel ranks on two idle cores take half the time they take on a worker's one
-# core (measured: 637 s alone vs 1,148 s of worker time), and the parallel run is short of memory.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
-"""The table of where ``make test``'s time goes (docs/development.md), from the timing files a run
-left (``ucm_testing.timing``: one per pytest process, in ``build/test-timing``).
+"""The table of where ``make test``'s time goes (docs/development.md), from the timing file a run
+left (``ucm_testing.timing``, in ``build/test-timing``).
 
-    .venv/bin/python scripts/test_timing.py [--dir build/test-timing] [--doc docs/development.md] [--costs FILE]
+    .venv/bin/python scripts/test_timing.py [--dir build/test-timing] [--doc docs/development.md]
 
-Rewrites the text between the table's markers in the page and the units' seconds and memory the
-test schedule orders and budgets by (``testing/ucm_testing/unit_costs.json``); prints the table.
-A unit is what the schedule hands a worker whole: a test module, modules sharing fixtures, or one
-test of a module split per test (``ucm_testing.schedule.unit_of``).
+Rewrites the text between the table's markers in the page and prints the table. A unit is a test
+module, or one test of ``tests/test_benchmarks.py`` (``ucm_testing.timing.unit_of``).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- test-timing:begin -->", "<!-- test-timing:end -->"
-COSTS = ROOT / "testing" / "ucm_testing" / "unit_costs.json"
 SUMMED = ("tests", "wall_s", "cpu_s", "engines")
 
 
@@ -31,51 +28,37 @@ def load(directory: Path) -> list[dict]:
 
 
 def merged(runs: list[dict]) -> dict[str, dict]:
-    """Each unit's figures over the processes that ran it (a unit runs in one; a rerun adds up)."""
+    """Each unit's figures over the runs left in the directory (one, after make test)."""
     units: dict[str, dict] = {}
     for run in runs:
         for name, timing in run["units"].items():
-            unit = units.setdefault(name, dict.fromkeys(SUMMED, 0.0) | {"peak_gib": 0.0, "workers": set()})
+            unit = units.setdefault(name, dict.fromkeys(SUMMED, 0.0) | {"peak_gib": 0.0})
             for field in SUMMED:
                 unit[field] += timing[field]
             unit["peak_gib"] = max(unit["peak_gib"], timing["peak_gib"])
-            unit["workers"].add(run["worker"])
     return units
 
 
-def phase_line(name: str, runs: list[dict]) -> str:
+def table(runs: list[dict], units: dict[str, dict]) -> str:
     start = min(run["started"] for run in runs)
     wall = max(run["started"] + run["wall_s"] for run in runs) - start
-    cpu = sum(t["cpu_s"] for run in runs for t in run["units"].values())
     cores = max(run["cores"] for run in runs)
-    return (
-        f"- {name}: {wall / 60:.1f} min over {len(runs)} process(es), {cpu / 60:.1f} CPU-min "
-        f"({cpu / (wall * cores):.0%} of {cores} cores), "
-        f"{sum(t['tests'] for run in runs for t in run['units'].values())} tests, "
-        f"{sum(t['engines'] for run in runs for t in run['units'].values())} vLLM engines started, "
-        f"machine memory in use peaked at {max(run['machine_peak_gib'] for run in runs):.1f} GiB"
-    )
-
-
-def table(runs: list[dict], units: dict[str, dict]) -> str:
-    parallel = [run for run in runs if run["worker"] != "main"]
-    serial = [run for run in runs if run["worker"] == "main"]
-    day = time.strftime("%Y-%m-%d", time.gmtime(min(run["started"] for run in runs)))
-    lines = [f"From the run of {day} (`make test`'s two pytest runs):", ""]
-    if parallel:
-        lines.append(phase_line("in parallel (one worker per core)", parallel))
-    if serial:
-        lines.append(phase_line("serial (alone, every core)", serial))
-    lines += [
+    cpu = sum(u["cpu_s"] for u in units.values())
+    day = time.strftime("%Y-%m-%d", time.gmtime(start))
+    lines = [
+        f"From the run of {day}: pytest {wall / 60:.1f} min, {cpu / 60:.1f} CPU-min "
+        f"({cpu / (wall * cores):.0%} of {cores} cores), {sum(u['tests'] for u in units.values()):.0f} tests, "
+        f"{sum(u['engines'] for u in units.values()):.0f} vLLM engines started, machine memory in use peaked at "
+        f"{max(run['machine_peak_gib'] for run in runs):.1f} GiB.",
         "",
-        "| unit | tests | wall s | CPU-s | CPU/wall | engines | peak GiB | ran on |",
-        "|---|--:|--:|--:|--:|--:|--:|---|",
+        "| unit | tests | wall s | CPU-s | CPU/wall | engines | peak GiB |",
+        "|---|--:|--:|--:|--:|--:|--:|",
     ]
     for name, u in sorted(units.items(), key=lambda item: -item[1]["wall_s"]):
         ratio = u["cpu_s"] / u["wall_s"] if u["wall_s"] else 0.0
         lines.append(
             f"| `{name}` | {u['tests']:.0f} | {u['wall_s']:.0f} | {u['cpu_s']:.0f} | {ratio:.2f} | "
-            f"{u['engines']:.0f} | {u['peak_gib']:.1f} | {', '.join(sorted(u['workers']))} |"
+            f"{u['engines']:.0f} | {u['peak_gib']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -84,20 +67,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=ROOT / "build" / "test-timing")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "development.md")
-    parser.add_argument("--costs", type=Path, default=COSTS)
     args = parser.parse_args()
     page = args.doc.read_text()
     if BEGIN not in page or END not in page:
         sys.exit(f"{args.doc}: no {BEGIN} ... {END} markers to write the table between")
     runs = load(args.dir)
-    units = merged(runs)
-    text = table(runs, units)
+    text = table(runs, merged(runs))
     print(text)
-    costs = {
-        name: {"seconds": round(u["wall_s"], 1), "peak_gib": round(u["peak_gib"], 2)}
-        for name, u in sorted(units.items())
-    }
-    args.costs.write_text(json.dumps(costs, indent=1) + "\n")
     head, rest = page.split(BEGIN, 1)
     args.doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
 

@@ -321,7 +321,6 @@ def test_e2e_serving_answers_through_pd_as_plain_vllm_does(tmp_path):
     assert summary["pd_vs_plain_ttft_p50"] > 0
 
 
-@pytest.mark.serial  # tensor-parallel ranks: as tests/connector/test_multinode.py
 def test_multinode_splits_blocks_into_shares_every_arm_can_load(tmp_path):
     """TP=1, TP=2 over two processes (the operator's leader and worker commands) and TP=1 keeping
     TP=2's shares, each a writer engine then a fresh reader (--smoke: the tiny demo model, one
@@ -356,7 +355,6 @@ def test_fault_serving_survives_a_killed_prefill_without_a_wrong_token(tmp_path)
     assert summary["max_p99_over_deadline_s"] <= 0  # within the PD wait
 
 
-@pytest.mark.serial  # a roll under load with deadlines: as e2e/test_day_two.py
 def test_rollout_serving_rolls_the_decode_pool_under_load(tmp_path):
     """``ucm up``'s stack under steady load (one client, streamed and whole answers in turn) while
     ``ucm restart``'s path rolls the decode pool (--phases decode: one new engine, 3 at the peak;

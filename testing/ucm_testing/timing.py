@@ -1,9 +1,9 @@
-"""A pytest plugin that records where a run's time goes, per unit of the test schedule (a module,
-or one test of a module whose tests share nothing: ``ucm_testing.schedule.unit_of``): wall seconds,
-CPU seconds of the test process and everything it started, vLLM engines started, the peak memory
-of that process tree; and for the run, the machine's peak memory in use.
+"""A pytest plugin that records where a run's time goes, per unit (a test module; each test of
+``tests/test_benchmarks.py``, whose tests share nothing): wall seconds, CPU seconds of the test
+process and everything it started, vLLM engines started, the peak memory of that process tree;
+and for the run, the machine's peak memory in use.
 
-Each pytest process (the only one, or each xdist worker) writes ``timing-<worker>-<pid>.json`` into
+The pytest process writes ``timing-<pid>.json`` into
 ``$UCM_TEST_TIMING_DIR`` (default ``build/test-timing`` under the rootdir); ``scripts/test_timing.py``
 merges them into the table of ``docs/development.md``.
 
@@ -27,9 +27,15 @@ from pathlib import Path
 
 import pytest
 
-from ucm_testing.schedule import unit_of
-
 SAMPLE_S = 0.5
+SPLIT = {"tests/test_benchmarks.py"}  # modules whose tests share nothing: a unit per test
+
+
+def unit_of(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return nodeid if module in SPLIT else module
+
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -40,7 +46,7 @@ class UnitTiming:
     cpu_s: float = 0.0
     engines: int = 0
     # Proportional set size (shared pages split among their sharers) above what the process tree
-    # held when the unit began: the worker itself and the session's fixtures are not the unit's.
+    # held when the unit began: pytest itself and the session's fixtures are not the unit's.
     peak_gib: float = 0.0
 
 
@@ -143,8 +149,8 @@ class ProcessTree:
 
 
 class TimingPlugin:
-    def __init__(self, out: Path, worker: str) -> None:
-        self.out, self.worker = out, worker
+    def __init__(self, out: Path) -> None:
+        self.out = out
         self.tree = ProcessTree()
         self.units: dict[str, UnitTiming] = defaultdict(UnitTiming)
         self._current: tuple[str, float, float, int] | None = None
@@ -181,25 +187,21 @@ class TimingPlugin:
         self.tree.stop()
         self.out.mkdir(parents=True, exist_ok=True)
         record = {
-            "worker": self.worker,
             "started": self.started,
             "wall_s": time.time() - self.started,
             "machine_peak_gib": self.tree.machine_peak / 2**30,
             "cores": os.cpu_count(),
             "units": {name: asdict(timing) for name, timing in sorted(self.units.items())},
         }
-        (self.out / f"timing-{self.worker}-{os.getpid()}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (self.out / f"timing-{os.getpid()}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 RECORDING = "UCM_TEST_TIMING_RECORDING"  # set in a recording process: a pytest a test starts skips
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    given = getattr(config, "workerinput", None)  # an xdist worker's
-    controller = given is None and getattr(config.option, "numprocesses", None)
-    if config.option.collectonly or controller or os.environ.get(RECORDING):
-        return  # nothing runs here (a collection; xdist's controller, whose workers record) or a run inside a test
+    if config.option.collectonly or os.environ.get(RECORDING):
+        return  # nothing runs here (a collection) or a run inside a test
     os.environ[RECORDING] = "1"
     out = Path(os.environ.get("UCM_TEST_TIMING_DIR") or config.rootpath / "build" / "test-timing")
-    worker = given["workerid"] if given is not None else "main"
-    config.pluginmanager.register(TimingPlugin(out, worker), "ucm-test-timing")
+    config.pluginmanager.register(TimingPlugin(out), "ucm-test-timing")

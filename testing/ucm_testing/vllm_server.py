@@ -141,9 +141,8 @@ class VLLMServer:
 
 def on_usable_cores(binding: str) -> str:
     """A binding written for cores 0, 1, … (``0-1``, ``0|1``) on the cores this process may use:
-    core i is the i-th of them, wrapping. In a parallel ``make test`` each worker has a core of its
-    own (``ucm_testing.schedule``), so its engines keep off the other's: two OpenMP teams on
-    one core spin against each other."""
+    core i is the i-th of them, wrapping (under ``taskset`` or a cpuset, an engine bound to a core
+    it may not use would fail to start)."""
     cores = usable_cpus()
 
     def rank(part: str) -> str:

@@ -30,9 +30,6 @@ from ucm.integration.vllm.worker import WorkerSide
 from ucm.store import Task, create_store
 from ucm.store.breaker import BreakerConfig, BreakerStore
 
-# serial: deadlines of tens of milliseconds, in wall time; make test runs these alone.
-pytestmark = pytest.mark.serial
-
 
 class Stalled:
     """A real store whose lookups and loads hang until ``release()``."""

@@ -17,8 +17,7 @@ import pytest
 from ucm.integration.vllm.health import MIDDLEWARE
 from ucm_testing.vllm_server import VLLMServer
 
-# serial: a drain's deadline is wall time; a busy neighbour made it miss (make test runs it alone).
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 def post(url: str, body: dict) -> tuple[int, dict, dict[str, str]]:

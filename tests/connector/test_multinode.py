@@ -30,9 +30,7 @@ from ucm_testing.engine_group import EngineGroup
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
-# serial: tensor-parallel ranks on two idle cores take half the time they take on a worker's one
-# core (measured: 637 s alone vs 1,148 s of worker time), and the parallel run is short of memory.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 BS = 32
 NEAR_TIE = 1e-3
 # KV computed under one TP and read under another: a TP=2 engine's own answer differed from TP=1's

@@ -85,7 +85,6 @@ async def holder(cluster: Driver) -> str:
     return spec["holderIdentity"]
 
 
-@pytest.mark.serial  # a wall-time bound: Kopf's start alone took 8 s with the suite's engines beside it
 @pytest.mark.asyncio
 async def test_the_standby_takes_over_within_15_s_and_applies_a_change_exactly_once(kmock, cluster, tmp_path):
     with replicas(cluster.url, tmp_path, "op-a", "op-b") as (a, b):
