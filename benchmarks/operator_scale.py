@@ -6,7 +6,12 @@
    it has gone through every object, and count its writes per object: to children, status and
    Events (``noop_writes_per_object``, must be 0) apart from Kopf's own bookkeeping patches on
    the objects (``kopf_bookkeeping_writes_per_object``).
-3. The operator's peak RSS over both runs (``VmHWM`` of its process).
+3. Failover: two operators with leader election; kill -9 the leader and change every object's
+   spec at once; per object, the seconds from the kill until its change is applied
+   (``failover_s``: p50, p99; bound: the Lease's duration plus one look, what a standby must wait).
+4. Drift: scale every object's decode Deployment by hand; per object, the seconds until the
+   operator has put it back (``drift_revert_s``: p50, p99).
+5. The operator's peak RSS over the runs (``VmHWM`` of its process).
 
 kmock (in this process) stands in for the API server: it runs no controllers and keeps all
 objects in memory, so absolute times include its own cost; the counts are exact.
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.deploy.spec import GROUP, PLURAL, VERSION
+from ucm_operator.leader import Timing, lease_path
 from ucm_testing.kmock_operator import WRITE_VERBS, Call, Driver, emulator
 
 NS = "bench"
@@ -38,26 +44,34 @@ SPEC = {
     "model": {"source": {"hostPath": f"{MODEL_DIR}/llama"}},
     "store": {"type": "posix", "pvc": {"claimName": "kv"}},
 }
+CHANGED = {**SPEC, "decode": {"replicas": 3}}  # the change made while the leader is dead
+DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+LEASE_S, LOOK_S = Timing().lease_s, Timing().retry_s
 SETTLE_S = 60  # plus a second per object: past this, the objects never settle
 CHILDREN_PER_OBJECT = 12  # ConfigMap, 3 Deployments, 3 Services, 2 PDBs, ServiceAccount, Role, RoleBinding
 
 
-def start_operator(url: str, log: Path) -> subprocess.Popen[bytes]:
+def start_operator(url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).parent / "ucm-operator"
     return subprocess.Popen(
         # The objects' model is a node path: the operator's policy refuses node paths unless allowed.
-        [str(exe), "--server", url, "--liveness", "", "--log-level", "warning", "--allow-host-path", MODEL_DIR],
+        [str(exe), "--server", url, "--liveness", "", "--log-level", "warning", "--allow-host-path", MODEL_DIR, *extra],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
     )
 
 
-def stop_operator(proc: subprocess.Popen[bytes]) -> int:
-    """Stop it; its peak RSS in bytes (VmHWM)."""
+async def stop_operator(proc: subprocess.Popen[bytes]) -> int:
+    """Stop it; its peak RSS in bytes (VmHWM). Waited for without blocking the loop kmock serves
+    from: a leader gives its Lease up on the way out."""
     status = Path(f"/proc/{proc.pid}/status").read_text()
     peak_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
     proc.send_signal(signal.SIGINT)
-    proc.wait(30)
+    deadline = time.perf_counter() + 30
+    while proc.poll() is None:
+        if time.perf_counter() > deadline:
+            raise SystemExit("the operator did not stop within 30 s of SIGINT")
+        await asyncio.sleep(0.1)
     return peak_kib * 1024
 
 
@@ -91,16 +105,73 @@ def classify(calls: list[Call]) -> dict[str, int]:
     return {"calls": len(calls), "writes": len(writes) - len(bookkeeping), "bookkeeping": len(bookkeeping)}
 
 
+async def until(check: Any, timeout: float) -> Any:
+    """``check()``'s first truthy answer, asked every 0.1 s."""
+    deadline = time.perf_counter() + timeout
+    while not (answer := await check()):
+        if time.perf_counter() > deadline:
+            raise SystemExit(f"not done after {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+    return answer
+
+
+async def lease_holder(driver: Driver) -> str | None:
+    try:
+        lease = await driver.call("GET", lease_path(NS, "ucm-operator"))
+    except AssertionError:  # not created yet
+        return None
+    return (lease.get("spec") or {}).get("holderIdentity")
+
+
+async def quiet(k: Any, seconds: float) -> None:
+    """Until the operators have made no call for ``seconds`` but on the Lease (renewed, looked at
+    every second)."""
+    last, since = -1, time.perf_counter()
+    while time.perf_counter() - since < seconds:
+        count = sum(c.resource != "leases" for c in k.calls)
+        if count != last:
+            last, since = count, time.perf_counter()
+        await asyncio.sleep(0.2)
+
+
+async def times_until(driver: Driver, names: list[str], replicas: int, since: float, timeout: float) -> list[float]:
+    """Per object, the seconds from ``since`` until its decode Deployment has ``replicas``."""
+    done: dict[str, float] = {}
+    deadline = time.perf_counter() + timeout
+    while len(done) < len(names):
+        listing = await driver.call("GET", DEPLOYMENTS)
+        now = time.perf_counter()
+        for obj in listing["items"]:
+            name = obj["metadata"]["name"].removesuffix("-decode")
+            if name in names and name not in done and obj["spec"].get("replicas") == replicas:
+                done[name] = now - since
+        if now > deadline:
+            seen = {o["metadata"]["name"]: o["spec"].get("replicas") for o in listing["items"]}
+            missing = {name: seen.get(f"{name}-decode") for name in names if name not in done}
+            raise SystemExit(f"not at {replicas} decode replicas after {timeout:.0f} s: {missing}")
+        await asyncio.sleep(0.1)
+    return list(done.values())
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        q: round(ordered[min(len(ordered) - 1, int(p * len(ordered)))], 2) for q, p in (("p50", 0.5), ("p99", 0.99))
+    }
+
+
 async def run(n: int, log: Path) -> dict[str, Any]:
     async with emulator(history_limit=20) as k:
         url = str(k.url).rstrip("/")
         driver = Driver(url)
         proc = start_operator(url, log)
+        pair: dict[str, subprocess.Popen[bytes]] = {}
         try:
             await asyncio.sleep(1.0)  # let it list and watch before the burst
             mark = len(k.calls)
             t0 = time.perf_counter()
-            await asyncio.gather(*(driver.apply_ucmd(NS, f"d{i:04d}", SPEC, uid=f"uid-{i}") for i in range(n)))
+            names = [f"d{i:04d}" for i in range(n)]
+            await asyncio.gather(*(driver.apply_ucmd(NS, name, SPEC, uid=f"uid-{name}") for name in names))
             deadline = t0 + SETTLE_S + n
             while not await settled(driver, n):
                 if time.perf_counter() > deadline:  # a refused spec never settles: say so, don't wait forever
@@ -112,7 +183,7 @@ async def run(n: int, log: Path) -> dict[str, Any]:
             create_s = time.perf_counter() - t0
             await asyncio.sleep(2.0)  # late writes, if any, are counted
             created = classify(k.calls[mark:])
-            create_rss = stop_operator(proc)
+            create_rss = await stop_operator(proc)
 
             mark = len(k.calls)
             t0 = time.perf_counter()
@@ -129,10 +200,30 @@ async def run(n: int, log: Path) -> dict[str, Any]:
                 await asyncio.sleep(0.25)
             restart_s = time.perf_counter() - t0 - 3.0
             restarted = classify(k.calls[mark:])
-            restart_rss = stop_operator(proc)
+            restart_rss = await stop_operator(proc)
+
+            pair = {
+                name: start_operator(url, log, "--leader-election", "--lease-namespace", NS, "--identity", name)
+                for name in ("op-a", "op-b")
+            }
+            leader = await until(lambda: lease_holder(driver), SETTLE_S + n)
+            await quiet(k, 3.0)  # the leader's resume pass done
+            pair[leader].kill()
+            died = time.perf_counter()
+            await asyncio.gather(*(driver.update_ucmd(NS, name, CHANGED, generation=2) for name in names))
+            failover = await times_until(driver, names, CHANGED["decode"]["replicas"], died, SETTLE_S + n)
+            survivor = next(p for name, p in pair.items() if name != leader)
+
+            started = time.perf_counter()
+            await asyncio.gather(
+                *(driver.call("PATCH", f"{DEPLOYMENTS}/{name}-decode", {"spec": {"replicas": 9}}) for name in names)
+            )
+            drift = await times_until(driver, names, CHANGED["decode"]["replicas"], started, SETTLE_S + n)
+            failover_rss = await stop_operator(survivor)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            for p in [proc, *pair.values()]:
+                if p.poll() is None:
+                    p.kill()
             await driver.close()
     return {
         "objects": n,
@@ -145,7 +236,10 @@ async def run(n: int, log: Path) -> dict[str, Any]:
         "api_calls_per_object_on_restart": round(restarted["calls"] / n, 2),
         "noop_writes_per_object": round(restarted["writes"] / n, 3),
         "kopf_bookkeeping_writes_per_object": round(restarted["bookkeeping"] / n, 3),
-        "operator_peak_rss_mib": round(max(create_rss, restart_rss) / 2**20, 1),
+        "failover_s": percentiles(failover),
+        "failover_bound_s": LEASE_S + LOOK_S,
+        "drift_revert_s": percentiles(drift),
+        "operator_peak_rss_mib": round(max(create_rss, restart_rss, failover_rss) / 2**20, 1),
         "benchmark_process_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
 

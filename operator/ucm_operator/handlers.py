@@ -51,6 +51,7 @@ from ucm_proxy.config import ProxyConfig
 MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 RETRY_DELAY_S = 15
 DELETE_WAIT_S = 60  # per group of children (the pods' own grace periods are longer than that)
+RELOOK_S = 1.0  # a child changed while its owner's reconcile writes: checked again this much later
 
 logger = logging.getLogger(__name__)
 
@@ -320,8 +321,8 @@ def _keeps(kind: str) -> Any:
         state: State = memo.ucm
         key = (namespace, labels.get(LABEL_INSTANCE, ""))
         want = state.desired.get(key, {}).get((kind, name))
-        if want is None or key in state.applying:
-            return  # not (or no longer) wanted, or its reconcile is writing it now
+        if want is None:
+            return  # not (or no longer) wanted
         if type == "DELETED" or drifted(want, dict(body)):
             await keep(state, kwargs, key, want)
 
@@ -350,7 +351,10 @@ async def keep(
     ):
         return  # a claim (resizable, else immutable), or an object that is not ours
     paths = ["deleted"] if live is None else drifted(want, live)
-    if not paths or key not in state.desired or key in state.applying:
+    if not paths or key not in state.desired:
+        return
+    if key in state.applying:  # its reconcile is writing now: look again once it is done
+        _look_later(state, indexes, key, want, RELOOK_S, waited=False)
         return
     found = list(indexes["owners"].get(key, []))
     owner = found[0] if found else None
@@ -358,7 +362,6 @@ async def keep(
     delay = 0.0 if waited else reverts.delay()
     what = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     if delay:
-        state.backing_off.add(child)
         if owner is not None:
             kopf.warn(
                 dict(owner),
@@ -366,9 +369,7 @@ async def keep(
                 message=f"{kind} {name} keeps being changed outside the UCMDeployment ({what}); put back again "
                 f"in {delay:.0f} s. Change the UCMDeployment instead, or stop what changes the {kind}",
             )
-        later = asyncio.create_task(_look_again(state, indexes, key, want, delay))
-        state.looks.add(later)  # held until done (the loop keeps weak references only)
-        later.add_done_callback(state.looks.discard)
+        _look_later(state, indexes, key, want, delay, waited=True)
         return
     if live is None:
         try:
@@ -390,14 +391,27 @@ async def keep(
         kopf.info(dict(owner), reason=reason, message=message)
 
 
+def _look_later(
+    state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], delay: float, waited: bool
+) -> None:
+    """Check the child again in ``delay`` seconds (once: later events of it wait for that look)."""
+    child = (want["kind"], key[0], want["metadata"]["name"])
+    if child in state.backing_off:
+        return
+    state.backing_off.add(child)
+    later = asyncio.create_task(_look_again(state, indexes, key, want, delay, waited))
+    state.looks.add(later)  # held until done (the loop keeps weak references only)
+    later.add_done_callback(state.looks.discard)
+
+
 async def _look_again(
-    state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], delay: float
+    state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], delay: float, waited: bool
 ) -> None:
     await asyncio.sleep(delay)
     state.backing_off.discard((want["kind"], key[0], want["metadata"]["name"]))
     current = state.desired.get(key, {}).get((want["kind"], want["metadata"]["name"]))
     if current is not None:
-        await keep(state, indexes, key, current, waited=True)
+        await keep(state, indexes, key, current, waited=waited)
 
 
 for _kind, (_group, _version, _plural) in KINDS.items():
