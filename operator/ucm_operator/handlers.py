@@ -335,8 +335,7 @@ async def keep(
     """Put a child back as rendered (recreate it if deleted), unless the fresh object already is;
     a child put back again and again is looked at less and less often (``Reverts``), with a
     Warning, rather than fought in a hot loop."""
-    kind, namespace, name = want["kind"], key[0], want["metadata"]["name"]
-    child = (kind, namespace, name)
+    child = kind, namespace, name = child_key(key, want)
     if child in state.backing_off:
         return  # a later look is scheduled
     try:
@@ -391,11 +390,16 @@ async def keep(
         kopf.info(dict(owner), reason=reason, message=message)
 
 
+def child_key(key: tuple[str, str], want: dict[str, Any]) -> tuple[str, str, str]:
+    """(kind, namespace, name) of a rendered child of the deployment ``key``."""
+    return want["kind"], key[0], want["metadata"]["name"]
+
+
 def _look_later(
     state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], delay: float, waited: bool
 ) -> None:
     """Check the child again in ``delay`` seconds (once: later events of it wait for that look)."""
-    child = (want["kind"], key[0], want["metadata"]["name"])
+    child = child_key(key, want)
     if child in state.backing_off:
         return
     state.backing_off.add(child)
@@ -408,7 +412,7 @@ async def _look_again(
     state: State, indexes: Mapping[str, Any], key: tuple[str, str], want: dict[str, Any], delay: float, waited: bool
 ) -> None:
     await asyncio.sleep(delay)
-    state.backing_off.discard((want["kind"], key[0], want["metadata"]["name"]))
+    state.backing_off.discard(child_key(key, want))
     current = state.desired.get(key, {}).get((want["kind"], want["metadata"]["name"]))
     if current is not None:
         await keep(state, indexes, key, current, waited=waited)
