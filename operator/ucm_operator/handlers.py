@@ -44,6 +44,7 @@ from ucm.deploy.roles import START_ORDER, Plan, PlanError, Site
 from ucm.deploy.spec import GROUP, PLURAL, VERSION, UCMDeploymentSpec, deprecated_fields, read_spec
 from ucm_operator.api import INSTALLED_WITH, KINDS, Api, ApiError, MissingKind, NameConflict, controlled_by
 from ucm_operator.drift import NOT_REVERTED, Reverts, drifted
+from ucm_operator.events import Events
 from ucm_operator.metrics import RECONCILE_SECONDS, RECONCILES, WRITES
 from ucm_operator.status import WORKLOADS, Child, child_from, computed_status, invalid_status
 from ucm_proxy.config import ProxyConfig
@@ -77,10 +78,12 @@ class State:
     reverts: dict[tuple[str, str, str], Reverts] = field(default_factory=dict)  # (kind, namespace, name)
     backing_off: set[tuple[str, str, str]] = field(default_factory=set)  # children with a later look scheduled
     looks: set[asyncio.Task[None]] = field(default_factory=set)  # those later looks
+    events: Events = field(default_factory=Events)
 
     def forget(self, key: tuple[str, str]) -> None:
         for memo in (self.written, self.failures, self.locks, self.pd_paths, self.warned, self.desired):
             memo.pop(key, None)
+        self.events.forget(*key)
 
 
 def new_memo(server: str | None = None, policy: Policy | None = None) -> kopf.Memo:
@@ -110,21 +113,36 @@ def children(indexes: Mapping[str, Any], namespace: str, name: str) -> list[Chil
     return out
 
 
-def plan_of(owner: Mapping[str, Any], policy: Policy) -> tuple[UCMDeploymentSpec, Plan] | str:
-    """The spec and its plan, or a message naming the field that makes it unusable."""
+@dataclass(frozen=True)
+class Invalid:
+    """Why a spec cannot be applied: ``InvalidSpec``, or ``PolicyRefused`` (valid, but outside what
+    the operator's policy lets a resource ask for); the message names the field."""
+
+    reason: str
+    message: str
+
+
+def plan_of(owner: Mapping[str, Any], policy: Policy) -> tuple[UCMDeploymentSpec, Plan] | Invalid:
+    """The spec and its plan, or why it is unusable."""
     meta = owner["metadata"]
     try:
         spec = read_spec(dict(owner.get("spec") or {}))
+    except ValidationError as exc:
+        return Invalid("InvalidSpec", format_validation_error(exc, "spec"))
+    try:
         policy.check(spec, meta["namespace"], meta["name"])
+    except PlanError as exc:
+        return Invalid("PolicyRefused", f"spec.{exc}")
+    try:
         plan = build_plan(meta["name"], spec, Site("kubernetes", namespace=meta["namespace"]))
         # The proxy's own options are the proxy's to judge (the plan passes them through).
         parse_config(ProxyConfig, yaml.safe_load(plan.files[PROXY_CONFIG_FILE]), "spec.proxy.config")
     except ValidationError as exc:
-        return format_validation_error(exc, "spec")
+        return Invalid("InvalidSpec", format_validation_error(exc, "spec"))
     except PlanError as exc:
-        return f"spec.{exc}"
+        return Invalid("InvalidSpec", f"spec.{exc}")
     except ConfigError as exc:
-        return str(exc)
+        return Invalid("InvalidSpec", str(exc))
     return spec, plan
 
 
@@ -193,8 +211,8 @@ def status_for(
     generation = meta.get("generation")
     old = owner.get("status") or {}
     planned = plan_of(owner, policy)
-    if isinstance(planned, str):
-        return invalid_status(old, planned, generation)
+    if isinstance(planned, Invalid):
+        return invalid_status(old, planned.reason, planned.message, generation)
     spec, plan = planned
     port = spec.proxy.service.port
     return computed_status(plan, meta["namespace"], port, kids, old, generation, failure, pd_path)
@@ -232,7 +250,7 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
             continue  # unchanged, or a first status that says nothing happened
         text = f"{cond['type']}={cond['status']}" + (f": {cond['message']}" if cond["message"] else "")
         bad = (cond["type"] == "Degraded") == (cond["status"] == "True")
-        (kopf.warn if bad else kopf.info)(dict(owner), reason=cond["reason"], message=text)
+        state.events.post(owner, cond["reason"], text, warning=bad)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
@@ -242,7 +260,7 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
     state: State = memo.ucm
     owner = _owner(body)
     planned = plan_of(owner, state.policy)
-    if isinstance(planned, str):
+    if isinstance(planned, Invalid):
         # Nothing is touched: running pods keep serving the last valid spec.
         RECONCILES.labels("invalid").inc()
         await refresh(state, namespace, name, kwargs)
@@ -252,20 +270,22 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, uid: str, memo: 
     if state.warned.get((namespace, name)) != generation:  # once per spec, however often it is reconciled
         state.warned[(namespace, name)] = generation
         for message in deprecated_fields(owner.get("spec") or {}):
-            kopf.warn(owner, reason="DeprecatedField", message=message)
+            state.events.post(owner, "DeprecatedField", message, warning=True)
         for message in ignored_replicas(spec, kwargs.get("diff") or ()):
-            kopf.warn(owner, reason="ReplicasIgnored", message=message)
+            state.events.post(owner, "ReplicasIgnored", message, warning=True)
     desired = render(Owner(name, namespace, uid), spec, plan, state.policy.autoscaler, state.policy.monitors)
     state.desired[(namespace, name)] = {(o["kind"], o["metadata"]["name"]): o for o in desired if o["kind"] in KINDS}
     failure: ApiError | None = None
     state.applying.add((namespace, name))
+    done: list[Change] = []
     with RECONCILE_SECONDS.time():
         try:
-            await apply(state.api, desired, children(kwargs, namespace, name))
+            await apply(state.api, desired, children(kwargs, namespace, name), done)
         except ApiError as exc:
             failure = exc
         finally:
             state.applying.discard((namespace, name))
+            tell(state.events, owner, done)
     RECONCILES.labels("failed" if failure else "ok").inc()
     if failure is None:
         state.failures.pop((namespace, name), None)
@@ -362,11 +382,12 @@ async def keep(
     what = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     if delay:
         if owner is not None:
-            kopf.warn(
-                dict(owner),
-                reason="DriftFight",
-                message=f"{kind} {name} keeps being changed outside the UCMDeployment ({what}); put back again "
+            state.events.post(
+                owner,
+                "DriftFight",
+                f"{kind} {name} keeps being changed outside the UCMDeployment ({what}); put back again "
                 f"in {delay:.0f} s. Change the UCMDeployment instead, or stop what changes the {kind}",
+                warning=True,
             )
         _look_later(state, indexes, key, want, delay, waited=True)
         return
@@ -387,7 +408,7 @@ async def keep(
             if live is None
             else ("DriftReverted", f"{kind} {name}: {what} changed outside the UCMDeployment; put back")
         )
-        kopf.info(dict(owner), reason=reason, message=message)
+        state.events.post(owner, reason, message)
 
 
 def child_key(key: tuple[str, str], want: dict[str, Any]) -> tuple[str, str, str]:
@@ -430,7 +451,8 @@ async def remove(name: str, namespace: str, memo: kopf.Memo, **kwargs: Any) -> N
     watches report) before the next is deleted, so clients stop being routed before engines go —
     then the rest (config, claim)."""
     state: State = memo.ucm
-    state.desired.pop((namespace, name), None)  # what goes now is not drift to put back
+    for kind, child in state.desired.pop((namespace, name), {}):  # what goes now is not drift to put back
+        state.reverts.pop((kind, namespace, child), None)
     kids = children(kwargs, namespace, name)
     for group in reversed(START_ORDER):
         stage = [c for c in kids if c.component in group]
@@ -465,11 +487,12 @@ async def _ensure_ours(api: Api, obj: dict[str, Any]) -> dict[str, Any]:
     return existing
 
 
-async def ensure_credentials(api: Api, obj: dict[str, Any]) -> int:
+async def ensure_credentials(api: Api, obj: dict[str, Any], done: list[Change]) -> None:
     """The deployment's credentials Secret: created once with random keys; a key the spec needs
     later (store.mac turned on) is added; a key it holds is never changed (a rotation would need
-    every engine and proxy restarted together). Returns the writes made."""
+    every engine and proxy restarted together)."""
     keys = obj["metadata"]["annotations"][GENERATED_KEYS].split(",")
+    name = obj["metadata"]["name"]
     try:
         existing = await _ensure_ours(api, obj)
     except ApiError as exc:
@@ -477,48 +500,99 @@ async def ensure_credentials(api: Api, obj: dict[str, Any]) -> int:
             raise
         await api.create({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in keys}})
         WRITES.labels("Secret", "create").inc()
-        return 1
+        done.append(Change("create", "Secret", name))
+        return
     missing = [k for k in keys if k not in (existing.get("data") or {})]
     if not missing:
-        return 0
+        return
     # A merge patch of stringData adds keys and leaves the others as they are.
     await api.patch({**obj, "stringData": {k: secrets.token_urlsafe(32) for k in missing}})
     WRITES.labels("Secret", "patch").inc()
-    return 1
+    done.append(Change("patch", "Secret", name, f"keys {', '.join(missing)} added"))
 
 
-async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child]) -> int:
+@dataclass(frozen=True)
+class Change:
+    """One write ``apply`` made, as its Event tells it."""
+
+    verb: str  # create, patch, scale, roll, delete
+    kind: str
+    name: str
+    detail: str = ""
+
+
+async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child], done: list[Change]) -> None:
     """Create or merge-patch what differs from the children seen; delete children no longer wanted
-    (never a claim: deleting a spec field must not delete KV data). Returns the writes made."""
+    (never a claim: deleting a spec field must not delete KV data). Each write made is appended to
+    ``done`` (as it is made: a failure part-way leaves the writes before it told)."""
     seen = {(c.kind, c.name): c for c in kids}
-    writes = 0
     for obj in desired:
         if obj["kind"] == "Secret":
-            writes += await ensure_credentials(api, obj)
+            await ensure_credentials(api, obj, done)
             continue
-        key = (obj["kind"], obj["metadata"]["name"])
+        kind, name = key = (obj["kind"], obj["metadata"]["name"])
         child = seen.pop(key, None)
         if child is not None and child.desired_hash == obj["metadata"]["annotations"][DESIRED_HASH]:
             continue
-        writes += 1
         if child is None:
             try:
                 await api.create(obj)
-                WRITES.labels(obj["kind"], "create").inc()
+                WRITES.labels(kind, "create").inc()
+                done.append(Change("create", kind, name))
                 continue
             except ApiError as exc:
-                if exc.status == 404 and obj["kind"] in INSTALLED_WITH:
-                    raise MissingKind(obj["kind"], obj["metadata"]["namespace"]) from None
+                if exc.status == 404 and kind in INSTALLED_WITH:
+                    raise MissingKind(kind, obj["metadata"]["namespace"]) from None
                 if exc.status != 409:
                     raise
             # Created meanwhile by us (our watch is behind: patch it), or someone else's object.
-            await _ensure_ours(api, obj)
+            live = await _ensure_ours(api, obj)
+        else:
+            live = await api.get(kind, obj["metadata"]["namespace"], name) if kind in WORKLOADS else None
         await api.patch(obj)
-        WRITES.labels(obj["kind"], "patch").inc()
+        WRITES.labels(kind, "patch").inc()
+        done.append(_patched(obj, live))
     namespace = desired[0]["metadata"]["namespace"]
     for kind, name in seen:
         if kind != "PersistentVolumeClaim":
-            writes += 1
             await api.delete(kind, namespace, name)
             WRITES.labels(kind, "delete").inc()
-    return writes
+            done.append(Change("delete", kind, name))
+
+
+def _patched(obj: dict[str, Any], live: Mapping[str, Any] | None) -> Change:
+    """A patch of a workload rolls its pods (its pod template changed) or scales it (its replicas)."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    if live is None or kind not in WORKLOADS:
+        return Change("patch", kind, name)
+    template = drifted(obj["spec"].get("template", {}), (live.get("spec") or {}).get("template"), "spec.template")
+    if template:
+        what = ", ".join(template[:3]) + (f" and {len(template) - 3} more" if len(template) > 3 else "")
+        return Change("roll", kind, name, what)
+    had, wants = (live.get("spec") or {}).get("replicas"), obj["spec"].get("replicas")
+    if wants is not None and had != wants:
+        return Change("scale", kind, name, f"from {had} to {wants} replicas")
+    return Change("patch", kind, name)
+
+
+# verb -> (the Event's reason, its message before the children's names, after them)
+GROUPED = {
+    "create": ("Created", "Created ", ""),
+    "patch": ("Updated", "Updated ", ""),
+    "delete": ("Deleted", "Deleted ", ": no longer in the spec"),
+}
+
+
+def tell(events: Events, owner: Mapping[str, Any], done: list[Change]) -> None:
+    """A reconcile's writes as Events: one per workload scaled or rolled (the decisions users look
+    for), and one each for the children created, updated and deleted."""
+    for c in done:
+        if c.verb == "scale":
+            events.post(owner, "Scaled", f"{c.kind} {c.name} scaled {c.detail}")
+        elif c.verb == "roll":
+            events.post(owner, "Rolled", f"{c.kind} {c.name}: its pod template changed ({c.detail}); its pods roll")
+    for verb, (reason, before, after) in GROUPED.items():
+        names = [f"{c.kind} {c.name}" + (f" ({c.detail})" if c.detail else "") for c in done if c.verb == verb]
+        if names:
+            listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            events.post(owner, reason, before + listed + after)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class LeaderElector:
         self._observed_at = 0.0  # by our clock
         self._renewed_at: float | None = None  # when we last held it, by our clock
         self._holder: str | None = None  # the holder the last look saw
+        self._lease_uid: str | None = None
 
     @property
     def leading(self) -> bool:
@@ -94,6 +96,7 @@ class LeaderElector:
                     announced = True
             await asyncio.sleep(self.timing.retry_s)
         logger.info("took leadership: lease %s/%s, identity %s", self.namespace, self.name, self.identity)
+        await self._announce()
 
     async def hold(self) -> None:
         """Renew every ``retry_s``; raises LeadershipLost when the Lease went to another replica or
@@ -163,6 +166,34 @@ class LeaderElector:
         self._took(written, now)
         return True
 
+    async def _announce(self) -> None:
+        """An Event on the Lease, as client-go's leader election posts (``kubectl describe lease``);
+        not posted is only logged: leading does not depend on it."""
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{self.name}.{secrets.token_hex(8)}", "namespace": self.namespace},
+            "involvedObject": {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self._lease_uid,
+            },
+            "reason": "LeaderElection",
+            "message": f"{self.identity} became leader",
+            "type": "Normal",
+            "source": {"component": "ucm-operator"},
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            await self.api.call("POST", f"/api/v1/namespaces/{self.namespace}/events", event)
+        except ApiError as exc:
+            logger.warning("lease %s/%s: leadership Event not posted: %s", self.namespace, self.name, exc)
+
     async def _write(self, lease: dict[str, Any]) -> Any:
         """A merge patch carrying the resourceVersion read: the API server applies it only if the
         Lease has not changed since (409 otherwise), so of two replicas writing, one wins."""
@@ -197,5 +228,6 @@ class LeaderElector:
         spec = (written or {}).get("spec") or {}
         meta = (written or {}).get("metadata") or {}
         self._holder = self.identity
+        self._lease_uid = meta.get("uid")
         self._observed, self._observed_at = (self.identity, spec.get("renewTime"), meta.get("resourceVersion")), now
         self._renewed_at = now

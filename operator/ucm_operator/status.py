@@ -91,12 +91,13 @@ def _dump(status: UCMDeploymentStatus) -> dict[str, Any]:
     return status.model_dump(by_alias=True, mode="json", exclude={"pd_path"})
 
 
-def invalid_status(old_status: Mapping[str, Any], message: str, generation: int | None) -> dict[str, Any]:
-    """Ready=False and Degraded=True naming the field; what the children reported is kept."""
+def invalid_status(old_status: Mapping[str, Any], reason: str, message: str, generation: int | None) -> dict[str, Any]:
+    """Ready=False and Degraded=True for ``reason`` (InvalidSpec, PolicyRefused), naming the field;
+    what the children reported is kept."""
     conds = Conditions(old_status, generation)
-    conds.add("Ready", False, "InvalidSpec", message)
-    conds.add("Progressing", False, "InvalidSpec", "nothing is applied until the spec is fixed")
-    conds.add("Degraded", True, "InvalidSpec", message)
+    conds.add("Ready", False, reason, message)
+    conds.add("Progressing", False, reason, "nothing is applied until the spec is fixed")
+    conds.add("Degraded", True, reason, message)
     return _dump(
         UCMDeploymentStatus(
             conditions=conds.items,

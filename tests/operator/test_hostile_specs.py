@@ -12,7 +12,7 @@ import pytest
 from tests.operator.test_operator import NS, SPEC, conditions, eventually
 from ucm.deploy.kubernetes import Owner, render
 from ucm.deploy.policy import Policy
-from ucm_operator.handlers import plan_of
+from ucm_operator.handlers import Invalid, plan_of
 from ucm_testing.kmock_operator import Emulator, operator_running
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
@@ -122,7 +122,8 @@ HOSTILE = [
 )
 def test_a_hostile_spec_is_refused_naming_the_field(change, message):
     refused = plan_of(owner(with_(change)), Policy())
-    assert isinstance(refused, str) and refused.startswith(message), refused
+    assert isinstance(refused, Invalid) and refused.message.startswith(message), refused
+    assert refused.reason in ("InvalidSpec", "PolicyRefused")
 
 
 def test_what_the_policy_allows_renders_safely():
@@ -141,7 +142,7 @@ def test_what_the_policy_allows_renders_safely():
         }
     )
     planned = plan_of(owner(spec), policy)
-    assert not isinstance(planned, str), planned
+    assert not isinstance(planned, Invalid), planned
     objs = {(o["kind"], o["metadata"]["name"]): o for o in render(Owner("h", NS, "uid-h"), *planned)}
     decode = objs[("Deployment", "h-decode")]["spec"]["template"]["spec"]
     (model,) = [v for v in decode["volumes"] if v["name"] == "model"]
@@ -161,8 +162,9 @@ def test_what_the_policy_allows_renders_safely():
     ]
     assert "envFrom" not in objs[("Deployment", "h-prefill")]["spec"]["template"]["spec"]["containers"][0]
     escape = {**spec, "model": {**spec["model"], "source": {"hostPath": "/data/models/../../etc"}}}
-    assert plan_of(owner(escape), policy) == (
-        "spec.model.source.hostPath: /data/models/../../etc is not under an allowed host path (/data/models)"
+    assert plan_of(owner(escape), policy) == Invalid(
+        "PolicyRefused",
+        "spec.model.source.hostPath: /data/models/../../etc is not under an allowed host path (/data/models)",
     )
 
 
@@ -173,7 +175,7 @@ async def test_the_operator_reports_a_hostile_spec_and_creates_nothing(kmock, cl
 
         async def invalid() -> dict[str, Any]:
             cond = conditions(await cluster.ucmd(NS, "h"))
-            assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "InvalidSpec", cond
+            assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "PolicyRefused", cond
             return cond
 
         cond = await eventually(invalid)

@@ -23,7 +23,7 @@ from ucm.deploy.ports import free_port
 from ucm_operator.api import Api
 from ucm_operator.api import path as child_path
 from ucm_operator.leader import LeaderElector, LeadershipLost, Timing, lease_path
-from ucm_testing.kmock_operator import Driver, Emulator
+from ucm_testing.kmock_operator import Driver, Emulator, posted_events
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 LEASE_NS = "ucm-system"
@@ -111,6 +111,9 @@ async def test_the_standby_takes_over_within_15_s_and_applies_a_change_exactly_o
         assert took <= TAKEOVER_S, f"the standby took {took:.1f} s to reconcile\n{standby.log()}"
         assert await holder(cluster) == standby.name
         assert (await lease(cluster))["spec"]["leaseTransitions"] == 1
+        told = [e for e in posted_events(kmock.calls) if e.get("reason") == "LeaderElection"]
+        assert [e["message"] for e in told] == [f"{leader.name} became leader", f"{standby.name} became leader"]
+        assert {e["involvedObject"]["kind"] for e in told} == {"Lease"}
         await asyncio.sleep(3)  # what a late or repeated write would take to show
         decode_patches = [w for w in writes(kmock, since) if w[1] == "deployments" and w[3].endswith("/a-decode")]
         assert len(decode_patches) == 1, decode_patches

@@ -543,7 +543,7 @@ async def test_scale_to_zero_with_hpas_is_refused_naming_the_field(kmock, cluste
 
         async def refused() -> None:
             degraded = conditions(await cluster.ucmd(NS, "a"))["Degraded"]
-            assert degraded["reason"] == "InvalidSpec"
+            assert degraded["reason"] == "PolicyRefused"
             assert degraded["message"].startswith("spec.decode.autoscaling.minReplicas: 0 (scale to zero) needs")
 
         await eventually(refused)
@@ -781,7 +781,7 @@ async def test_adapters_reach_every_engine_of_both_pools_and_runtime_loading_onl
         # Runtime adapter loading: served where the policy names the deployment, refused elsewhere.
         allowed = await eventually(lambda: engine_pods("allowed"))
         assert runtime in allowed["decode"]["containers"][0]["env"]
-        cond = await degraded(cluster, "other", "InvalidSpec")
+        cond = await degraded(cluster, "other", "PolicyRefused")
         assert cond["message"].startswith("spec.decode.env[0].name: VLLM_ALLOW_RUNTIME_LORA_UPDATING is not allowed"), (
             cond["message"]
         )
