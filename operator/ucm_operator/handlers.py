@@ -446,10 +446,11 @@ for _kind, (_group, _version, _plural) in KINDS.items():
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
-async def remove(name: str, namespace: str, memo: kopf.Memo, **kwargs: Any) -> None:
+async def remove(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo, **kwargs: Any) -> None:
     """Children go group by group in the reverse of the start order — each group gone (as the
     watches report) before the next is deleted, so clients stop being routed before engines go —
-    then the rest (config, claim)."""
+    then the rest (config, claim). A claim without this deployment's owner reference (kept by
+    ``store.pvc.create.whenDeleted: Retain``) stays."""
     state: State = memo.ucm
     for kind, child in state.desired.pop((namespace, name), {}):  # what goes now is not drift to put back
         state.reverts.pop((kind, namespace, child), None)
@@ -460,9 +461,24 @@ async def remove(name: str, namespace: str, memo: kopf.Memo, **kwargs: Any) -> N
             await state.api.delete(c.kind, namespace, c.name)
         await _gone(kwargs, namespace, name, {(c.kind, c.name) for c in stage})
     for c in kids:
-        if not any(c.component in group for group in START_ORDER):
-            await state.api.delete(c.kind, namespace, c.name)
+        if any(c.component in group for group in START_ORDER):
+            continue
+        if c.kind == "PersistentVolumeClaim" and not await _owned(state.api, c, namespace, uid):
+            message = f"PersistentVolumeClaim {c.name} kept (store.pvc.create.whenDeleted: Retain) with its KV blocks"
+            state.events.post(_owner(body), "Retained", message + f"; a UCMDeployment named {name} here uses it again")
+            continue
+        await state.api.delete(c.kind, namespace, c.name)
     state.forget((namespace, name))
+
+
+async def _owned(api: Api, child: Child, namespace: str, uid: str) -> bool:
+    """Whether the live child carries the deployment's owner reference (gone: nothing to keep)."""
+    try:
+        return controlled_by(await api.get(child.kind, namespace, child.name), uid)
+    except ApiError as exc:
+        if exc.status == 404:
+            return True
+        raise
 
 
 async def _gone(indexes: Mapping[str, Any], namespace: str, name: str, objects: set[tuple[str, str]]) -> None:
@@ -479,10 +495,16 @@ async def _gone(indexes: Mapping[str, Any], namespace: str, name: str, objects: 
 
 async def _ensure_ours(api: Api, obj: dict[str, Any]) -> dict[str, Any]:
     """The live object named like ``obj``, if it is this deployment's; NameConflict if it is someone
-    else's (the API's 404 if there is none)."""
+    else's (the API's 404 if there is none). A claim a deployment of this name kept
+    (``whenDeleted: Retain``: no owner reference, the deployment's labels) is this deployment's."""
     meta = obj["metadata"]
     existing = await api.get(obj["kind"], meta["namespace"], meta["name"])
-    if not controlled_by(existing, meta["ownerReferences"][0]["uid"]):
+    if "ownerReferences" in meta:
+        ours = controlled_by(existing, meta["ownerReferences"][0]["uid"])
+    else:
+        labels = (existing.get("metadata") or {}).get("labels") or {}
+        ours = all(labels.get(k) == v for k, v in meta["labels"].items())
+    if not ours:
         raise NameConflict(obj["kind"], meta["namespace"], meta["name"])
     return existing
 
@@ -549,7 +571,10 @@ async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child], done
             live = await _ensure_ours(api, obj)
         else:
             live = await api.get(kind, obj["metadata"]["namespace"], name) if kind in WORKLOADS else None
-        await api.patch(obj)
+        if "ownerReferences" not in obj["metadata"]:  # a claim now kept on delete: drop its owner reference
+            await api.patch({**obj, "metadata": {**obj["metadata"], "ownerReferences": None}})
+        else:
+            await api.patch(obj)
         WRITES.labels(kind, "patch").inc()
         done.append(_patched(obj, live))
     namespace = desired[0]["metadata"]["namespace"]

@@ -306,6 +306,79 @@ async def test_delete_removes_children_then_the_object(kmock, cluster):
 
 
 @pytest.mark.asyncio
+async def test_a_kept_claim_outlives_its_deployment_and_serves_the_next_of_its_name(kmock, cluster):
+    """store.pvc.create.whenDeleted: Retain: the claim carries no owner reference (no cascade deletes
+    it), deletion leaves it with an Event, and a UCMDeployment of the same name takes it again."""
+    kept = copy.deepcopy(SPEC)
+    kept["store"]["pvc"]["create"]["whenDeleted"] = "Retain"
+    ucmd = f"/apis/ucm.io/v1alpha1/namespaces/{NS}/ucmdeployments"
+    async with operator_running(cluster.url):
+        await created_and_ready(cluster, "a", kept)
+        claim = await cluster.call("GET", child_path("PersistentVolumeClaim", NS, "a-kv"))
+        assert "ownerReferences" not in claim["metadata"]
+        await cluster.call("DELETE", f"{ucmd}/a")
+
+        async def gone_but_the_claim() -> None:
+            assert (await cluster.call("GET", ucmd))["items"] == []
+            assert set(await cluster.children(NS, "a")) <= {
+                ("Secret", "a-credentials"),
+                ("PersistentVolumeClaim", "a-kv"),
+            }
+            retained = [e["message"] for e in posted_events(kmock.calls) if e.get("reason") == "Retained"]
+            assert retained and retained[0].startswith("PersistentVolumeClaim a-kv kept"), retained
+
+        await eventually(gone_but_the_claim)
+        assert not [c for c in kmock.calls if c.verb == "delete" and c.path.endswith("/a-kv")]
+        assert (await cluster.call("GET", child_path("PersistentVolumeClaim", NS, "a-kv")))["metadata"]["uid"] == (
+            claim["metadata"]["uid"]
+        )
+
+        await cluster.call("DELETE", child_path("Secret", NS, "a-credentials"))  # the garbage collector's part
+        # The next deployment named a, now deleting its claim with it: the same claim, adopted.
+        await cluster.apply_ucmd(NS, "a", SPEC, uid="uid-a2")
+
+        async def adopted() -> None:
+            now = await cluster.call("GET", child_path("PersistentVolumeClaim", NS, "a-kv"))
+            assert now["metadata"]["uid"] == claim["metadata"]["uid"]
+            assert [r["uid"] for r in now["metadata"].get("ownerReferences") or []] == ["uid-a2"]
+
+        await eventually(adopted)
+        assert conditions(await cluster.ucmd(NS, "a"))["Degraded"]["status"] == "False"
+
+        # And back to Retain: the owner reference goes again.
+        await cluster.update_ucmd(NS, "a", kept, generation=2)
+
+        async def released() -> None:
+            now = await cluster.call("GET", child_path("PersistentVolumeClaim", NS, "a-kv"))
+            assert not now["metadata"].get("ownerReferences"), now["metadata"]
+
+        await eventually(released)
+
+
+@pytest.mark.asyncio
+async def test_a_claim_the_user_brought_is_never_deleted(kmock, cluster):
+    theirs = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "team-kv", "namespace": NS}}
+    theirs["spec"] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Ti"}}}
+    await cluster.call("POST", child_path("PersistentVolumeClaim", NS), theirs)
+    spec = {**SPEC, "store": {"type": "posix", "pvc": {"claimName": "team-kv"}}}
+    async with operator_running(cluster.url):
+        await cluster.apply_ucmd(NS, "u", spec, uid="uid-u")
+
+        async def running() -> None:
+            assert ("Deployment", "u-decode") in await cluster.children(NS, "u")
+
+        await eventually(running)
+        await cluster.call("DELETE", f"/apis/ucm.io/v1alpha1/namespaces/{NS}/ucmdeployments/u")
+
+        async def gone() -> None:
+            assert set(await cluster.children(NS, "u")) <= {("Secret", "u-credentials")}
+
+        await eventually(gone)
+        assert await cluster.call("GET", child_path("PersistentVolumeClaim", NS, "team-kv"))
+        assert not [c for c in kmock.calls if c.verb == "delete" and c.path.endswith("/team-kv")]
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("change", "field"),
     [

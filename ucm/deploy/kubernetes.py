@@ -116,13 +116,11 @@ def render(
         meta["annotations"] = {GENERATED_KEYS: ",".join(plan.credentials)}
         objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque"})
     if plan.store_claim is not None:
+        meta = owner.meta("kv", "store")
+        if plan.store_claim_retained:  # no cascade may delete it: found again by its name and labels
+            meta.pop("ownerReferences", None)
         objects.append(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": owner.meta("kv", "store"),
-                "spec": plan.store_claim,
-            }
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": plan.store_claim}
         )
     for role in plan.roles:
         pods = _leader_worker_set if role.group is not None else _deployment

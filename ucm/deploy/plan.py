@@ -208,6 +208,7 @@ def build_plan(name: str, spec: UCMDeploymentSpec, site: Site) -> Plan:
         roles=roles,
         files=files,
         store_claim=claim,
+        store_claim_retained=claim is not None and kind.retained(opts),
         store_external=None if claim is not None else kind.external(opts),
         credentials=tuple(credentials),
     )

@@ -131,6 +131,7 @@ class Plan:
     roles: list[Role]
     files: dict[str, str]  # config files by name: a ConfigMap in Kubernetes, a directory locally
     store_claim: dict[str, Any] | None = None  # a PVC spec the deployment owns, when asked for
+    store_claim_retained: bool = False  # that claim outlives the deployment (store.pvc.create.whenDeleted)
     store_external: str | None = None  # the store nothing here runs or claims, described for status
     credentials: tuple[str, ...] = ()  # keys of the deployment's generated credentials
 

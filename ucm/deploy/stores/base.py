@@ -37,6 +37,10 @@ class StoreKind(ABC):
         """A PersistentVolumeClaim spec the deployment creates and owns."""
         return None
 
+    def retained(self, opts: Any) -> bool:
+        """Whether that claim outlives the deployment (no owner reference; never deleted by it)."""
+        return False
+
     def known_size(self, opts: Any) -> int | None:
         """The volume's size in bytes where the deployment knows it (a claim it creates)."""
         return None

@@ -26,6 +26,13 @@ class NewClaim(Spec):
         min_length=1,
         description="The claim's access modes; every engine pod mounts it read-write, hence ReadWriteMany by default",
     )
+    when_deleted: Literal["Delete", "Retain"] = Field(
+        "Delete",
+        description="What deleting the UCMDeployment does to the claim and the KV blocks on it (as a StatefulSet's "
+        "persistentVolumeClaimRetentionPolicy): Delete, with the deployment; Retain, kept (it carries no owner "
+        "reference, so no cascade deletes it either), and a UCMDeployment of the same name in the namespace uses it "
+        "again. `kubectl delete pvc NAME-kv` frees it",
+    )
 
 
 class ClaimSpec(Spec):
@@ -33,7 +40,9 @@ class ClaimSpec(Spec):
         ("has(self.claimName) != has(self.create)", "store.pvc: set exactly one of claimName, create"),
     )
     claim_name: str | None = Field(None, min_length=1, description="An existing claim (RWX for several pods)")
-    create: NewClaim | None = Field(None, description="A claim the operator creates and owns")
+    create: NewClaim | None = Field(
+        None, description="A claim the operator creates (claimName: one you bring, which is never deleted)"
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ClaimSpec:
@@ -69,6 +78,9 @@ class Posix(StoreKind):
         if new.storage_class_name:
             claim["storageClassName"] = new.storage_class_name
         return claim
+
+    def retained(self, opts: ClaimSpec) -> bool:
+        return opts.create is not None and opts.create.when_deleted == "Retain"
 
     def known_size(self, opts: ClaimSpec) -> int | None:
         return quantity_bytes(opts.create.size, "store.pvc.create.size") if opts.create is not None else None
