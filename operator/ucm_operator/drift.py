@@ -70,3 +70,11 @@ class Reverts:
 
     def record(self, now: float | None = None) -> None:
         self.times.append(time.monotonic() if now is None else now)
+
+    def calm_in(self, now: float | None = None) -> float:
+        """Seconds until ``delay`` is 0 again if no revert comes meanwhile (0: not fighting)."""
+        now = time.monotonic() if now is None else now
+        recent = [t for t in self.times if now - t < self.WINDOW_S]
+        if len(recent) < self.FIGHT:
+            return 0.0
+        return recent[-self.FIGHT] + self.WINDOW_S - now

@@ -77,7 +77,8 @@ class State:
     applying: set[tuple[str, str]] = field(default_factory=set)  # deployments whose reconcile is writing
     reverts: dict[tuple[str, str, str], Reverts] = field(default_factory=dict)  # (kind, namespace, name)
     backing_off: set[tuple[str, str, str]] = field(default_factory=set)  # children with a later look scheduled
-    looks: set[asyncio.Task[None]] = field(default_factory=set)  # those later looks
+    looks: set[asyncio.Task[None]] = field(default_factory=set)  # those later looks (and rechecks')
+    rechecks: set[tuple[str, str]] = field(default_factory=set)  # deployments with a status look scheduled
     events: Events = field(default_factory=Events)
 
     def forget(self, key: tuple[str, str]) -> None:
@@ -206,6 +207,7 @@ def status_for(
     failure: ApiError | None,
     policy: Policy,
     pd_path: Mapping[str, Any] | None = None,
+    contested: Iterable[str] = (),
 ) -> dict[str, Any]:
     meta = owner["metadata"]
     generation = meta.get("generation")
@@ -215,7 +217,7 @@ def status_for(
         return invalid_status(old, planned.reason, planned.message, generation)
     spec, plan = planned
     port = spec.proxy.service.port
-    return computed_status(plan, meta["namespace"], port, kids, old, generation, failure, pd_path)
+    return computed_status(plan, meta["namespace"], port, kids, old, generation, failure, pd_path, contested)
 
 
 async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str, Any]) -> None:
@@ -230,7 +232,11 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
         old = state.written.get(key) or owner.get("status") or {}
         kids = children(indexes, namespace, name)
         pd_path = (owner.get("status") or {}).get("pdPath")  # the proxy's, from the watch
-        new = status_for({**owner, "status": old}, kids, state.failures.get(key), state.policy, pd_path)
+        fights = fighting(state, key)
+        if fights:  # looked at again once the fight is over, to say so
+            _refresh_later(state, indexes, key, min(fights.values()))
+        failure = state.failures.get(key)
+        new = status_for({**owner, "status": old}, kids, failure, state.policy, pd_path, fights)
         if {k: v for k, v in old.items() if k in new} == new:
             return
         try:
@@ -251,6 +257,32 @@ async def refresh(state: State, namespace: str, name: str, indexes: Mapping[str,
         text = f"{cond['type']}={cond['status']}" + (f": {cond['message']}" if cond["message"] else "")
         bad = (cond["type"] == "Degraded") == (cond["status"] == "True")
         state.events.post(owner, cond["reason"], text, warning=bad)
+
+
+def fighting(state: State, key: tuple[str, str]) -> dict[str, float]:
+    """The deployment's children someone else keeps changing ("Deployment a-decode"), each with the
+    seconds until that fight counts as over if it stops now."""
+    out: dict[str, float] = {}
+    for kind, name in state.desired.get(key, {}):
+        reverts = state.reverts.get((kind, key[0], name))
+        if reverts is not None and (calm := reverts.calm_in()) > 0:
+            out[f"{kind} {name}"] = calm
+    return out
+
+
+def _refresh_later(state: State, indexes: Mapping[str, Any], key: tuple[str, str], delay: float) -> None:
+    if key in state.rechecks:
+        return
+    state.rechecks.add(key)
+
+    async def later() -> None:
+        await asyncio.sleep(delay + 0.1)
+        state.rechecks.discard(key)
+        await refresh(state, *key, indexes)
+
+    task = asyncio.create_task(later())
+    state.looks.add(task)
+    task.add_done_callback(state.looks.discard)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
@@ -390,6 +422,7 @@ async def keep(
                 warning=True,
             )
         _look_later(state, indexes, key, want, delay, waited=True)
+        await refresh(state, *key, indexes)  # Contested
         return
     if live is None:
         try:
@@ -402,6 +435,7 @@ async def keep(
         await state.api.patch(want)
         WRITES.labels(kind, "patch").inc()
     reverts.record()
+    await refresh(state, *key, indexes)  # Contested, from the third revert within a minute
     if owner is not None:
         reason, message = (
             ("ChildRecreated", f"{kind} {name} was deleted; recreated")

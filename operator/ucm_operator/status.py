@@ -118,9 +118,10 @@ def computed_status(
     generation: int | None,
     failure: ApiError | None = None,
     pd_path: Mapping[str, Any] | None = None,
+    contested: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The status for a valid spec; ``failure`` is the last apply error, if any; ``pd_path`` what
-    the proxy last wrote."""
+    the proxy last wrote; ``contested`` the children someone else keeps changing ("Deployment a-decode")."""
     kids = list(children)
     by_component = {c.component: c for c in kids if c.kind in WORKLOADS}
     conds = Conditions(old_status, generation)
@@ -147,6 +148,15 @@ def computed_status(
     conds.add("Progressing", not ready and failure is None, "Rollout", waiting)
     conds.add(
         "Degraded", failure is not None, failure.reason if failure else "AsExpected", str(failure) if failure else ""
+    )
+    fought = sorted(contested)
+    conds.add(
+        "Contested",
+        bool(fought),
+        "DriftFight" if fought else "AsExpected",
+        f"{', '.join(fought)}: changed outside the UCMDeployment again and again; put back with backoff"
+        if fought
+        else "",
     )
     _pd_path(conds, pd_path)
     return _dump(

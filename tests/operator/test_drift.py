@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.test_operator import NS, created_and_ready, eventually, writes
+from tests.operator.test_operator import NS, conditions, created_and_ready, eventually, writes
 from ucm_operator.api import path as child_path
 from ucm_operator.drift import Reverts, drifted
 from ucm_testing.kmock_operator import Driver, Emulator, operator_running, posted_events
@@ -131,6 +131,7 @@ async def _quiet(kmock, since: int) -> None:
 @pytest.mark.asyncio
 async def test_a_child_someone_keeps_changing_is_backed_off_from_and_reported(kmock, cluster, monkeypatch):
     monkeypatch.setattr(Reverts, "FIRST_DELAY_S", 2.0)
+    monkeypatch.setattr(Reverts, "WINDOW_S", 10.0)  # a fight is over after 10 s without a revert
     async with operator_running(cluster.url):
         await created_and_ready(cluster, "a")
         rendered = (await get(cluster, "Deployment", "a-decode"))["spec"]["replicas"]
@@ -158,10 +159,23 @@ async def test_a_child_someone_keeps_changing_is_backed_off_from_and_reported(km
         await eventually(reported)
         assert (await get(cluster, "Deployment", "a-decode"))["spec"]["replicas"] == 8  # not at once
 
+        async def contested() -> dict[str, Any]:
+            cond = conditions(await cluster.ucmd(NS, "a"))["Contested"]
+            assert cond["status"] == "True" and cond["reason"] == "DriftFight", cond
+            return cond
+
+        assert (await eventually(contested))["message"].startswith("Deployment a-decode: changed outside")
+
         async def later() -> None:
             assert (await get(cluster, "Deployment", "a-decode"))["spec"]["replicas"] == rendered
 
         await eventually(later, timeout=10)
+
+        async def over() -> None:
+            cond = conditions(await cluster.ucmd(NS, "a"))["Contested"]
+            assert cond["status"] == "False" and cond["reason"] == "AsExpected", cond
+
+        await eventually(over, timeout=Reverts.WINDOW_S + 5)
 
 
 def test_drift_is_measured_on_the_fields_the_operator_sets():
@@ -190,9 +204,10 @@ def test_a_fight_backs_off_exponentially_up_to_a_cap():
     for t in (0.0, 1.0, 2.0):
         r.record(t)
     assert r.delay(3.0) == Reverts.FIRST_DELAY_S
+    assert r.calm_in(3.0) == Reverts.WINDOW_S - 3.0  # the first of the three a minute old
     r.record(13.0)
     assert r.delay(14.0) == 2 * Reverts.FIRST_DELAY_S
     for t in range(20, 26):
         r.record(float(t))
     assert r.delay(26.0) == Reverts.MAX_DELAY_S
-    assert r.delay(200.0) == 0.0  # quiet for a minute: forgiven
+    assert r.delay(200.0) == 0.0 and r.calm_in(200.0) == 0.0  # quiet for a minute: forgiven

@@ -466,11 +466,13 @@ class Condition(Spec):
         "DisaggregationEffective",
         "Progressing",
         "Degraded",
+        "Contested",
     ] = Field(
         description="Ready: every role and the store ready, the last apply succeeded; StoreReady, PrefillReady, "
         "DecodeReady, ProxyReady: that role; PDPathHealthy: the proxy's last check through prefill, store and "
         "decode passed; DisaggregationEffective: recent requests went through prefill and decode loaded its KV; "
-        "Progressing: roles not all ready yet, nothing failed; Degraded: the spec is invalid or an apply failed"
+        "Progressing: roles not all ready yet, nothing failed; Degraded: the spec is invalid or refused, or an apply "
+        "failed; Contested: children changed outside the resource again and again, put back with backoff"
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False, or Unknown (not known yet)")
     reason: str = Field("", description="Why, in one CamelCase word (Waiting, InvalidSpec, NotChecked, ...)")
