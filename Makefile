@@ -102,7 +102,7 @@ fmt: dev
 generate: dev
 	$(BIN)/python -m ucm.engine_args ucm/vllm_options.py
 	$(BIN)/python -m ucm.deploy.crd crds/ucm.io_ucmdeployments.yaml
-	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/crds/
+	cp crds/ucm.io_ucmdeployments.yaml charts/ucm-operator/files/
 	$(BIN)/python -m ucm.deploy.rules charts/ucm-operator/files/ucm-rules.yaml
 	$(BIN)/python -m ucm.deploy.dashboard charts/ucm-operator/files/ucm-dashboard.json
 	$(BIN)/python -m ucm_testing.docs_reference docs/reference

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("ucmdeployment-*.yaml"))
 
 
-@pytest.mark.parametrize("copy_", ["crds", "charts/ucm-operator/crds"])
+@pytest.mark.parametrize("copy_", ["crds", "charts/ucm-operator/files"])
 def test_checked_in_crds_are_what_the_models_generate(copy_):
     checked_in = (ROOT / copy_ / CRD_FILE).read_text()
     assert checked_in == render(), f"run: make generate ({copy_}/{CRD_FILE} drifted from the models)"

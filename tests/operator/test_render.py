@@ -455,6 +455,24 @@ def test_the_chart_runs_two_replicas_that_elect_a_leader(tmp_path):
     assert refused.returncode != 0 and "'/replicas': minimum: got 0, want 1" in refused.stderr, refused.stderr
 
 
+def test_the_chart_upgrades_the_crd_with_the_release_and_keeps_it_on_uninstall(tmp_path):
+    """The CRD is a template (Helm never upgrades a chart's crds/): what the models generate, with
+    helm.sh/resource-policy keep; crds.install=false leaves it to whoever manages it."""
+
+    def crds(*values: str) -> list[dict]:
+        out = helm("template", "u", str(CHART), "--namespace", "ucm-system", *values, tmp=tmp_path)
+        return [d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"]
+
+    generated = yaml.safe_load((ROOT / "crds" / "ucm.io_ucmdeployments.yaml").read_text())
+    [crd] = crds()
+    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert crd == generated
+    [unkept] = crds("--set", "crds.keep=false")
+    assert "annotations" not in unkept["metadata"]
+    assert crds("--set", "crds.install=false") == []
+    assert not (CHART / "crds").exists()  # which Helm would install once, and never upgrade
+
+
 def test_the_charts_allowed_env_names_are_the_operators():
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["policy"]["properties"]["allowedEnv"]["items"]["pattern"] == allowable_env_pattern()
