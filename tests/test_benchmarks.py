@@ -105,6 +105,22 @@ def test_store_bench_round_trips_every_store(tmp_path):
     assert all(r["dump_gbps"] > 0 and r["load_gbps"] > 0 for r in summary["results"])
 
 
+def test_store_scale_measures_checks_evictions_and_the_eviction_order(tmp_path):
+    """The posix store filled with 2,000 and 8,000 blocks (--smoke): a capacity check that evicts
+    nothing, an eviction pass, lookups, each beside its bound, and a Zipf trace through the store
+    against an exact LRU. The flow and its keys, not the figures."""
+    summary = run_benchmark("store_scale.py", tmp_path, "--smoke", "--dir", str(tmp_path), timeout=300)
+    assert [s["blocks"] for s in summary["sizes"]] == [2000, 8000]
+    for size in summary["sizes"]:
+        assert size["evicted_blocks"] > 0.09 * size["blocks"], size  # down to evict_to (0.9) of capacity
+        for key in ("check_ms", "bound_check_ms", "evict_us_per_block", "lookup_us", "bound_lookup_us"):
+            assert size[key] > 0, key
+    zipf = summary["zipf"]
+    assert 0 < zipf["store_hit_rate"] <= 1 and 0 < zipf["lru_hit_rate"] <= 1
+    assert summary["hit_rate_vs_lru"] == pytest.approx(zipf["store_hit_rate"] / zipf["lru_hit_rate"])
+    assert summary["check_growth"] > 0 and summary["evict_growth"] > 0
+
+
 def test_transfer_bench_gathers_the_reference_bytes(tmp_path):
     """The native gather/scatter, torch's and memcpy at both block sizes and thread counts, and the
     block files raw and through the posix store (--smoke): the native gather's bytes equal torch's."""
