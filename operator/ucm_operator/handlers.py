@@ -610,7 +610,7 @@ async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child], done
         else:
             await api.patch(obj)
         WRITES.labels(kind, "patch").inc()
-        done.append(_patched(obj, live))
+        done.extend(_patched(obj, live))
     namespace = desired[0]["metadata"]["namespace"]
     for kind, name in seen:
         if kind != "PersistentVolumeClaim":
@@ -619,19 +619,21 @@ async def apply(api: Api, desired: list[dict[str, Any]], kids: list[Child], done
             done.append(Change("delete", kind, name))
 
 
-def _patched(obj: dict[str, Any], live: Mapping[str, Any] | None) -> Change:
-    """A patch of a workload rolls its pods (its pod template changed) or scales it (its replicas)."""
+def _patched(obj: dict[str, Any], live: Mapping[str, Any] | None) -> list[Change]:
+    """A patch of a workload rolls its pods (its pod template changed), scales it (its replicas),
+    or both; any other patch is an update."""
     kind, name = obj["kind"], obj["metadata"]["name"]
     if live is None or kind not in WORKLOADS:
-        return Change("patch", kind, name)
+        return [Change("patch", kind, name)]
+    changes = []
     template = drifted(obj["spec"].get("template", {}), (live.get("spec") or {}).get("template"), "spec.template")
     if template:
         what = ", ".join(template[:3]) + (f" and {len(template) - 3} more" if len(template) > 3 else "")
-        return Change("roll", kind, name, what)
+        changes.append(Change("roll", kind, name, what))
     had, wants = (live.get("spec") or {}).get("replicas"), obj["spec"].get("replicas")
     if wants is not None and had != wants:
-        return Change("scale", kind, name, f"from {had} to {wants} replicas")
-    return Change("patch", kind, name)
+        changes.append(Change("scale", kind, name, f"from {had} to {wants} replicas"))
+    return changes or [Change("patch", kind, name)]
 
 
 # verb -> (the Event's reason, its message before the children's names, after them)
