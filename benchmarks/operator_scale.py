@@ -137,22 +137,32 @@ async def quiet(k: Any, seconds: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def times_until(driver: Driver, names: list[str], replicas: int, since: float, timeout: float) -> list[float]:
-    """Per object, the seconds from ``since`` until its decode Deployment has ``replicas``."""
+async def times_until(
+    k: Any, driver: Driver, names: list[str], replicas: int, mark: int, since: float, timeout: float
+) -> list[float]:
+    """Per object, the seconds from ``since`` until the operator's patch of its decode Deployment
+    reached the API server (the first after call ``mark``, as kmock received it: listing 600
+    Deployments to watch for it would load kmock, which serves the operator too); then every one
+    is checked to hold ``replicas``."""
     done: dict[str, float] = {}
+    wanted = {f"{DEPLOYMENTS}/{name}-decode": name for name in names}
+    seen = mark
     deadline = time.perf_counter() + timeout
     while len(done) < len(names):
-        listing = await driver.call("GET", DEPLOYMENTS)
-        now = time.perf_counter()
-        for obj in listing["items"]:
-            name = obj["metadata"]["name"].removesuffix("-decode")
-            if name in names and name not in done and obj["spec"].get("replicas") == replicas:
-                done[name] = now - since
-        if now > deadline:
-            seen = {o["metadata"]["name"]: o["spec"].get("replicas") for o in listing["items"]}
-            missing = {name: seen.get(f"{name}-decode") for name in names if name not in done}
-            raise SystemExit(f"not at {replicas} decode replicas after {timeout:.0f} s: {missing}")
+        for call, at in zip(k.calls[seen:], k.call_times[seen:], strict=True):
+            name = wanted.get(call.path)
+            if name is not None and call.verb == "patch" and name not in done:
+                done[name] = at - since
+        seen = len(k.calls)
+        if time.perf_counter() > deadline:
+            missing = sorted(set(names) - set(done))
+            raise SystemExit(f"no patch of {len(missing)} decode Deployments after {timeout:.0f} s: {missing[:5]}")
         await asyncio.sleep(0.1)
+    listing = await driver.call("GET", DEPLOYMENTS)
+    decode = [o for o in listing["items"] if o["metadata"]["name"].endswith("-decode")]
+    wrong = [o["metadata"]["name"] for o in decode if o["spec"].get("replicas") != replicas]
+    if wrong:
+        raise SystemExit(f"decode Deployments not at {replicas} replicas after their patch: {wrong[:5]}")
     return list(done.values())
 
 
@@ -212,16 +222,17 @@ async def run(n: int, log: Path) -> dict[str, Any]:
             leader = await until(lambda: lease_holder(driver), SETTLE_S + n)
             await quiet(k, 3.0)  # the leader's resume pass done
             pair[leader].kill()
-            died = time.perf_counter()
+            died, mark = time.perf_counter(), len(k.calls)
             await asyncio.gather(*(driver.update_ucmd(NS, name, CHANGED, generation=2) for name in names))
-            failover = await times_until(driver, names, CHANGED["decode"]["replicas"], died, SETTLE_S + n)
+            replicas = CHANGED["decode"]["replicas"]
+            failover = await times_until(k, driver, names, replicas, mark, died, SETTLE_S + n)
             survivor = next(p for name, p in pair.items() if name != leader)
 
-            started = time.perf_counter()
+            started, mark = time.perf_counter(), len(k.calls)
             await asyncio.gather(
                 *(driver.call("PATCH", f"{DEPLOYMENTS}/{name}-decode", {"spec": {"replicas": 9}}) for name in names)
             )
-            drift = await times_until(driver, names, CHANGED["decode"]["replicas"], started, SETTLE_S + n)
+            drift = await times_until(k, driver, names, replicas, mark, started, SETTLE_S + n)
             failover_rss = await stop_operator(survivor)
         finally:
             for p in [proc, *pair.values()]:

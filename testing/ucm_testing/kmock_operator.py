@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -61,6 +62,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     history_limit: int | None = None
     calls: list[Call] = attrs.field(factory=list, init=False)
+    call_times: list[float] = attrs.field(factory=list, init=False)  # time.perf_counter() of each of calls
     _lease_writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
@@ -97,6 +99,7 @@ class Emulator(kmock.KubernetesEmulator):
         call = _as_call(request)
         if call is not None:
             self.calls.append(call)
+            self.call_times.append(time.perf_counter())
         if self.history_limit is not None and len(self._requests) > 2 * self.history_limit:
             del self._requests[: -self.history_limit]
         return await super()._handle(request)
