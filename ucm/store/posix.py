@@ -22,6 +22,9 @@ read, so a block evicted by another process mid-read is still read whole (or, op
 unlink, is a clean miss).
 
 Eviction is LRU by mtime: loads refresh a block's mtime at most every ``touch_interval_s``.
+With a ``capacity``, a capacity check reads the used bytes from the writers' ledgers
+(``ucm.store.usage``), not from a walk of every block; a walk runs for an eviction pass and at
+least every ``usage_walk_interval_s`` to correct what the ledgers missed.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ucm import metrics
 from ucm.config import ConfigError, StrictModel
 from ucm.store import workers
 from ucm.store.base import Blob, BlockInfo, PerBlockStore, blob_segments, blob_size, copy_from_blob, copy_to_blob
+from ucm.store.usage import Usage
 
 logger = logging.getLogger(__name__)
 # KV reveals the prompts it was computed from: owner and group only (pods of a deployment share
@@ -90,6 +94,13 @@ class PosixConfig(StrictModel):
     evict_to: float = Field(0.9, gt=0, lt=1, description="Fraction of capacity left after an eviction pass")
     eviction_interval_s: float = Field(10.0, gt=0, description="Longest wait between capacity checks")
     touch_interval_s: float = Field(60.0, ge=0, description="Loads refresh a block's LRU time this often")
+    usage_walk_interval_s: float = Field(
+        3600.0,
+        gt=0,
+        description="With a capacity: the longest time between two full walks of the store that correct its "
+        "used bytes, which capacity checks otherwise read from the writers' ledgers (a walk of a million blocks "
+        "takes seconds on a local disk, much longer over NFS)",
+    )
     stale_handle_retries: int = Field(0, ge=0, le=10, description="Retries on ESTALE (NFS)")
     verify_checksum: bool = Field(
         True,
@@ -163,7 +174,9 @@ class PosixStore(PerBlockStore):
         self._written_lock = threading.Lock()
         self._written_since_check = 0
         self._evictor: threading.Thread | None = None
+        self._usage: Usage | None = None
         if config.capacity is not None:
+            self._usage = Usage(self._roots[0], int(config.capacity), config.usage_walk_interval_s)
             # Between the high watermark and capacity lies half the eviction gap. The writers of the
             # store share an eighth of the gap: a writer wakes its evictor after its share and, if
             # no check has run by twice its share, runs one itself before writing on. Together they
@@ -388,8 +401,9 @@ class PosixStore(PerBlockStore):
 
     # -- capacity and admin --------------------------------------------------------------------
     def _account_written(self, nbytes: int) -> None:
-        if self._evictor is None:
+        if self._usage is None:
             return
+        self._usage.add(nbytes)
         with self._written_lock:
             self._written_since_check += nbytes
             pending = self._written_since_check
@@ -407,6 +421,8 @@ class PosixStore(PerBlockStore):
             self._gc_wakeup.clear()
             if self._closed.is_set():
                 return
+            assert self._usage is not None
+            self._usage.flush()  # also when idle: a ledger left unwritten for long is taken for a stopped store's
             with self._written_lock:
                 wrote, self._written_since_check = self._written_since_check, 0
             if wrote:  # a process that writes nothing leaves eviction to those that do
@@ -444,8 +460,14 @@ class PosixStore(PerBlockStore):
                 fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 return None
-            entries = list(self._scan_entries())
-            used = sum(e.size for e in entries)
+            assert self._usage is not None
+            used, entries = self._usage.used(), []
+            if used is None or used > self._high_watermark:
+                # A walk is due, or an eviction pass, which needs every block's age: both are one walk.
+                at_walk = self._usage.before_walk()
+                entries = list(self._scan_entries())
+                used = sum(e.size for e in entries)
+                self._usage.record_walk(used, at_walk)
             evicted = (0, 0)
             if used > self._high_watermark:
                 evicted = self._evict(entries, int(int(self.config.capacity) * self.config.evict_to))
@@ -458,10 +480,13 @@ class PosixStore(PerBlockStore):
             gone = False
             for path in self._paths(block_id):
                 try:
+                    size = os.lstat(path).st_size if self._usage is not None else 0
                     os.unlink(path)
                     gone = True
                 except FileNotFoundError:
-                    pass
+                    continue
+                if self._usage is not None:
+                    self._usage.add(-size)
             removed.append(gone)
         return removed
 
@@ -470,19 +495,22 @@ class PosixStore(PerBlockStore):
 
     def _evict(self, entries: list[_Entry], target_bytes: int) -> tuple[int, int]:
         total = sum(e.size for e in entries)
-        n = freed = 0
+        n = freed = unlinked = 0
         for e in sorted(entries, key=lambda e: e.mtime):
             if total - freed <= target_bytes:
                 break
             try:
                 os.unlink(e.path)
+                unlinked += e.size
             except FileNotFoundError:
-                pass  # another process evicted it first
+                pass  # removed since the walk (another process, a corrupt block): gone all the same
             except OSError as exc:  # one entry that will not go (EBUSY, EACCES, ESTALE) stops nothing
                 logger.warning("%s: cannot evict %s: %s", self.backend, e.path, exc.strerror or exc)
                 continue
             freed += e.size
             n += 1
+        if self._usage is not None:
+            self._usage.add(-unlinked)  # what others removed is theirs to count (or the next walk's)
         if n:
             metrics.STORE_EVICTED_BLOCKS.labels(self.backend).inc(n)
             metrics.STORE_EVICTED_BYTES.labels(self.backend).inc(freed)
@@ -544,6 +572,8 @@ class PosixStore(PerBlockStore):
         if self._evictor is not None:
             self._evictor.join(workers.CLOSE_WAIT_S)  # a daemon: one stuck in a hung mount stays behind
         super().close()
+        if self._usage is not None:
+            self._usage.close()
 
 
 class _Entry:
