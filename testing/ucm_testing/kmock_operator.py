@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -16,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import aiohttp
+import aiohttp.web
 import attrs
 import kmock
 import kopf
@@ -26,6 +28,7 @@ from ucm_operator.api import KINDS, UNWATCHED
 from ucm_operator.api import path as child_path
 from ucm_operator.handlers import new_memo, registry
 from ucm_operator.status import WORKLOADS
+from ucm_testing.k8s_protobuf import from_protobuf
 
 DRIVER_HEADER = "X-UCM-Test-Driver"
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
@@ -50,6 +53,9 @@ class Conflict(kmock.KubernetesError):
     message: str = "the object has been modified; apply your changes to the latest version and try again"
 
 
+SERVER_SET_METADATA = frozenset({"uid", "resourceVersion", "generation", "creationTimestamp"})
+
+
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """kmock plus what a real API server does on create (assign uid, resourceVersion, generation:
@@ -66,11 +72,39 @@ class Emulator(kmock.KubernetesEmulator):
     _lease_writes: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if request.method.value == "PUT" and request.name is not None and isinstance(request.data, dict):
+            replace = self._as_replace(request)
+            try:
+                await self._handle_write(replace)
+            except NotImplementedError:  # written, but kmock's reactions answer PATCH, not PUT
+                key = (replace.resource, replace.namespace, replace.name)
+                return aiohttp.web.json_response(self._objects[key].raw)
         if request.resource is not None and request.resource.plural == "leases" and request.method.value == "PATCH":
             async with self._lease_writes:  # the check and the write as one step
                 self._precondition(request)
                 return await self._handle_write(request)
         return await self._handle_write(request)
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if "protobuf" in raw_request.headers.get("Content-Type", ""):
+            raw_request = await _as_json(raw_request)
+        return await super().__call__(raw_request)
+
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        """kmock names the core group's version ``/v1``; client-go (helm, kubectl) then maps no
+        core kind ("no matches for kind ServiceAccount in version v1"). A real server says ``v1``."""
+        doc = await super()._serve_version(request)
+        doc["groupVersion"] = doc["groupVersion"].removeprefix("/")
+        return doc
+
+    def _as_replace(self, request: kmock.Request) -> kmock.Request:
+        """A PUT (client-go's update: helm's release records) as the merge patch that makes the
+        stored object the body: kmock serves PATCH only."""
+        key = (request.resource, request.namespace, request.name)
+        old = dict(self._objects[key]) if key in self._objects and not self._objects[key].deleted else {}
+        kept = {k: v for k, v in old.get("metadata", {}).items() if k in SERVER_SET_METADATA}
+        new = {**request.data, "metadata": {**request.data.get("metadata", {}), **kept}}
+        return attrs.evolve(request, action=kmock.action.UPDATE, data=_replacing(old, new))
 
     def _precondition(self, request: kmock.Request) -> None:
         """A patch carrying the resourceVersion it read fails with 409 when the object changed
@@ -103,6 +137,26 @@ class Emulator(kmock.KubernetesEmulator):
         if self.history_limit is not None and len(self._requests) > 2 * self.history_limit:
             del self._requests[: -self.history_limit]
         return await super()._handle(request)
+
+
+async def _as_json(raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.BaseRequest:
+    """A protobuf body (client-go's for core kinds: helm's release Secrets) as the JSON kmock reads."""
+    json_request = raw_request.clone(headers={**raw_request.headers, "Content-Type": "application/json"})
+    try:
+        obj = from_protobuf(await raw_request.read())
+    except ValueError as exc:
+        raise aiohttp.web.HTTPUnsupportedMediaType(text=f"the emulator cannot read this protobuf body: {exc}") from None
+    json_request._read_bytes = json.dumps(obj).encode()  # aiohttp's buffer of the body, read once
+    return json_request
+
+
+def _replacing(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns ``old`` into ``new`` (keys only ``old`` has set to null)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        was = old.get(key)
+        patch[key] = _replacing(was, value) if isinstance(was, dict) and isinstance(value, dict) else value
+    return patch
 
 
 def _as_call(req: kmock.Request) -> Call | None:
