@@ -116,7 +116,8 @@ def test_store_scale_measures_checks_evictions_and_the_eviction_order(tmp_path):
     assert [s["blocks"] for s in summary["sizes"]] == [2000, 8000]
     for size in summary["sizes"]:
         assert size["evicted_blocks"] > 0.09 * size["blocks"], size  # down to evict_to (0.9) of capacity
-        for key in ("check_ms", "bound_check_ms", "walk_ms", "evict_us_per_block", "lookup_us", "bound_lookup_us"):
+        keys = ("check_ms", "bound_check_ms", "walk_ms", "evict_us_per_block", "evict_amortized_us_per_block")
+        for key in (*keys, "bound_evict_us_per_block", "lookup_us", "bound_lookup_us"):
             assert size[key] > 0, key
     zipf = summary["zipf"]
     assert 0 < zipf["store_hit_rate"] <= 1 and 0 < zipf["lru_hit_rate"] <= 1

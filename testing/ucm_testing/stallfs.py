@@ -7,7 +7,11 @@ write path hang while its metadata still answers); writes fail with ENOSPC while
 exists; kernel attribute caching is off so ``stat`` blocks too. A flag file rather than a signal:
 libfuse's loop holds the main thread, where Python would run a signal handler.
 
-    python -m ucm_testing.stallfs BACKING MOUNTPOINT FLAG_DIR
+With a delay, every call sleeps that long first: a network filesystem's round trip (an NFS
+``GETATTR``, ``LOOKUP`` or ``READDIR`` is ~0.3 ms in one data centre), for benchmarks of what a
+store's metadata traffic costs there.
+
+    python -m ucm_testing.stallfs BACKING MOUNTPOINT FLAG_DIR [DELAY_S]
 
 Needs libfuse 3 (Debian: ``fuse3``), the ``mfusepy`` package and the right to mount (root or
 ``/dev/fuse`` access); ``available()`` says whether this machine has them.
@@ -41,7 +45,7 @@ def available() -> str | None:
     return None
 
 
-def _passthrough(backing: Path, flags: Path) -> Any:
+def _passthrough(backing: Path, flags: Path, delay_s: float = 0.0) -> Any:
     import mfusepy
 
     full = flags / FULL
@@ -52,6 +56,8 @@ def _passthrough(backing: Path, flags: Path) -> Any:
     }
 
     def wait(kind: str | None = None) -> None:
+        if delay_s:
+            time.sleep(delay_s)
         while any(f.exists() for f in stalls[kind]):
             time.sleep(0.05)
 
@@ -161,8 +167,9 @@ READS, WRITES = "reads", "writes"
 class StallMount:
     """Runs the filesystem in a child process; its methods set and clear the flag files."""
 
-    def __init__(self, backing: Path, mountpoint: Path, flags: Path, log: Path) -> None:
+    def __init__(self, backing: Path, mountpoint: Path, flags: Path, log: Path, delay_s: float = 0.0) -> None:
         self.backing, self.mountpoint, self.flags, self.log = backing, mountpoint, flags, log
+        self.delay_s = delay_s
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> StallMount:
@@ -170,7 +177,10 @@ class StallMount:
             d.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ucm_testing.stallfs", str(self.backing), str(self.mountpoint), str(self.flags)],
+                [
+                    *(sys.executable, "-m", "ucm_testing.stallfs"),
+                    *(str(self.backing), str(self.mountpoint), str(self.flags), str(self.delay_s)),
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -209,9 +219,10 @@ def main() -> None:
     import mfusepy
 
     backing, mountpoint, flags = Path(sys.argv[1]).resolve(), sys.argv[2], Path(sys.argv[3])
+    delay_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     # attr/entry timeouts 0: the kernel asks us for every stat, as an NFS client revalidating would.
     mfusepy.FUSE(
-        _passthrough(backing, flags),
+        _passthrough(backing, flags, delay_s),
         mountpoint,
         foreground=True,
         nothreads=False,

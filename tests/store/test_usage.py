@@ -146,3 +146,34 @@ def test_used_bytes_stay_within_one_percent_of_a_walk_after_writers_evict_and_ar
     assert actual <= capacity
     assert abs(counted - actual) <= 0.01 * actual, (counted, actual)
     store.close()
+
+
+def test_a_pass_evicts_the_walks_oldest_blocks_without_walking_again(tmp_path, monkeypatch):
+    store = posix(tmp_path, capacity=100 * FILE, touch_interval_s=0)
+    monkeypatch.setattr(store, "_check_every_bytes", 1 << 60)  # no check but the test's own
+    old_ids, old = blocks(40, BLOCK)
+    store.wait(store.dump(old_ids, old))
+    store.enforce_capacity()  # the walk: the 40 blocks are the oldest it lists
+    store.wait(store.load(old_ids[:5], [bytearray(BLOCK) for _ in range(5)]))  # refreshed: young again
+    new_ids, new = blocks(60, BLOCK)
+    store.wait(store.dump(new_ids, new))  # over the high watermark (95 blocks' worth)
+    no_walks(store, monkeypatch)
+    n, freed = store.enforce_capacity()
+    monkeypatch.undo()
+    assert walked(store) == 100 * FILE - freed <= 90 * FILE  # down to evict_to
+    assert store.lookup(old_ids[:5]) == [True] * 5  # refreshed after the walk: not evicted
+    assert store.lookup(old_ids[5:]).count(False) == n == 10  # the oldest, and only as many as needed
+    assert store.lookup(new_ids) == [True] * 60
+    store.close()
+
+
+def test_when_the_walks_oldest_blocks_run_out_a_pass_walks_again(tmp_path, monkeypatch):
+    store = posix(tmp_path, capacity=100 * FILE)
+    monkeypatch.setattr(store, "_check_every_bytes", 1 << 60)  # no check but the test's own
+    store.wait(store.dump(*blocks(5, BLOCK)))
+    store.enforce_capacity()  # the walk lists 5 blocks, not enough for the pass below
+    store.wait(store.dump(*blocks(95, BLOCK)))
+    n, freed = store.enforce_capacity()
+    assert n == 10 and walked(store) == 100 * FILE - freed <= 90 * FILE
+    assert store._usage.used() == walked(store)
+    store.close()

@@ -41,7 +41,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -53,7 +53,7 @@ from ucm import metrics
 from ucm.config import ConfigError, StrictModel
 from ucm.store import workers
 from ucm.store.base import Blob, BlockInfo, PerBlockStore, blob_segments, blob_size, copy_from_blob, copy_to_blob
-from ucm.store.usage import Usage
+from ucm.store.usage import Oldest, Usage
 
 logger = logging.getLogger(__name__)
 # KV reveals the prompts it was computed from: owner and group only (pods of a deployment share
@@ -461,18 +461,41 @@ class PosixStore(PerBlockStore):
             except BlockingIOError:
                 return None
             assert self._usage is not None
-            used, entries = self._usage.used(), []
-            if used is None or used > self._high_watermark:
-                # A walk is due, or an eviction pass, which needs every block's age: both are one walk.
-                at_walk = self._usage.before_walk()
-                entries = list(self._scan_entries())
-                used = sum(e.size for e in entries)
-                self._usage.record_walk(used, at_walk)
-            evicted = (0, 0)
+            used = self._usage.used()
+            if used is None:
+                used = self._walk()
+            n = freed = 0
             if used > self._high_watermark:
-                evicted = self._evict(entries, int(int(self.config.capacity) * self.config.evict_to))
-            metrics.STORE_USED_BYTES.labels(self.backend).set(used - evicted[1])
-            return evicted
+                target = int(int(self.config.capacity) * self.config.evict_to)
+                n, freed = self._evict_oldest(used - target)
+                if used - freed > target:  # the last walk's oldest blocks ran out: walk for the next
+                    used = self._walk() + freed
+                    more, more_freed = self._evict_oldest(used - freed - target)
+                    n, freed = n + more, freed + more_freed
+            metrics.STORE_USED_BYTES.labels(self.backend).set(used - freed)
+            return n, freed
+
+    def _walk(self) -> int:
+        """Walk every block: record the used bytes and the oldest blocks (enough for about eight
+        eviction passes, each from the high watermark down to ``evict_to``); returns the bytes."""
+        assert self._usage is not None and self.config.capacity is not None
+        at_walk = self._usage.before_walk()
+        entries = sorted(self._scan_entries(), key=lambda e: e.mtime)
+        used = sum(e.size for e in entries)
+        keep, oldest = 4 * int(self.config.capacity) * (1 - self.config.evict_to), []
+        for e in entries:
+            if keep <= 0:
+                break
+            oldest.append((e.mtime, e.size, e.path))
+            keep -= e.size
+        self._usage.record_walk(used, at_walk, oldest)
+        return used
+
+    def _evict_oldest(self, need: int) -> tuple[int, int]:
+        """Evict at least ``need`` bytes from the last walk's oldest blocks, each still as old as
+        the walk saw it (a load since refreshed it: it stays); fewer when the list runs out."""
+        assert self._usage is not None
+        return self._unlink_oldest(self._usage.take_oldest(), need)
 
     def remove(self, ids: Sequence[bytes]) -> list[bool]:
         removed = []
@@ -491,26 +514,33 @@ class PosixStore(PerBlockStore):
         return removed
 
     def gc(self, target_bytes: int) -> tuple[int, int]:
-        return self._evict(list(self._scan_entries()), target_bytes)
+        entries = sorted(self._scan_entries(), key=lambda e: e.mtime)
+        need = sum(e.size for e in entries) - target_bytes
+        return self._unlink_oldest(((e.mtime, e.size, e.path) for e in entries), need)
 
-    def _evict(self, entries: list[_Entry], target_bytes: int) -> tuple[int, int]:
-        total = sum(e.size for e in entries)
-        n = freed = unlinked = 0
-        for e in sorted(entries, key=lambda e: e.mtime):
-            if total - freed <= target_bytes:
-                break
-            try:
-                os.unlink(e.path)
-                unlinked += e.size
-            except FileNotFoundError:
-                pass  # removed since the walk (another process, a corrupt block): gone all the same
-            except OSError as exc:  # one entry that will not go (EBUSY, EACCES, ESTALE) stops nothing
-                logger.warning("%s: cannot evict %s: %s", self.backend, e.path, exc.strerror or exc)
-                continue
-            freed += e.size
-            n += 1
+    def _unlink_oldest(self, oldest: Generator[Oldest, None, None], need: int) -> tuple[int, int]:
+        """Unlink blocks from ``oldest`` until ``need`` bytes are freed, skipping those whose mtime
+        moved since it was listed (refreshed by a load: no longer the oldest) or that are gone."""
+        n = freed = 0
+        try:
+            for mtime, size, path in oldest if need > 0 else ():
+                try:
+                    if os.lstat(path).st_mtime != mtime:
+                        continue
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue  # removed since the walk (another process, a corrupt block)
+                except OSError as exc:  # one entry that will not go (EBUSY, EACCES, ESTALE) stops nothing
+                    logger.warning("%s: cannot evict %s: %s", self.backend, path, exc.strerror or exc)
+                    continue
+                freed += size
+                n += 1
+                if freed >= need:
+                    break
+        finally:
+            oldest.close()  # the walk's list: marks what was taken
         if self._usage is not None:
-            self._usage.add(-unlinked)  # what others removed is theirs to count (or the next walk's)
+            self._usage.add(-freed)
         if n:
             metrics.STORE_EVICTED_BLOCKS.labels(self.backend).inc(n)
             metrics.STORE_EVICTED_BYTES.labels(self.backend).inc(freed)

@@ -17,8 +17,13 @@ What the ledgers cannot see drifts until the next walk corrects it: what a write
 last flush when it was killed (at most a thousandth of the capacity), a block two writers renamed
 into place at the same moment, a corrupt block removed on load, files removed by hand or by a
 store instance without a capacity. The walk runs when no record is younger than
-``walk_interval_s`` (the store's ``usage_walk_interval_s``) and before every eviction pass, which
-needs the blocks' ages anyway.
+``walk_interval_s`` (the store's ``usage_walk_interval_s``).
+
+The walk also keeps the oldest blocks it saw, oldest first, in a file beside its record (enough
+for several eviction passes): a pass takes the next ones from there, checking each is still as old
+(a load that refreshed it, or a rewrite, moved its mtime: it stays), instead of walking the store
+for the blocks' ages. Blocks written since the walk are younger than every one listed. When the
+list runs out, the pass walks again.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Generator
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 DIRECTORY = ".ucm-usage"
-_RECORD = "walk.json"  # the last full walk: {"at": unix time, "bytes": walked, "ledgers": {name: bytes}}
+_RECORD = "walk.json"  # the last full walk: {"at": unix time, "bytes": walked, "ledgers": {name: bytes}, "taken": n}
+_OLDEST = "oldest"  # the walk's oldest blocks, a line each, "mtime size path", oldest first; "taken" bytes used
+_NOT_LEDGERS = (_RECORD, _OLDEST)
 _TMP = ".tmp"
 FLUSH_S = 1.0  # others read a writer's ledger at most this late
 FLUSH_SHARE = 1000  # a writer killed loses at most capacity / FLUSH_SHARE of the count
@@ -43,6 +51,7 @@ FLUSH_SHARE = 1000  # a writer killed loses at most capacity / FLUSH_SHARE of th
 STOPPED_AFTER_S = 3600.0
 
 Ledgers = dict[str, int]
+Oldest = tuple[float, int, str]  # mtime, size, path (as the store names it)
 
 
 class Usage:
@@ -100,23 +109,54 @@ class Usage:
         self.flush()
         return self._read_ledgers()
 
-    def record_walk(self, walked: int, at_walk: Ledgers) -> None:
-        """Record a walk (under the store's eviction lock, which keeps walks one at a time). The
-        ledgers of stopped instances are folded in: file and entry go together, the sum unchanged."""
+    def record_walk(self, walked: int, at_walk: Ledgers, oldest: list[Oldest]) -> None:
+        """Record a walk and its oldest blocks (under the store's eviction lock, which keeps walks
+        and passes one at a time). The ledgers of stopped instances are folded in: file and entry
+        go together, the sum unchanged."""
         stopped_before = time.time() - STOPPED_AFTER_S
         with os.scandir(self._dir) as it:
-            old = [e for e in it if e.name != self.name and e.name != _RECORD and _mtime(e) < stopped_before]
+            old = [e for e in it if e.name not in (self.name, *_NOT_LEDGERS) and _mtime(e) < stopped_before]
         for entry in old:  # a stopped instance's ledger, or a temporary file a killed one left
             try:
                 os.unlink(entry.path)
             except OSError:
                 continue
             at_walk.pop(entry.name, None)
-        record = {"at": time.time(), "bytes": walked, "ledgers": at_walk}
+        record = {"at": time.time(), "bytes": walked, "ledgers": at_walk, "taken": 0}
         try:
+            # The list first: a record never points into another walk's list (a crash between the
+            # two leaves an old record, and each listed block is checked before it goes anyway).
+            _write_atomically(os.path.join(self._dir, _OLDEST), "".join(f"{m!r} {n} {p}\n" for m, n, p in oldest))
             _write_atomically(os.path.join(self._dir, _RECORD), json.dumps(record))
         except OSError as exc:  # the next check walks again
             logger.warning("store usage: cannot record the walk in %s: %s", self._dir, exc.strerror or exc)
+
+    def take_oldest(self) -> Generator[Oldest, None, None]:
+        """The walk's oldest blocks not taken yet, oldest first (under the eviction lock); what
+        the caller consumed is marked taken when the iterator is closed."""
+        record = self._record()
+        if record is None:
+            return
+        taken = int(record.get("taken", 0))
+        try:
+            with open(os.path.join(self._dir, _OLDEST), "rb") as f:
+                f.seek(taken)
+                try:
+                    for line in f:
+                        mtime, size, path = line.decode().rstrip("\n").split(" ", 2)
+                        taken += len(line)
+                        yield float(mtime), int(size), path
+                finally:
+                    record["taken"] = taken
+                    self._rewrite(record)
+        except FileNotFoundError:
+            return
+
+    def _rewrite(self, record: dict[str, Any]) -> None:
+        try:
+            _write_atomically(os.path.join(self._dir, _RECORD), json.dumps(record))
+        except OSError as exc:  # the next pass checks the same blocks again: gone, they cost a stat each
+            logger.warning("store usage: cannot record what was evicted in %s: %s", self._dir, exc.strerror or exc)
 
     def close(self) -> None:
         self.flush()
@@ -144,7 +184,7 @@ class Usage:
             return ledgers
         with it:
             for entry in it:
-                if entry.name == _RECORD or entry.name.endswith(_TMP):
+                if entry.name in _NOT_LEDGERS or entry.name.endswith(_TMP):
                     continue
                 try:
                     with open(entry.path) as f:
