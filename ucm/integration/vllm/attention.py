@@ -113,6 +113,13 @@ class KernelShape:
     isa: str
     kv_cache_dtype: str
 
+    def __post_init__(self) -> None:
+        # AMX tiles need the kernel's leave per process (arch_prctl ARCH_REQ_XCOMP_PERM), or their
+        # first instruction is SIGILL. A vLLM engine gets it from oneDNN's first bf16 matmul; a
+        # process that only attends through this kernel (a benchmark, a test) asks here.
+        if self.isa == "amx" and not torch.cpu._init_amx():
+            raise ConfigError("sparse: vLLM chose its AMX attention kernel, but the kernel refused AMX to this process")
+
     def schedule(self, seq_lens: torch.Tensor, starts: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         return ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(seq_lens),
