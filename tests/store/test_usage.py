@@ -177,3 +177,16 @@ def test_when_the_walks_oldest_blocks_run_out_a_pass_walks_again(tmp_path, monke
     assert n == 10 and walked(store) == 100 * FILE - freed <= 90 * FILE
     assert store._usage.used() == walked(store)
     store.close()
+
+
+def test_a_damaged_list_of_oldest_blocks_costs_a_walk_not_the_pass(tmp_path, monkeypatch):
+    store = posix(tmp_path, capacity=100 * FILE)
+    monkeypatch.setattr(store, "_check_every_bytes", 1 << 60)  # no check but the test's own
+    store.wait(store.dump(*blocks(50, BLOCK)))
+    store.enforce_capacity()
+    (tmp_path / DIRECTORY / "oldest").write_bytes(b"not a line\n\xff\xfe\n1.5 x /nowhere\n")
+    store.wait(store.dump(*blocks(50, BLOCK)))
+    n, freed = store.enforce_capacity()
+    assert freed == 10 * FILE
+    assert n == 10 and walked(store) == 90 * FILE == store._usage.used()
+    store.close()

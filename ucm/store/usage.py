@@ -114,8 +114,11 @@ class Usage:
         and passes one at a time). The ledgers of stopped instances are folded in: file and entry
         go together, the sum unchanged."""
         stopped_before = time.time() - STOPPED_AFTER_S
-        with os.scandir(self._dir) as it:
-            old = [e for e in it if e.name not in (self.name, *_NOT_LEDGERS) and _mtime(e) < stopped_before]
+        try:
+            with os.scandir(self._dir) as it:
+                old = [e for e in it if e.name not in (self.name, *_NOT_LEDGERS) and _mtime(e) < stopped_before]
+        except FileNotFoundError:  # no ledger written yet (the directory could not be made): nothing to fold
+            old = []
         for entry in old:  # a stopped instance's ledger, or a temporary file a killed one left
             try:
                 os.unlink(entry.path)
@@ -143,9 +146,13 @@ class Usage:
                 f.seek(taken)
                 try:
                     for line in f:
-                        mtime, size, path = line.decode().rstrip("\n").split(" ", 2)
                         taken += len(line)
-                        yield float(mtime), int(size), path
+                        try:
+                            mtime, size, path = line.decode().rstrip("\n").split(" ", 2)
+                            listed = float(mtime), int(size), path
+                        except ValueError:  # a damaged line: that block waits for the next walk
+                            continue
+                        yield listed
                 finally:
                     record["taken"] = taken
                     self._rewrite(record)
