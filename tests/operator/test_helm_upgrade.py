@@ -14,10 +14,8 @@ neither), so helm patches client-side (``--server-side=false``), as Helm 3 did.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,13 +24,12 @@ import pytest
 import pytest_asyncio
 import yaml
 
+from tests.operator.conftest import CHART, run_helm
 from tests.operator.test_operator import NS, SPEC, created_and_ready, eventually, writes
 from ucm_testing.kmock_operator import Driver, Emulator, declare, operator_running
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "ucm-operator"
 CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/ucmdeployments.ucm.io"
 RELEASE, RELEASE_NS = "ucm", "ucm-system"
 ADDED_FIELD = "whenDeleted"  # a field of the CRD the previous layout's schema did not have
@@ -90,21 +87,14 @@ class Helm:
                 }
             )
         )
-        self.env = {**os.environ, **{f"HELM_{k}_HOME": str(tmp / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+        self.tmp = tmp
 
     async def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
-        argv = [
-            str(Path(sys.executable).parent / "helm"),
-            *args,
-            "-n",
-            RELEASE_NS,
-            "--kubeconfig",
-            str(self.kubeconfig),
-        ]
+        argv = [*args, "-n", RELEASE_NS, "--kubeconfig", str(self.kubeconfig)]
         if args[0] in ("install", "upgrade"):
             argv += ["--server-side=false", "--disable-openapi-validation"]  # what kmock lacks
         # In a thread: kmock serves helm from this event loop.
-        return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, env=self.env)
+        return await asyncio.to_thread(run_helm, *argv, tmp=self.tmp)
 
 
 @pytest_asyncio.fixture

@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from ucm.store import create_store
 from ucm.store.posix import PosixStore
 from ucm.store.usage import DIRECTORY, STOPPED_AFTER_S
 
+from . import test_posix
 from .helpers import blocks, metric
 
 BLOCK = 16 << 10
@@ -22,7 +22,8 @@ ROOMY = 10_000 * FILE
 
 
 def posix(root: Path, **opts) -> PosixStore:
-    return create_store({"spec": "posix", "posix": {"roots": [str(root)], "eviction_interval_s": 3600, **opts}})
+    """A store whose background evictor stays out of the tests' own checks."""
+    return test_posix.posix(root, **{"eviction_interval_s": 3600, **opts})
 
 
 def walked(store: PosixStore) -> int:

@@ -125,14 +125,14 @@ class Usage:
             except OSError:
                 continue
             at_walk.pop(entry.name, None)
-        record = {"at": time.time(), "bytes": walked, "ledgers": at_walk, "taken": 0}
         try:
             # The list first: a record never points into another walk's list (a crash between the
             # two leaves an old record, and each listed block is checked before it goes anyway).
             _write_atomically(os.path.join(self._dir, _OLDEST), "".join(f"{m!r} {n} {p}\n" for m, n, p in oldest))
-            _write_atomically(os.path.join(self._dir, _RECORD), json.dumps(record))
         except OSError as exc:  # the next check walks again
-            logger.warning("store usage: cannot record the walk in %s: %s", self._dir, exc.strerror or exc)
+            logger.warning("store usage: cannot list the oldest blocks in %s: %s", self._dir, exc.strerror or exc)
+            return
+        self._rewrite({"at": time.time(), "bytes": walked, "ledgers": at_walk, "taken": 0})
 
     def take_oldest(self) -> Generator[Oldest, None, None]:
         """The walk's oldest blocks not taken yet, oldest first (under the eviction lock); what
@@ -160,10 +160,12 @@ class Usage:
             return
 
     def _rewrite(self, record: dict[str, Any]) -> None:
+        """A walk's record, or what a pass took from its list. When it cannot be written, the next
+        check walks again (a new walk) or checks the same blocks again (gone: a stat each)."""
         try:
             _write_atomically(os.path.join(self._dir, _RECORD), json.dumps(record))
-        except OSError as exc:  # the next pass checks the same blocks again: gone, they cost a stat each
-            logger.warning("store usage: cannot record what was evicted in %s: %s", self._dir, exc.strerror or exc)
+        except OSError as exc:
+            logger.warning("store usage: cannot write the walk's record in %s: %s", self._dir, exc.strerror or exc)
 
     def close(self) -> None:
         self.flush()
