@@ -125,10 +125,12 @@ def test_stop_signals_the_main_process_and_leaves_no_child(tmp_path):
 
 # A pod of a group: records its node rank and rendezvous port, then waits.
 MEMBER = """
-import sys, time
+import os, sys, time
 args = sys.argv[2:]
 rank = args[args.index("--node-rank") + 1]
-open(f"{sys.argv[1]}/rank-{rank}", "w").write(args[args.index("--master-port") + 1])
+# Written whole, then renamed: the test polls for the file and must never read it half-written.
+open(f"{sys.argv[1]}/.rank-{rank}", "w").write(args[args.index("--master-port") + 1])
+os.rename(f"{sys.argv[1]}/.rank-{rank}", f"{sys.argv[1]}/rank-{rank}")
 time.sleep(60)
 """
 
