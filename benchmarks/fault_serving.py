@@ -524,6 +524,11 @@ def main() -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--run-dir", help="keep the stacks' logs here (default: a temporary directory)")
     p.add_argument(
+        "--reference-url",
+        help=f"a running plain vLLM serving the tiny model as {MODEL!r}: the reference answers come from it "
+        "(default: a plain engine of our own, started before the stack and stopped after the references)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="the flow at its smallest (make test): 1 request at a time, 2 s of steady traffic between faults, "
@@ -546,14 +551,15 @@ def main() -> int:
     with contextlib.ExitStack() as cleanup:
         run = Path(args.run_dir) if args.run_dir else Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
         run.mkdir(parents=True, exist_ok=True)
-        plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
-        try:
-            plain.wait_ready()
-            refs = asyncio.run(
-                references(plain.url, candidates(SMOKE_CANDIDATES if args.smoke else 1500 if args.quick else 3000))
-            )
-        finally:
-            plain.stop()
+        wanted = candidates(SMOKE_CANDIDATES if args.smoke else 1500 if args.quick else 3000)
+        if args.reference_url:
+            refs = asyncio.run(references(args.reference_url, wanted))
+        else:
+            plain = VLLMServer(model, run / "plain.log", extra_args=["--served-model-name", MODEL]).start()
+            try:
+                refs = asyncio.run(references(plain.wait_ready().url, wanted))
+            finally:
+                plain.stop()
         prompts = list(refs)
         print(f"  {len(prompts)} prompts with clear greedy answers", file=sys.stderr)
 

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import yaml
 
-from ucm.deploy.demo_model import TINY, ensure_model
 from ucm.deploy.local import default_spec, start_time
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer
@@ -85,11 +84,6 @@ def reference(plain: VLLMServer) -> dict:
     return plain.complete(PROMPT, max_tokens=16, logprobs=2, model="tiny")
 
 
-@pytest.fixture(scope="session")
-def tiny() -> Path:
-    return ensure_model(TINY)
-
-
 @contextmanager
 def running(stack: Stack) -> Iterator[Stack]:
     """The stack once ready; on exit, ``ucm down`` must stop it and every process it started."""
@@ -106,23 +100,13 @@ def running(stack: Stack) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")  # e2e/test_stack.py's: its engines gone when it is done
-def stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
-    spec = default_spec(tiny)
+    spec = default_spec(tiny_model)
     # Where prefill's scheduler records a stuck store (ucm serve picks a fresh file otherwise).
     spec["prefill"]["env"] = [{"name": "UCM_STORE_HEALTH_FILE", "value": str(run_dir / "prefill-store.json")}]
     with running(Stack(run_dir, spec)) as s:
         yield s
-
-
-@pytest.fixture(scope="session")
-def plain(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    server = VLLMServer(tiny, tmp_path_factory.mktemp("plain") / "vllm.log", extra_args=["--served-model-name", "tiny"])
-    server.start()
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -23,8 +23,8 @@ BS = 32
 
 
 @pytest.fixture(scope="module")
-def blend_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = {**default_spec(tiny), "blend": {}}
+def blend_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = {**default_spec(tiny_model), "blend": {}}
     # The tests count the engines' loads: the proxy's PD path check would add its own.
     spec["proxy"] = {"config": {**spec["proxy"]["config"], "pd_check": {"interval_s": 0}}}
     with running(Stack(tmp_path_factory.mktemp("blend"), spec, name="blend")) as s:
@@ -35,10 +35,10 @@ def words(n: int, seed: int) -> list[int]:
     return [40 + (seed * 7919 + i * 104729) % 460 for i in range(n)]
 
 
-def test_pd_with_blend_answers_as_plain_vllm(blend_stack: Stack, plain: VLLMServer, tiny: Path):
+def test_pd_with_blend_answers_as_plain_vllm(blend_stack: Stack, plain: VLLMServer, tiny_model: Path):
     from transformers import AutoTokenizer
 
-    separator = AutoTokenizer.from_pretrained(str(tiny)).encode(BlendConfig().separator, add_special_tokens=False)
+    separator = AutoTokenizer.from_pretrained(str(tiny_model)).encode(BlendConfig().separator, add_special_tokens=False)
     roles = blend_stack.state()["roles"]
     decode, prefill = roles["decode-0"]["url"], roles["prefill-0"]["url"]
     system, first, second, question = words(40, 31), words(100, 32), words(80, 33), words(20, 34)

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def rolled_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = default_spec(tiny)
+def rolled_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = default_spec(tiny_model)
     spec["proxy"]["config"]["pd_check"] = {"interval_s": 2, "timeout_s": 10}
     with running(Stack(tmp_path_factory.mktemp("restart"), spec, name="restart")) as s:
         yield s

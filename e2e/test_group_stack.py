@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def group_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory, reference: dict) -> Iterator[Stack]:
-    spec = default_spec(tiny)
+def group_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, reference: dict) -> Iterator[Stack]:
+    spec = default_spec(tiny_model)
     # Both pools split a block the same way (TP=2); only decode spreads over two pods. No GPUs: vLLM CPU.
     spec["prefill"] = {"replicas": 1, "parallel": {"tensor": 2}, "resources": {"gpus": 0}}
     spec["decode"] = {"replicas": 1, "parallel": {"tensor": 2, "nodes": 2}, "resources": {"gpus": 0}}

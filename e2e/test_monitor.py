@@ -35,8 +35,8 @@ NAME = "monitored"
 
 
 @pytest.fixture(scope="module")
-def monitored(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = {**default_spec(tiny), "sparse": SPARSE_SPEC}
+def monitored(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = {**default_spec(tiny_model), "sparse": SPARSE_SPEC}
     spec["store"] = {**spec["store"], "files": {"capacity": "256Mi"}}
     spec["proxy"] = {**spec["proxy"], "metricsAuth": True}  # Prometheus scrapes the proxy with the generated token
     args = ("--monitor", "--monitor-port", "0")

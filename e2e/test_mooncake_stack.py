@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def mooncake_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = default_spec(tiny)
+def mooncake_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = default_spec(tiny_model)
     spec["store"] = {"type": "mooncake", "mooncake": {"master": {}, "segmentSize": "256Mi"}}
     with running(Stack(tmp_path_factory.mktemp("mooncake"), spec, name="mooncake")) as s:
         yield s

@@ -35,8 +35,8 @@ SPARSE_SPEC = SparseSpec.model_validate({**SPARSE, "offload_blocks": 64}).model_
 
 
 @pytest.fixture(scope="module")
-def sparse_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    spec = {**default_spec(tiny), "sparse": SPARSE_SPEC}
+def sparse_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = {**default_spec(tiny_model), "sparse": SPARSE_SPEC}
     # The tests count decode's sparse requests: the proxy's PD path check would add its own.
     spec["proxy"] = {"config": {**spec["proxy"]["config"], "pd_check": {"interval_s": 0}}}
     with running(Stack(tmp_path_factory.mktemp("sparse"), spec, name="sparse")) as s:
@@ -44,9 +44,11 @@ def sparse_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def standalone(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def standalone(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     args = ["--served-model-name", "tiny", "--additional-config", json.dumps({"sparse": SPARSE})]
-    server = VLLMServer(tiny, tmp_path_factory.mktemp("standalone") / "vllm.log", extra_args=args, threads_bind="1")
+    server = VLLMServer(
+        tiny_model, tmp_path_factory.mktemp("standalone") / "vllm.log", extra_args=args, threads_bind="1"
+    )
     server.env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ucm-metrics-")
     try:
         yield server.start().wait_ready()

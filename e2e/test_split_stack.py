@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def split_stack(tiny: Path, tmp_path_factory: pytest.TempPathFactory, reference: dict) -> Iterator[Stack]:
-    spec = default_spec(tiny)
+def split_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, reference: dict) -> Iterator[Stack]:
+    spec = default_spec(tiny_model)
     spec["prefill"] = {"replicas": 1, "parallel": {"tensor": 2}, "resources": {"gpus": 0}}
     spec["decode"] = {"replicas": 1}
     spec["proxy"] = {"config": {**spec["proxy"]["config"], "pd_check": {"interval_s": 0}}}

@@ -23,7 +23,7 @@ def test_a_missing_model_directory_is_named(tmp_path):
     assert "model.source.hostPath: /no/such/model is not a directory" in r.stderr
 
 
-def test_a_busy_port_is_named(tiny, tmp_path):
+def test_a_busy_port_is_named(tiny_model, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -44,8 +44,8 @@ def test_a_bad_spec_names_the_field(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_engine_that_cannot_start_stops_the_stack(tiny, tmp_path):
-    spec = default_spec(tiny)
+def test_an_engine_that_cannot_start_stops_the_stack(tiny_model, tmp_path):
+    spec = default_spec(tiny_model)
     spec["model"]["extraArgs"] = ["--no-such-vllm-flag"]
     stack = Stack(tmp_path, spec, name="broken")
     code = stack.proc.wait(240)

@@ -20,11 +20,3 @@ def mooncake_master():
 
     with MooncakeMaster() as master:
         yield master
-
-
-@pytest.fixture(scope="session")
-def tiny_model():
-    """The generated tiny Llama (built once per machine, ~30 s; then cached)."""
-    from ucm.deploy.demo_model import TINY, ensure_model
-
-    return ensure_model(TINY)

@@ -1,7 +1,7 @@
 """Blend inside real vLLM (CPU build) servers: chunks cached alone, then reused at other positions in
 other prompts.
 
-P is plain vLLM (the reference); B blends with the default configuration (the question's attention
+P is the session's plain vLLM (the reference); B blends with the default configuration (the question's attention
 picks what to recompute, so the blend runs to the prompt's last token); S blends with
 ``check_layer`` 0 and ratio 0 (every reused token keeps its cached KV in the layers after the
 first); A is S recomputing every reused token after the attention selection's first pass; D
@@ -22,7 +22,7 @@ import pytest
 from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import blend_overrides, kv_transfer_config
 from ucm.integration.vllm.identity import weights_fingerprint
-from ucm_testing.vllm_server import VLLMServer, cached_tokens
+from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
 pytestmark = pytest.mark.slow
 BS = 32
@@ -43,13 +43,12 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, store_dir, tmp_path_factory):
+def servers(tiny_model, store_dir, tmp_path_factory, plain):
     logs = tmp_path_factory.mktemp("logs")
     store = {"spec": "posix", "posix": {"roots": [str(store_dir)]}}
     stale = {"separator": SEPARATOR, "check_layer": 0, "recompute_ratio": 0.0, "selection": "deviation"}
     attention = {**stale, "recompute_ratio": 1.0, "selection": "attention"}
-    all_servers = {
-        "P": VLLMServer(tiny_model, logs / "plain.log"),
+    ours = {
         "B": VLLMServer(
             tiny_model,
             logs / "blend.log",
@@ -70,15 +69,8 @@ def servers(tiny_model, store_dir, tmp_path_factory):
         ),
         "D": VLLMServer(tiny_model, logs / "decode.log", kv_transfer_config=kv_transfer_config(store)),
     }
-    try:
-        for s in all_servers.values():
-            s.start()
-        for s in all_servers.values():
-            s.wait_ready()
-        yield all_servers
-    finally:
-        for s in all_servers.values():
-            s.stop()
+    with serving(*ours.values()):
+        yield {"P": plain, **ours}
 
 
 def words(n: int, seed: int) -> list[int]:

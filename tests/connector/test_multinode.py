@@ -72,14 +72,9 @@ def shard_files(store: Path, tiny_model: Path, prompt_ids: list[int], block: int
 
 
 @pytest.fixture(scope="module")
-def want(tiny_model, tmp_path_factory) -> list[dict]:
+def want(plain: VLLMServer) -> list[dict]:
     """A plain TP=1 engine's answers to PROMPTS[:2] (16 tokens, with log-probabilities)."""
-    reference = VLLMServer(tiny_model, tmp_path_factory.mktemp("tp1") / "tp1.log", threads_bind="0-1").start()
-    try:
-        reference.wait_ready()
-        return [reference.complete(p, max_tokens=16, logprobs=2) for p in PROMPTS[:2]]
-    finally:
-        reference.stop()
+    return [plain.complete(p, max_tokens=16, logprobs=2) for p in PROMPTS[:2]]
 
 
 def test_a_two_node_tensor_parallel_engine_answers_as_one_and_keeps_a_shard_per_rank(tiny_model, tmp_path, want):

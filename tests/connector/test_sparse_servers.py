@@ -3,7 +3,7 @@ vLLM's CPU attention; a budget of every block decodes token-identically to dense
 algorithm (the requests really go through the sparse path: its metrics count them); a bad sparse
 configuration stops the engine at startup, naming the field.
 
-One dense server for the module; one sparse server per algorithm (``--additional-config``: an
+The session's plain engine as the dense one; one sparse server per algorithm (``--additional-config``: an
 engine without UCMConnector), three at a time to keep memory bounded.
 """
 
@@ -35,16 +35,12 @@ def sparse_args(algorithm: str, options: dict, min_tokens: int = 64) -> list[str
 
 
 @pytest.fixture(scope="module")
-def dense(tiny_model, tmp_path_factory):
-    server = VLLMServer(tiny_model, tmp_path_factory.mktemp("logs") / "dense.log", threads_bind="0")
-    try:
-        yield server.start().wait_ready()
-    finally:
-        server.stop()
+def dense(plain: VLLMServer) -> VLLMServer:
+    return plain
 
 
 # Three sparse servers at a time: they start in about the time of one, and three (~3 GB each) fit
-# beside the dense one.
+# beside the session's plain engine.
 BATCHES = [tuple(sorted(FULL_BUDGET))[:3], tuple(sorted(FULL_BUDGET))[3:]]
 
 

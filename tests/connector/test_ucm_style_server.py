@@ -20,7 +20,7 @@ def blocks_under(root) -> int:
     return sum(1 for p in root.rglob("*") if p.is_file() and len(p.name) == 64)
 
 
-def test_ucm_style_config_file_serves_correct_cached_answers(tiny_model, tmp_path):
+def test_ucm_style_config_file_serves_correct_cached_answers(tiny_model, tmp_path, plain):
     fast, slow = tmp_path / "ssd", tmp_path / "nfs"
     fast.mkdir()
     slow.mkdir()
@@ -57,18 +57,16 @@ def test_ucm_style_config_file_serves_correct_cached_answers(tiny_model, tmp_pat
         server.env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
         return server
 
-    # All three start at once; the second is asked nothing until the first has written, so its own
+    # Both start at once; the second is asked nothing until the first has written, so its own
     # prefix cache cannot serve it.
-    plain = VLLMServer(tiny_model, tmp_path / "plain.log", threads_bind="0")
     first, second = ucm_server("first", "1"), ucm_server("second", "0-1")
-    with serving(plain, first, second):
+    with serving(first, second):
         want = [plain.complete(p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS[:2]]
         got = [first.complete(p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS[:2]]
         assert got == want
         metrics = first.metrics()
         assert metrics["ucm_sparse_requests_total"] == 2  # both decoded through ESA
         assert "UCM-style config read as ours" in first.log_tail(200_000)
-        plain.stop()
         first.stop()
         # Written through: every block in the shared tier, copies in the fast one.
         assert blocks_under(slow) > 0 and blocks_under(fast) == blocks_under(slow)

@@ -1,6 +1,6 @@
 """UCMConnector inside real vLLM (CPU build) servers sharing one store.
 
-Three servers for the whole module: P, plain vLLM (the reference output); A, a ``kv_producer``
+Three servers: P, the session's plain vLLM (the reference output); A, a ``kv_producer``
 writing to the store; B, a ``kv_both`` instance on ``cache|posix`` over the same directory. Each
 test uses prompts B has not seen, so B's own prefix cache cannot serve them: hits come from the
 store or not at all.
@@ -16,7 +16,7 @@ from ucm.hashing import BlockHasher, HashContext
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm_testing.prompts import PROMPTS
-from ucm_testing.vllm_server import ServerFailed, VLLMServer, cached_tokens
+from ucm_testing.vllm_server import ServerFailed, VLLMServer, cached_tokens, serving
 
 pytestmark = pytest.mark.slow
 BS = 32
@@ -28,12 +28,11 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, store_dir, tmp_path_factory):
+def servers(tiny_model, store_dir, tmp_path_factory, plain):
     logs = tmp_path_factory.mktemp("logs")
     posix = {"spec": "posix", "posix": {"roots": [str(store_dir)]}}
     tiered = {"spec": "cache|posix", "cache": {"capacity": "256MiB"}, "posix": {"roots": [str(store_dir)]}}
-    all_servers = {
-        "P": VLLMServer(tiny_model, logs / "plain.log"),
+    ours = {
         "A": VLLMServer(tiny_model, logs / "producer.log", kv_transfer_config=kv_transfer_config(posix, "kv_producer")),
         "B": VLLMServer(
             tiny_model,
@@ -41,15 +40,8 @@ def servers(tiny_model, store_dir, tmp_path_factory):
             kv_transfer_config=kv_transfer_config(tiered, "kv_both", pd_wait_timeout_s=20),
         ),
     }
-    try:
-        for s in all_servers.values():
-            s.start()
-        for s in all_servers.values():
-            s.wait_ready()
-        yield all_servers
-    finally:
-        for s in all_servers.values():
-            s.stop()
+    with serving(*ours.values()):
+        yield {"P": plain, **ours}
 
 
 def tokens(server: VLLMServer, prompt, **kw) -> tuple[str, int]:

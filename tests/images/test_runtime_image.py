@@ -80,7 +80,7 @@ def shared_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_pd_through_runtime_containers_equals_plain_vllm(tiny_model: Path, shared_dir: Path, tmp_path: Path):
+def test_pd_through_runtime_containers_equals_plain_vllm(tiny_model: Path, shared_dir: Path, plain: VLLMServer):
     model = shutil.copytree(tiny_model, shared_dir / "model")  # the cache's parents are root's alone
     run = shared_dir / "run"
     stack = LocalStack(UCMDeploymentSpec.model_validate(default_spec(model)), run)
@@ -90,18 +90,12 @@ def test_pd_through_runtime_containers_equals_plain_vllm(tiny_model: Path, share
     for path in [shared_dir, run, *run.rglob("*"), model, *model.rglob("*")]:
         path.chmod(0o777 if path.is_dir() else 0o644)
     mounts = [f"{run}:{run}", f"{model}:{model}:ro"]
-    plain = VLLMServer(tiny_model, tmp_path / "plain.log", extra_args=["--served-model-name", "tiny"])
     with containers(stack, mounts) as ids:
-        plain.start()
-        try:
-            for p in stack.processes:
-                wait_healthy(f"http://127.0.0.1:{p.port}", ids)
-            plain.wait_ready()
-            body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
-            pd = httpx.post(stack.base_url + "/completions", json=body, timeout=120)
-            reference = httpx.post(plain.url + "/v1/completions", json=body, timeout=120)
-        finally:
-            plain.stop()
+        for p in stack.processes:
+            wait_healthy(f"http://127.0.0.1:{p.port}", ids)
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+        pd = httpx.post(stack.base_url + "/completions", json=body, timeout=120)
+        reference = httpx.post(plain.url + "/v1/completions", json=body, timeout=120)
         assert pd.status_code == 200, pd.text
         assert pd.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
         blocks = [f for f in (run / "kv").rglob("*") if f.is_file()]
