@@ -362,13 +362,14 @@ def test_multinode_splits_blocks_into_shares_every_arm_can_load(tmp_path):
         assert 0.45 < share < 0.55, rank
 
 
-def test_fault_serving_survives_a_killed_prefill_without_a_wrong_token(tmp_path):
+def test_fault_serving_survives_a_killed_prefill_without_a_wrong_token(tmp_path, plain):
     """``ucm up``'s PD stack under steady greedy load while the prefill engine is SIGKILLed
     mid-dump and its supervisor restarts it (--smoke: one client, 2 s between phases). Every request
     completes within the PD wait with the plain engine's tokens. The store's faults need a FUSE
     mount (mfusepy, ``make bench-deps``), which make test has not: this runs the fault that needs
-    none; the Mooncake stack is left out for time."""
-    args = ("--smoke", "--only", "prefill_killed_mid_dump", "--skip-mooncake")
+    none; the Mooncake stack is left out for time. The reference answers are the session's plain
+    engine's (the benchmark's own plain engine is the same configuration, started for nothing)."""
+    args = ("--smoke", "--only", "prefill_killed_mid_dump", "--skip-mooncake", "--reference-url", plain.url)
     summary = run_benchmark("fault_serving.py", tmp_path, *args, timeout=1200, run_dir=True)
     assert [f["name"] for f in summary["faults"]] == ["prefill_killed_mid_dump"]
     fault = summary["faults"][0]
@@ -392,3 +393,20 @@ def test_rollout_serving_rolls_the_decode_pool_under_load(tmp_path):
     assert summary["truncated_streams"] == 0
     assert summary["wrong"] == 0
     assert summary["mismatched_pairs"] == 0
+
+
+def test_cpu_wait_compares_vllms_spinning_readers_with_ours(tmp_path):
+    """Both arms (vLLM alone, UCM's plugin) serve paced and back-to-back requests and decode; every
+    summary ratio is computed (--smoke: seconds per phase, the figures mean nothing)."""
+    summary = run_benchmark("cpu_wait.py", tmp_path, "--smoke", timeout=600)
+    for arm in ("vllm", "ucm"):
+        phases = summary["arms"][arm]
+        assert phases["paced"]["requests"] > 0 and phases["back_to_back"]["requests"] > 0, arm
+        assert phases["paced"]["cpu_s_per_request"] > 0 and phases["decode"]["batch8_tok_s"] > 0, arm
+    assert set(summary["summary"]) == {
+        "paced_cpu_per_request_ucm_vs_vllm",
+        "paced_cpu_per_request_ucm_vs_bound",
+        "paced_latency_ucm_vs_vllm",
+        "decode_single_ucm_vs_vllm",
+        "decode_batch8_ucm_vs_vllm",
+    }

@@ -60,6 +60,32 @@ def _stat(pid: str) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def _all_stats() -> dict[int, tuple[int, float]]:
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(entry)) is not None:
+            stats[int(entry)] = stat
+    return stats
+
+
+def _descendants(stats: dict[int, tuple[int, float]], root: int) -> list[int]:
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (ppid, _) in stats.items():
+        children[ppid].append(pid)
+    tree, todo = [], list(children[root])
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children[pid])
+    return tree
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by ``root`` and its live descendants (an engine's processes)."""
+    stats = _all_stats()
+    return sum(stats[pid][1] for pid in [root, *_descendants(stats, root)] if pid in stats)
+
+
 def _pss(pid: int) -> int:
     """A process's proportional set size in bytes: its share of each page it maps, so the sum over
     processes is what they hold together (resident sizes count torch's libraries once per engine
@@ -112,18 +138,8 @@ class ProcessTree:
             self.sample()
 
     def sample(self) -> None:
-        stats = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and (stat := _stat(entry)) is not None:
-                stats[int(entry)] = stat
-        children: dict[int, list[int]] = defaultdict(list)
-        for pid, (ppid, _) in stats.items():
-            children[ppid].append(pid)
-        tree, todo = [], list(children[self.root])
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo.extend(children[pid])
+        stats = _all_stats()
+        tree = _descendants(stats, self.root)
         with self._lock:
             for pid in tree:
                 self.last_cpu[pid] = stats[pid][1]

@@ -76,6 +76,11 @@ class VLLMServer:
         self._log = None
 
     @property
+    def pid(self) -> int | None:
+        """The API server's process (the engine's other processes are its descendants)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

@@ -7,7 +7,8 @@ attention backend. Without a sparse configuration that class is the CPU backend 
 engines that do not ask for sparse attention behave exactly as before. It also registers the model
 class Blend needs (:mod:`ucm.integration.vllm.blend_model`), used only by engines that name it, and
 mends vLLM's CPU LoRA ops so that base-model tokens batched with adapter requests run no adapter
-(:mod:`ucm.integration.vllm.lora_cpu`).
+(:mod:`ucm.integration.vllm.lora_cpu`), and on the CPU platform it makes vLLM's processes wait for
+each other's messages asleep instead of spinning (:mod:`ucm.integration.vllm.cpu_wait`).
 ``VLLM_PLUGINS`` (a list of plugin names to load) turns the plugin off altogether.
 """
 
@@ -22,11 +23,12 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from ucm.integration.vllm import lora_cpu
+    from ucm.integration.vllm import cpu_wait, lora_cpu
     from ucm.integration.vllm.config import BLEND_ARCHITECTURE
     from ucm.ucm_style import CONNECTOR_NAMES
 
     lora_cpu.install()
+    cpu_wait.install()
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     ModelRegistry.register_model(BLEND_ARCHITECTURE, BLEND_MODEL)
