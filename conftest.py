@@ -30,16 +30,19 @@ def _start_plain() -> VLLMServer:
     return _plain[0]
 
 
-@pytest.hookimpl(trylast=True)  # after -k/-m deselection: only the tests that will run count
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if any("plain" in getattr(item, "fixturenames", ()) for item in items):
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """After every deselection (-k, -m, --lf): only the tests that will run count."""
+    if session.config.option.collectonly:
+        return
+    if any("plain" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_plain()
 
 
-def pytest_sessionfinish() -> None:
+def pytest_sessionfinish(session: pytest.Session) -> None:
     for server in _plain:
         server.stop()
-        shutil.rmtree(server.log_path.parent, ignore_errors=True)
+        if session.testsfailed == 0:  # otherwise its log stays, for whoever reads the failure
+            shutil.rmtree(server.log_path.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

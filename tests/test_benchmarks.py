@@ -405,7 +405,7 @@ def test_cpu_wait_compares_vllms_spinning_readers_with_ours(tmp_path):
         assert phases["paced"]["cpu_s_per_request"] > 0 and phases["decode"]["batch8_tok_s"] > 0, arm
     assert set(summary["summary"]) == {
         "paced_cpu_per_request_ucm_vs_vllm",
-        "paced_cpu_per_request_ucm_vs_bound",
+        "paced_cpu_per_request_ucm_vs_back_to_back",
         "paced_latency_ucm_vs_vllm",
         "decode_single_ucm_vs_vllm",
         "decode_batch8_ucm_vs_vllm",

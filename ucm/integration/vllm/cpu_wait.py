@@ -22,10 +22,13 @@ it in every process of an engine on vLLM's CPU platform; GPU engines keep vLLM's
 from __future__ import annotations
 
 import functools
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 PENDING_PINGS = 1024
+UNBIND_WAIT_S = 1.0
 
 
 def sleeping(init: Callable[..., None]) -> Callable[..., None]:
@@ -40,11 +43,23 @@ def sleeping(init: Callable[..., None]) -> Callable[..., None]:
             # A high-water mark applies to the connections made after the bind: bind again with room.
             socket = self.local_notify_socket
             socket.unbind(notify_address)
+            released(notify_address)
             socket.setsockopt(zmq.SNDHWM, PENDING_PINGS)
             socket.bind(notify_address)
 
     __init__.ucm_sleeping = True  # type: ignore[attr-defined]
     return __init__
+
+
+def released(address: str) -> None:
+    """Wait until an unbound ``ipc://`` endpoint's file is gone: ZeroMQ closes the old listener
+    asynchronously, and its close would otherwise delete the file of the listener bound after it."""
+    path = address.removeprefix("ipc://")
+    if path == address or path.startswith("@"):
+        return  # not a file: TCP, or Linux's abstract namespace
+    deadline = time.monotonic() + UNBIND_WAIT_S
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def install() -> None:
