@@ -34,11 +34,6 @@ def sparse_args(algorithm: str, options: dict, min_tokens: int = 64) -> list[str
     return ["--additional-config", json.dumps(config)]
 
 
-@pytest.fixture(scope="module")
-def dense(plain: VLLMServer) -> VLLMServer:
-    return plain
-
-
 # Three sparse servers at a time: they start in about the time of one, and three (~3 GB each) fit
 # beside the session's plain engine.
 BATCHES = [tuple(sorted(FULL_BUDGET))[:3], tuple(sorted(FULL_BUDGET))[3:]]
@@ -62,10 +57,10 @@ def sparse(request, tiny_model, tmp_path_factory):
         yield servers
 
 
-def test_a_full_budget_decodes_token_identically_to_dense(dense, sparse):
+def test_a_full_budget_decodes_token_identically_to_dense(plain, sparse):
     for algorithm, server in sparse.items():
         for prompt in PROMPTS[:3]:
-            want = dense.complete(prompt, max_tokens=24)["choices"][0]["text"]
+            want = plain.complete(prompt, max_tokens=24)["choices"][0]["text"]
             got = server.complete(prompt, max_tokens=24)["choices"][0]["text"]
             assert got == want, (algorithm, prompt)
         m = server.metrics()
@@ -75,9 +70,9 @@ def test_a_full_budget_decodes_token_identically_to_dense(dense, sparse):
         assert m["ucm_sparse_selection_seconds_count"] > 0, algorithm
 
 
-def test_short_requests_stay_dense(dense, sparse):
+def test_short_requests_stay_dense(plain, sparse):
     prompt = PROMPTS[4][:40]  # under min_tokens
-    want = dense.complete(prompt, max_tokens=8)["choices"][0]["text"]
+    want = plain.complete(prompt, max_tokens=8)["choices"][0]["text"]
     for algorithm, server in sparse.items():
         before = server.metrics()["ucm_sparse_requests_total"]
         assert server.complete(prompt, max_tokens=8)["choices"][0]["text"] == want, algorithm
