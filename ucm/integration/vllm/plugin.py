@@ -8,7 +8,8 @@ engines that do not ask for sparse attention behave exactly as before. It also r
 class Blend needs (:mod:`ucm.integration.vllm.blend_model`), used only by engines that name it, and
 mends vLLM's CPU LoRA ops so that base-model tokens batched with adapter requests run no adapter
 (:mod:`ucm.integration.vllm.lora_cpu`), and on the CPU platform it makes vLLM's processes wait for
-each other's messages asleep instead of spinning (:mod:`ucm.integration.vllm.cpu_wait`).
+each other's messages asleep instead of spinning (:mod:`ucm.integration.vllm.cpu_wait`) and forks
+the engine core from the API server instead of starting it afresh (:mod:`ucm.integration.vllm.cpu_start`).
 ``VLLM_PLUGINS`` (a list of plugin names to load) turns the plugin off altogether.
 """
 
@@ -23,12 +24,13 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from ucm.integration.vllm import cpu_wait, lora_cpu
+    from ucm.integration.vllm import cpu_start, cpu_wait, lora_cpu
     from ucm.integration.vllm.config import BLEND_ARCHITECTURE
     from ucm.ucm_style import CONNECTOR_NAMES
 
     lora_cpu.install()
     cpu_wait.install()
+    cpu_start.install()
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     ModelRegistry.register_model(BLEND_ARCHITECTURE, BLEND_MODEL)
