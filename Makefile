@@ -31,11 +31,12 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q --no-build-isolation ./runtime/native
 	@touch $(NATIVE_STAMP)
 
-# One pytest run; ucm_testing.timing records where its time goes (scripts/test_timing.py tables it).
+# pytest in two lanes side by side (ucm_testing.lanes); ucm_testing.timing records where the time goes
+# (scripts/test_timing.py tables it).
 test: dev images-offline
 	$(BIN)/ruff check .
 	rm -rf build/test-timing
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m ucm_testing.lanes
 
 # The whole stack on this machine: tiny model, POSIX store, prefill + decode vLLM (CPU), proxy on :8000.
 up: dev

@@ -30,6 +30,14 @@ def _start_plain() -> VLLMServer:
     return _plain[0]
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``engines`` (``ucm_testing.lanes``): every e2e test, and every test of the plain engine."""
+    for item in items:
+        if item.nodeid.startswith("e2e/") or "plain" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engines)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """After every deselection (-k, -m, --lf): only the tests that will run count."""
     if session.config.option.collectonly:

@@ -32,7 +32,9 @@ def merged(runs: list[dict]) -> dict[str, dict]:
     units: dict[str, dict] = {}
     for run in runs:
         for name, timing in run["units"].items():
-            unit = units.setdefault(name, dict.fromkeys(SUMMED, 0.0) | {"peak_gib": 0.0})
+            unit = units.setdefault(
+                name, dict.fromkeys(SUMMED, 0.0) | {"peak_gib": 0.0, "lane": run.get("lane", "all")}
+            )
             for field in SUMMED:
                 unit[field] += timing[field]
             unit["peak_gib"] = max(unit["peak_gib"], timing["peak_gib"])
@@ -51,13 +53,13 @@ def table(runs: list[dict], units: dict[str, dict]) -> str:
         f"{sum(u['engines'] for u in units.values()):.0f} vLLM engines started, machine memory in use peaked at "
         f"{max(run['machine_peak_gib'] for run in runs):.1f} GiB.",
         "",
-        "| unit | tests | wall s | CPU-s | CPU/wall | engines | peak GiB |",
-        "|---|--:|--:|--:|--:|--:|--:|",
+        "| unit | lane | tests | wall s | CPU-s | CPU/wall | engines | peak GiB |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
     ]
     for name, u in sorted(units.items(), key=lambda item: -item[1]["wall_s"]):
         ratio = u["cpu_s"] / u["wall_s"] if u["wall_s"] else 0.0
         lines.append(
-            f"| `{name}` | {u['tests']:.0f} | {u['wall_s']:.0f} | {u['cpu_s']:.0f} | {ratio:.2f} | "
+            f"| `{name}` | {u['lane']} | {u['tests']:.0f} | {u['wall_s']:.0f} | {u['cpu_s']:.0f} | {ratio:.2f} | "
             f"{u['engines']:.0f} | {u['peak_gib']:.1f} |"
         )
     return "\n".join(lines)

@@ -165,8 +165,9 @@ class ProcessTree:
 
 
 class TimingPlugin:
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, lane: str) -> None:
         self.out = out
+        self.lane = lane
         self.tree = ProcessTree()
         self.units: dict[str, UnitTiming] = defaultdict(UnitTiming)
         self._current: tuple[str, float, float, int] | None = None
@@ -207,11 +208,13 @@ class TimingPlugin:
             "wall_s": time.time() - self.started,
             "machine_peak_gib": self.tree.machine_peak / 2**30,
             "cores": os.cpu_count(),
+            "lane": self.lane,
             "units": {name: asdict(timing) for name, timing in sorted(self.units.items())},
         }
         (self.out / f"timing-{os.getpid()}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
+LANE = "UCM_TEST_LANE"  # set by ucm_testing.lanes in each lane's pytest
 RECORDING = "UCM_TEST_TIMING_RECORDING"  # set in a recording process: a pytest a test starts skips
 
 
@@ -220,4 +223,5 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # nothing runs here (a collection) or a run inside a test
     os.environ[RECORDING] = "1"
     out = Path(os.environ.get("UCM_TEST_TIMING_DIR") or config.rootpath / "build" / "test-timing")
-    config.pluginmanager.register(TimingPlugin(out), "ucm-test-timing")
+    lane = os.environ.get(LANE, "all")  # a plain pytest run is the whole suite
+    config.pluginmanager.register(TimingPlugin(out, lane), "ucm-test-timing")

@@ -24,7 +24,7 @@ from ucm.integration.vllm.config import blend_overrides, kv_transfer_config
 from ucm.integration.vllm.identity import weights_fingerprint
 from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 BS = 32
 SEPARATOR = "\n---\n"
 OVERRIDE = ["--hf-overrides", json.dumps(blend_overrides())]

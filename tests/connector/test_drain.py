@@ -17,7 +17,7 @@ import pytest
 from ucm.integration.vllm.health import MIDDLEWARE
 from ucm_testing.vllm_server import VLLMServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 
 
 def post(url: str, body: dict) -> tuple[int, dict, dict[str, str]]:

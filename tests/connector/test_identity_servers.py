@@ -28,7 +28,7 @@ from ucm_testing.adapters import ensure_adapter
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 BS = 32
 MAX_TOKENS = 24
 LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]

@@ -30,7 +30,7 @@ from ucm_testing.engine_group import EngineGroup
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 BS = 32
 NEAR_TIE = 1e-3
 # KV computed under one TP and read under another: a TP=2 engine's own answer differed from TP=1's

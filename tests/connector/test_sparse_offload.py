@@ -24,7 +24,7 @@ import pytest
 from ucm.integration.vllm.config import kv_transfer_config
 from ucm_testing.vllm_server import VLLMServer, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 BLOCK = 32  # VLLMServer's --block-size
 PROMPT_TOKENS = 1600  # 50 blocks
 MAX_TOKENS = 160

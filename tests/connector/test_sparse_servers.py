@@ -17,7 +17,7 @@ import pytest
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import ServerFailed, VLLMServer, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 FULL_BUDGET = {
     "esa": {"sparse_ratio": 1.0},
     "gsa": {"sparse_ratio": 1.0},

@@ -18,7 +18,7 @@ from ucm.integration.vllm.identity import weights_fingerprint
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import ServerFailed, VLLMServer, cached_tokens, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 BS = 32
 
 

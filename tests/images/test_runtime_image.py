@@ -23,7 +23,7 @@ from ucm.deploy.spec import UCMDeploymentSpec
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 RUNTIME = f"ucm/runtime:{__version__}-cpu"
 PROXY = f"ucm/proxy:{__version__}"
 # What `ucm up` gives an engine besides its role's own environment (vLLM's CPU settings).

@@ -25,7 +25,7 @@ from ucm_operator.api import path as child_path
 from ucm_operator.leader import LeaderElector, LeadershipLost, Timing, lease_path
 from ucm_testing.kmock_operator import Driver, Emulator, posted_events
 
-pytestmark = pytest.mark.kmock(cls=Emulator)
+pytestmark = [pytest.mark.kmock(cls=Emulator), pytest.mark.engines]  # times the takeover
 LEASE_NS = "ucm-system"
 TAKEOVER_S = 15.0
 

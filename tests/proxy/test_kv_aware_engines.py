@@ -22,7 +22,7 @@ from ucm_testing.adapters import ensure_adapter
 from ucm_testing.prompts import PROMPTS
 from ucm_testing.vllm_server import VLLMServer, cached_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engines]
 BS = 32
 
 

@@ -1,0 +1,90 @@
+"""``make test``'s pytest: two lanes side by side, so the suite's waits leave no core idle.
+
+The **engines** lane runs the tests marked ``engines`` (those that start vLLM engines or stacks, and
+those that measure time: every benchmark smoke, all of ``e2e/``), one after another, as the whole
+suite ran before: its memory peaks (up to ~13 GiB for one module) never meet each other, and its
+timings are calibrated on a machine that runs nothing else heavy. The **beside** lane runs every
+other test in a second pytest process at the same time: the operator on its API server emulator,
+the proxy, the stores, the deploy and render logic — together under 1 GiB and a fraction of a core,
+which fits the gaps an engine lane leaves (an engine start is one core importing Python).
+
+Each lane is a pytest process in its own process group. SIGTERM or SIGINT (a CI time limit, Ctrl-C)
+is passed to each lane once, so each tears its fixtures down and prints its summary
+(``ucm_testing.ci_report``). The engines lane prints as it goes; the beside lane writes
+``build/test-lanes/beside.log``, printed when both are done. The run fails if either lane fails, or
+if the beside lane started a vLLM engine (a module missing its ``engines`` mark: ``ucm_testing.timing``
+counts engines per module).
+
+    .venv/bin/python -m ucm_testing.lanes
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import FrameType
+
+from ucm_testing.timing import LANE
+
+LANES = {"engines": "engines", "beside": "not engines"}  # lane -> its marker expression
+ROOT = Path.cwd()
+LOGS = ROOT / "build" / "test-lanes"
+TIMING = ROOT / "build" / "test-timing"
+
+
+def start(lane: str, log: Path | None) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "pytest", "-q", "-m", LANES[lane]]
+    out = None if log is None else log.open("wb")
+    env = {**os.environ, LANE: lane}
+    # Its own process group: a signal to make's group reaches the lanes only through forward().
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, process_group=0)
+
+
+def engines_started(pid: int) -> dict[str, int]:
+    """The units of a finished lane that started vLLM engines, from its timing record."""
+    record = TIMING / f"timing-{pid}.json"
+    if not record.exists():
+        return {}  # the lane was cut off before it wrote one
+    units = json.loads(record.read_text())["units"]
+    return {name: unit["engines"] for name, unit in units.items() if unit["engines"]}
+
+
+def main() -> int:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    beside_log = LOGS / "beside.log"
+    beside = start("beside", beside_log)
+    engines = start("engines", None)
+    lanes = {"engines": engines, "beside": beside}
+    print(f"make test: the beside lane (tests not marked `engines`) runs in pid {beside.pid}, log {beside_log}")
+
+    forwarded: set[int] = set()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if signum in forwarded:
+            return  # once: a second signal would cut the lanes' own teardown short
+        forwarded.add(signum)
+        for proc in lanes.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = {lane: proc.wait() for lane, proc in lanes.items()}
+
+    sys.stdout.flush()
+    print(f"\n---- the beside lane ({beside_log}) ----", flush=True)
+    sys.stdout.buffer.write(beside_log.read_bytes())
+    print(f"---- lanes: engines exited {codes['engines']}, beside exited {codes['beside']} ----")
+    strays = engines_started(beside.pid)
+    for unit, count in strays.items():
+        print(f"the beside lane started {count} vLLM engine(s) in {unit}: mark it `engines` (see ucm_testing.lanes)")
+    failed = [code for code in codes.values() if code]
+    return failed[0] if failed else int(bool(strays))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
