@@ -7,8 +7,10 @@ import signal
 import subprocess
 from pathlib import Path
 
+from ucm_testing.zygote import Forked
 
-def stop_process(proc: subprocess.Popen[bytes], *, group: bool = False, grace_s: float = 10.0) -> None:
+
+def stop_process(proc: subprocess.Popen[bytes] | Forked, *, group: bool = False, grace_s: float = 10.0) -> None:
     """SIGTERM ``proc`` (with ``group``, its whole process group), SIGKILL it after ``grace_s``."""
     if proc.poll() is not None:
         return

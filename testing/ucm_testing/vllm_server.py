@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -17,10 +18,22 @@ from typing import Any
 from ucm.deploy.local import cpu_list, usable_cpus
 from ucm.deploy.ports import free_port
 from ucm_testing.processes import stop_process
+from ucm_testing.zygote import ENTRY, Forked, Zygote
 
 
 class ServerFailed(RuntimeError):
     pass
+
+
+_zygotes: dict[int, Zygote] = {}  # by the pid that started it: a forked child starts its own
+
+
+def process_zygote() -> Zygote:
+    """This process's zygote, started on first use and closed when the process exits."""
+    if os.getpid() not in _zygotes:
+        _zygotes[os.getpid()] = zygote = Zygote()
+        atexit.register(zygote.close)
+    return _zygotes[os.getpid()]
 
 
 class VLLMServer:
@@ -41,7 +54,7 @@ class VLLMServer:
         args = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.launchers.api_server.entry",
+            ENTRY,
             "--model",
             self.model,
             "--host",
@@ -72,7 +85,7 @@ class VLLMServer:
             "VLLM_CPU_OMP_THREADS_BIND": on_usable_cores(threads_bind),
             "GLOG_minloglevel": "2",
         }
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | Forked | None = None
         self._log = None
 
     @property
@@ -85,8 +98,14 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VLLMServer:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        """Forked from this process's zygote when the environment allows (``ucm_testing.zygote``:
+        the same server without its imports), else started with ``exec``."""
         args = [*self.args, "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        zygote = process_zygote()
+        if zygote.can_fork(self.env):
+            self._proc = zygote.launch(args[3:], self.env, self.log_path)
+            return self
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._proc = subprocess.Popen(
             args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
