@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,15 +26,17 @@ class ServerFailed(RuntimeError):
     pass
 
 
+_zygote_lock = threading.Lock()
 _zygotes: dict[int, Zygote] = {}  # by the pid that started it: a forked child starts its own
 
 
 def process_zygote() -> Zygote:
     """This process's zygote, started on first use and closed when the process exits."""
-    if os.getpid() not in _zygotes:
-        _zygotes[os.getpid()] = zygote = Zygote()
-        atexit.register(zygote.close)
-    return _zygotes[os.getpid()]
+    with _zygote_lock:  # benchmarks start their arms' engines from threads
+        if os.getpid() not in _zygotes:
+            _zygotes[os.getpid()] = zygote = Zygote()
+            atexit.register(zygote.close)
+        return _zygotes[os.getpid()]
 
 
 class VLLMServer:
@@ -101,8 +104,7 @@ class VLLMServer:
         """Forked from this process's zygote when the environment allows (``ucm_testing.zygote``:
         the same server without its imports), else started with ``exec``."""
         args = [*self.args, "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
-        zygote = process_zygote()
-        if zygote.can_fork(self.env):
+        if args[:3] == [sys.executable, "-m", ENTRY] and (zygote := process_zygote()).can_fork(self.env):
             self._proc = zygote.launch(args[3:], self.env, self.log_path)
             return self
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
