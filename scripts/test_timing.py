@@ -28,16 +28,18 @@ def load(directory: Path) -> list[dict]:
 
 
 def merged(runs: list[dict]) -> dict[str, dict]:
-    """Each unit's figures over the runs left in the directory (one, after make test)."""
+    """Each unit's figures over the runs left in the directory (one per lane, after make test); a
+    unit whose tests ran in both lanes is in both."""
     units: dict[str, dict] = {}
     for run in runs:
         for name, timing in run["units"].items():
-            unit = units.setdefault(
-                name, dict.fromkeys(SUMMED, 0.0) | {"peak_gib": 0.0, "lane": run.get("lane", "all")}
-            )
+            unit = units.setdefault(name, dict.fromkeys(SUMMED, 0.0) | {"peak_gib": 0.0, "lanes": set()})
             for field in SUMMED:
                 unit[field] += timing[field]
             unit["peak_gib"] = max(unit["peak_gib"], timing["peak_gib"])
+            unit["lanes"].add(run.get("lane", "all"))
+    for unit in units.values():
+        unit["lane"] = " + ".join(sorted(unit.pop("lanes")))
     return units
 
 

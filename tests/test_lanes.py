@@ -17,6 +17,14 @@ PYPROJECT = '[tool.pytest.ini_options]\nmarkers = ["engines: starts engines"]\n'
 PLUGINS = "-p ucm_testing.timing -p ucm_testing.ci_report"  # as the repository's addopts load them
 
 
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; whoever adopted it has not reaped it yet
+
+
 def project(tmp_path: Path, engines: str, beside: str) -> Path:
     (tmp_path / "pyproject.toml").write_text(PYPROJECT)
     (tmp_path / "test_engines.py").write_text("import pytest\npytestmark = pytest.mark.engines\n" + engines)
@@ -27,6 +35,7 @@ def project(tmp_path: Path, engines: str, beside: str) -> Path:
 def lanes(root: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTEST_ADDOPTS": PLUGINS}
     env.pop("UCM_TEST_TIMING_RECORDING", None)  # this test's own run records; the lanes record theirs
+    # In a process group of its own, as make's recipe is under CI's `timeout`.
     return subprocess.Popen(
         [sys.executable, "-m", "ucm_testing.lanes"],
         cwd=root,
@@ -34,6 +43,7 @@ def lanes(root: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        process_group=0,
     )
 
 
@@ -66,7 +76,7 @@ def test_an_engine_started_in_the_beside_lane_fails_the_run(tmp_path):
     assert "the beside lane started 1 vLLM engine(s) in test_beside.py: mark it `engines`" in out
 
 
-def test_sigterm_reaches_each_lane_once_and_both_print_their_summary(tmp_path):
+def test_a_time_limits_sigterm_reaches_each_lane_once_and_both_print_their_summary(tmp_path):
     wait = "import pathlib, time\n\ndef test_{0}():\n    pathlib.Path('{0}.started').touch()\n    time.sleep(60)\n"
     root = project(tmp_path, wait.format("e"), wait.format("b"))
     proc = lanes(root)
@@ -75,9 +85,27 @@ def test_sigterm_reaches_each_lane_once_and_both_print_their_summary(tmp_path):
         assert time.monotonic() < deadline, "the lanes did not start their tests"
         time.sleep(0.1)
     started = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # as GNU timeout signals its group at the time limit
     out, _ = proc.communicate(timeout=60)
     assert time.monotonic() - started < 30  # cut off, not waited out
     assert proc.returncode != 0
     assert out.count("KeyboardInterrupt: signal 15: the run was cut off !") == 2, out  # each lane's, once
     assert "engines exited 2, beside exited 2" in out  # pytest's code for an interrupted run
+
+
+def test_lanes_end_when_the_runner_is_killed(tmp_path):
+    wait = "import os, pathlib, time\n\ndef test_{0}():\n"
+    wait += "    pathlib.Path('{0}.pid').write_text(str(os.getpid()))\n    time.sleep(60)\n"
+    root = project(tmp_path, wait.format("e"), wait.format("b"))
+    proc = lanes(root)
+    deadline = time.monotonic() + 60
+    while not ((root / "e.pid").exists() and (root / "b.pid").exists()):
+        assert time.monotonic() < deadline, "the lanes did not start their tests"
+        time.sleep(0.1)
+    pids = [int((root / f"{lane}.pid").read_text()) for lane in ("e", "b")]
+    proc.kill()  # SIGKILL, the runner alone: nothing is forwarded
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a lane outlived its runner"
+        time.sleep(0.1)

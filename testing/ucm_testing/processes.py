@@ -17,7 +17,10 @@ def stop_process(proc: subprocess.Popen[bytes] | Forked, *, group: bool = False,
 
     def send(sig: signal.Signals) -> None:
         if group:
-            os.killpg(proc.pid, sig)
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass  # the group is gone: its leader was reaped (by a zygote) with the rest of it
         else:
             proc.send_signal(sig)
 

@@ -19,7 +19,7 @@ from typing import Any
 from ucm.deploy.local import cpu_list, usable_cpus
 from ucm.deploy.ports import free_port
 from ucm_testing.processes import stop_process
-from ucm_testing.zygote import ENTRY, Forked, Zygote
+from ucm_testing.zygote import ENTRY, Forked, Zygote, import_env
 
 
 class ServerFailed(RuntimeError):
@@ -104,7 +104,9 @@ class VLLMServer:
         """Forked from this process's zygote when the environment allows (``ucm_testing.zygote``:
         the same server without its imports), else started with ``exec``."""
         args = [*self.args, "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
-        if args[:3] == [sys.executable, "-m", ENTRY] and (zygote := process_zygote()).can_fork(self.env):
+        # A zygote holds this process's environment: one started for a launch it cannot fork is waste.
+        forkable = args[:3] == [sys.executable, "-m", ENTRY] and import_env(self.env) == import_env(os.environ)
+        if forkable and (zygote := process_zygote()).can_fork(self.env):
             self._proc = zygote.launch(args[3:], self.env, self.log_path)
             return self
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process

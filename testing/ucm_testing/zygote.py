@@ -12,9 +12,13 @@ What an interpreter reads from its environment while importing cannot change aft
 launch whose environment differs from the zygote's in any variable outside :data:`READ_AT_RUN` is
 not forked: the caller starts it with ``exec`` instead (:meth:`Zygote.can_fork`).
 
-The zygote reaps its servers and writes each one's exit status next to its log, so the test that
-launched it waits for it as for a child (:class:`Forked`). It exits when the process that started
-it closes its stdin (that process ended, or closed the zygote).
+A server starts as ``python -m`` would start it: in a session of its own (made before its pid is
+handed back), with Python's signal dispositions (SIGPIPE ignored, SIGINT raising
+KeyboardInterrupt), and it ends through the interpreter's own shutdown (exit handlers, vLLM's
+finalizers stopping its engine core). The zygote reaps its servers and writes each one's exit
+status next to its log, so the test that launched it waits for it as for a child (:class:`Forked`).
+It runs in a session of its own too (Ctrl-C on a test run reaches the servers' tests, not it), and
+exits when the process that started it closes its stdin (that process ended, or closed it).
 
     python -m ucm_testing.zygote SOCKET   # started by Zygote(), not by hand
 """
@@ -25,37 +29,47 @@ import json
 import os
 import runpy
 import select
-import signal
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, NoReturn
 
 from setproctitle import getproctitle, setproctitle
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
-# Read by vLLM when it runs, never while importing: a launch may set these differently and fork.
+# Variables a launch may set differently and still be forked: vLLM reads them when it runs, never
+# while importing; pytest sets PYTEST_CURRENT_TEST for each test phase and nothing imported reads it.
 READ_AT_RUN = frozenset(
-    {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE", "GLOG_minloglevel"}
+    {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "GLOG_minloglevel", "PYTEST_CURRENT_TEST"}
 )
+UNKNOWN_EXIT = 255  # a server's status when the zygote that would have reaped it is gone
 
 
-def _import_env(env: dict[str, str]) -> dict[str, str]:
+def import_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What of an environment an interpreter may have read while importing vLLM."""
     return {k: v for k, v in env.items() if k not in READ_AT_RUN}
 
 
 class Forked:
     """A server the zygote forked, waited for as ``subprocess.Popen`` waits for a child."""
 
-    def __init__(self, pid: int, status: Path, args: list[str]) -> None:
-        self.pid, self.status, self.args = pid, status, args
+    def __init__(self, pid: int, status: Path, args: list[str], zygote: subprocess.Popen[bytes]) -> None:
+        self.pid, self.status, self.args, self._zygote = pid, status, args, zygote
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and self.status.exists():
-            self.returncode = int(self.status.read_text())
+        if self.returncode is None:
+            if self.status.exists():
+                self.returncode = int(self.status.read_text())
+            elif self._zygote.poll() is not None and not Path(f"/proc/{self.pid}").exists():
+                # Orphaned when the zygote died, then reaped by init: its status is lost.
+                self.returncode = int(self.status.read_text()) if self.status.exists() else UNKNOWN_EXIT
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -73,74 +87,74 @@ class Forked:
 
 
 class Zygote:
-    """The zygote of this process, started on the first launch (see the module's doc)."""
+    """A zygote for this process's launches (see the module's doc); ``close()`` ends it."""
 
     def __init__(self) -> None:
         self.env = dict(os.environ)
-        self.socket_path = Path(tempfile.mkdtemp(prefix="ucm-zygote-")) / "socket"
+        self._dir = Path(tempfile.mkdtemp(prefix="ucm-zygote-"))
+        self.socket_path = self._dir / "socket"
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(self.socket_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
+            start_new_session=True,
         )
         assert self._proc.stdout is not None
-        if self._proc.stdout.readline().strip() != b"ready":
-            raise RuntimeError(f"the vLLM zygote did not start (exit {self._proc.wait()})")
+        with self._proc.stdout:
+            if self._proc.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"the vLLM zygote did not start (exit {self._proc.wait()})")
 
-    def can_fork(self, env: dict[str, str]) -> bool:
-        return self._proc.poll() is None and _import_env(env) == _import_env(self.env)
+    def can_fork(self, env: Mapping[str, str]) -> bool:
+        return self._proc.poll() is None and import_env(env) == import_env(self.env)
 
-    def launch(self, args: list[str], env: dict[str, str], log: Path) -> Forked:
+    def launch(self, args: list[str], env: Mapping[str, str], log: Path) -> Forked:
         """``python -m ENTRY *args``, forked; ``args`` are the arguments after the module's name."""
+        if not log.parent.is_dir():  # where its exit status goes too: a lost status waits forever
+            raise FileNotFoundError(f"{log.parent}: no such directory for the server's log")
         status = log.with_name(log.name + ".exit")
         status.unlink(missing_ok=True)
-        request = {"args": args, "env": env, "cwd": os.getcwd(), "log": str(log), "status": str(status)}
+        request = {"args": args, "env": dict(env), "cwd": os.getcwd(), "log": str(log), "status": str(status)}
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(str(self.socket_path))
             conn.sendall(json.dumps(request).encode() + b"\n")
-            pid = int(conn.makefile().readline())
-        return Forked(pid, status, [ENTRY, *args])
+            answer = conn.makefile().readline()
+        if not answer.strip().isdigit():
+            raise RuntimeError(f"the vLLM zygote could not launch {args}: {answer.strip() or 'no answer'}")
+        return Forked(int(answer), status, [ENTRY, *args], self._proc)
 
     def close(self) -> None:
         assert self._proc.stdin is not None
         self._proc.stdin.close()
         self._proc.wait(10)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # -- the zygote process ---------------------------------------------------------------------------
 
 
-def _serve(request: dict) -> None:
-    """In the forked child: become ``python -m ENTRY *args`` and never return."""
-    code = 1
+def _become_server(request: dict[str, Any], in_session: int) -> NoReturn:
+    """In the forked child: become ``python -m ENTRY *args``, then exit as that would (an exception
+    printed and status 1, SystemExit's status, KeyboardInterrupt as SIGINT)."""
     try:
         os.setsid()
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        os.write(in_session, b"1")  # the zygote hands our pid back only now: killpg finds the session
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        os.closerange(3, 1024)  # the zygote's socket and pipes are not the server's
+        os.closerange(3, 1024)  # the zygote's pipes are not the server's
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = [ENTRY, *request["args"]]
         setproctitle(" ".join([sys.executable, "-m", *sys.argv]))  # what ps shows for python -m
         runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-    except BaseException:
-        import traceback
-
+    except Exception:
         traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        sys.exit(1)
+    sys.exit(0)
 
 
 def _reap(status_of: dict[int, str]) -> None:
@@ -153,8 +167,29 @@ def _reap(status_of: dict[int, str]) -> None:
             return
         path = Path(status_of.pop(pid))
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(str(os.waitstatus_to_exitcode(status)))
-        tmp.rename(path)
+        try:
+            tmp.write_text(str(os.waitstatus_to_exitcode(status)))
+            tmp.rename(path)
+        except OSError:
+            pass  # its log's directory is gone: nobody waits for it any more
+
+
+def _launch(conn: socket.socket, listener: socket.socket, status_of: dict[int, str]) -> None:
+    request = json.loads(conn.makefile().readline())
+    in_session, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(in_session)
+        for sock in (conn, listener):  # closed, and their objects no longer own a descriptor number
+            os.close(sock.detach())
+        _become_server(request, told)  # leaves by SystemExit (or KeyboardInterrupt), past main's loop
+    os.close(told)
+    try:
+        os.read(in_session, 1)  # empty if it died before its setsid: its status says why
+    finally:
+        os.close(in_session)
+    status_of[pid] = request["status"]
+    conn.sendall(f"{pid}\n".encode())
 
 
 def main() -> None:
@@ -181,12 +216,10 @@ def main() -> None:
         if listener in readable:
             conn, _ = listener.accept()
             with conn:
-                request = json.loads(conn.makefile().readline())
-                pid = os.fork()
-                if pid == 0:
-                    _serve(request)
-                status_of[pid] = request["status"]
-                conn.sendall(f"{pid}\n".encode())
+                try:
+                    _launch(conn, listener, status_of)
+                except Exception as error:  # a bad request fails its launch, not the zygote
+                    conn.sendall(f"{type(error).__name__}: {error}\n".encode())
     # Servers still running keep running (they belong to the tests that launched them). No exit
     # handlers: what vLLM's imports registered belongs to servers, not to the zygote.
     os._exit(0)

@@ -41,8 +41,13 @@ def test_install_forks_engine_cores_and_leaves_workers_to_vllms_spawn(monkeypatc
     monkeypatch.setattr(utils, "get_mp_context", utils.get_mp_context)  # undone after the test
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's CPU platform sets
     cpu_start.install()
+    cpu_start.install()  # vLLM may run plugins twice in a process: wrapped once
+    assert not getattr(utils.get_mp_context.__wrapped__, "ucm_forking", False)
     assert utils.get_mp_context() is multiprocessing.get_context("fork")
     assert multiproc_executor.get_mp_context() is multiprocessing.get_context("spawn")
+    # --numa-bind runs each child under numactl, which only a new process can be: vLLM's spawn.
+    monkeypatch.setattr("sys.argv", ["vllm", "--numa-bind"])
+    assert utils.get_mp_context() is multiprocessing.get_context("spawn")
 
 
 def test_a_served_engine_core_is_forked_and_its_worker_keeps_the_binding(plain: VLLMServer):

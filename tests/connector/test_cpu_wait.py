@@ -16,6 +16,8 @@ import pytest
 
 from ucm.integration.vllm import cpu_wait
 
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
+
 
 @pytest.fixture
 def sleeping_queue(monkeypatch):

@@ -18,6 +18,8 @@ from ucm.store import Store, create_store
 from ucm.store.base import Task
 from ucm_testing.memory import huge_page_bytes, huge_pages_refused
 
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
+
 NB, LAYERS = 16, 3
 REPO = Path(__file__).resolve().parents[2]
 

@@ -34,6 +34,8 @@ from ucm.deploy.ports import free_port
 from ucm.deploy.roles import STOP_SLACK_S, Group, Port, Probe, Role
 from ucm.deploy.spec import UCMDeploymentSpec
 
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
+
 
 def spec(tmp_path, **overrides) -> UCMDeploymentSpec:
     return UCMDeploymentSpec.model_validate({**default_spec(tmp_path), **overrides})

@@ -18,6 +18,8 @@ from ucm.config import ConfigError, parse_config
 from ucm_proxy.config import ProxyConfig
 from ucm_proxy.server import client_key
 
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
+
 # Loopback is all of 127/8 on Linux: "other" clients connect from their own address, the one the
 # proxy's per-client share is keyed by.
 OTHER = "127.0.0.2"

@@ -14,6 +14,8 @@ from ucm.config import ConfigError, parse_config
 from ucm_proxy.config import ProxyConfig
 from ucm_testing.fake_vllm import MODEL, Behaviour
 
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
+
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}
 

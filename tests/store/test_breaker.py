@@ -7,12 +7,15 @@ wait on an Event, standing in for a hung NFS or 3FS server (none can be hung her
 import threading
 import time
 
+import pytest
+
 from ucm.store import create_store
 from ucm.store.breaker import PROBE_ID, BreakerConfig, BreakerStore
 
 from .helpers import blocks, metric
 from .test_cache import Recording
 
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
 FAST = BreakerConfig(timeouts=2, timeout_s=0.2, probe_interval_s=0.2)
 
 

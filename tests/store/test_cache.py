@@ -3,11 +3,15 @@
 import threading
 import time
 
+import pytest
+
 from ucm.store.base import Store, Task
 from ucm.store.cache import CacheConfig, CacheStore
 from ucm.store.empty import EmptyStore
 
 from .helpers import blocks
+
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
 
 
 class Recording(Store):

@@ -11,7 +11,11 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from ucm.store.workers import IOThreads
+
+pytestmark = pytest.mark.engines  # times things tightly: make test runs it alone (ucm_testing.lanes)
 
 # Every read and write hangs for good; the engine-side worker has saves in flight; then it closes.
 HUNG_ENGINE = textwrap.dedent(
