@@ -78,7 +78,9 @@ def test_an_engine_started_in_the_beside_lane_fails_the_run(tmp_path):
 
 def test_a_time_limits_sigterm_reaches_each_lane_once_and_both_print_their_summary(tmp_path):
     wait = "import pathlib, time\n\ndef test_{0}():\n    pathlib.Path('{0}.started').touch()\n    time.sleep(60)\n"
-    root = project(tmp_path, wait.format("e"), wait.format("b"))
+    # A test before it left SIGTERM at SIG_DFL, as an event loop that handled it does when it closes.
+    reset = "import signal\n\ndef test_a():\n    signal.signal(signal.SIGTERM, signal.SIG_DFL)\n\n"
+    root = project(tmp_path, wait.format("e"), reset + wait.format("b"))
     proc = lanes(root)
     deadline = time.monotonic() + 60
     while not ((root / "e.started").exists() and (root / "b.started").exists()):

@@ -29,6 +29,14 @@ class _FailureLines:
         reporter.write_line(f"\n{report.when} failed: {report.nodeid} after {report.duration:.0f} s: {reason}")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart() -> None:
+    # A test's event loop that handled SIGTERM leaves it at SIG_DFL when it closes (asyncio's
+    # remove_signal_handler does): the next SIGTERM would kill the run without its summary.
+    if signal.getsignal(signal.SIGTERM) is not _interrupt:
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     config.pluginmanager.register(_FailureLines(config), "ucm-failure-lines")
