@@ -535,12 +535,12 @@ class PosixStore(PerBlockStore):
                     continue
                 freed += size
                 n += 1
+                if self._usage is not None:  # per block: a writer killed mid-pass loses at most a flush's worth
+                    self._usage.add(-size)
                 if freed >= need:
                     break
         finally:
             oldest.close()  # the walk's list: marks what was taken
-        if self._usage is not None:
-            self._usage.add(-freed)
         if n:
             metrics.STORE_EVICTED_BLOCKS.labels(self.backend).inc(n)
             metrics.STORE_EVICTED_BYTES.labels(self.backend).inc(freed)
