@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from ucm_testing.timing import LANE
+from ucm_testing.timing import LANE, timing_dir
 
 LANES = {"engines": "engines", "beside": "not engines"}  # lane -> its marker expression
 ROOT = Path.cwd()
@@ -62,7 +62,7 @@ def start(lane: str, log: Path | None) -> subprocess.Popen[bytes]:
 
 def engines_started(pid: int) -> dict[str, int]:
     """The units of a finished lane that started vLLM engines, from its timing record."""
-    record = Path(os.environ.get("UCM_TEST_TIMING_DIR") or ROOT / "build" / "test-timing") / f"timing-{pid}.json"
+    record = timing_dir(ROOT) / f"timing-{pid}.json"
     if not record.exists():
         return {}  # the lane was cut off before it wrote one
     units = json.loads(record.read_text())["units"]

@@ -214,6 +214,11 @@ class TimingPlugin:
         (self.out / f"timing-{os.getpid()}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
+def timing_dir(root: Path) -> Path:
+    """Where a run under ``root`` writes its timing files."""
+    return Path(os.environ.get("UCM_TEST_TIMING_DIR") or root / "build" / "test-timing")
+
+
 LANE = "UCM_TEST_LANE"  # set by ucm_testing.lanes in each lane's pytest
 RECORDING = "UCM_TEST_TIMING_RECORDING"  # set in a recording process: a pytest a test starts skips
 
@@ -222,6 +227,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.collectonly or os.environ.get(RECORDING):
         return  # nothing runs here (a collection) or a run inside a test
     os.environ[RECORDING] = "1"
-    out = Path(os.environ.get("UCM_TEST_TIMING_DIR") or config.rootpath / "build" / "test-timing")
+    out = timing_dir(config.rootpath)
     lane = os.environ.get(LANE, "all")  # a plain pytest run is the whole suite
     config.pluginmanager.register(TimingPlugin(out, lane), "ucm-test-timing")
